@@ -1,0 +1,171 @@
+"""ComfyUI nodes "ToMe Patch" and "ToMe Patch (Advanced)": a MODEL in, a patched clone out.
+
+The inputs are built from ``tome_core.settings.SPECS`` (defaults, ranges, tooltips), so they always agree with
+the engine's validation. Input names are public API: saved workflows refer to them; never rename one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .tome_core.adapters.patcher_hooks import NotAUNetError, patched_clone
+from .tome_core.settings import SPECS, PatchSettings
+
+log = logging.getLogger("tome_patch")
+
+NODE_ID = "ToMePatch"
+ADVANCED_NODE_ID = "ToMePatchAdvanced"
+CATEGORY = "model_patches/unet"
+DESCRIPTION = (
+    "Makes sampling faster by reducing the tokens that self-attention works on: ToMe merges similar tokens, "
+    "ToDo downsamples keys and values. Returns a patched copy; the input model is not changed."
+)
+
+BASIC_INPUTS = (
+    "method",
+    "ratio",
+    "downsample_factor",
+    "max_downsample",
+    "start_percent",
+    "end_percent",
+    "skip_when_slower",
+)
+ADVANCED_INPUTS = BASIC_INPUTS + ("sx", "sy", "use_rand", "seed", "merge_attn", "merge_crossattn", "downsample_method")
+
+# max_downsample is shown as a dropdown of strings; "auto" is the engine's 0.
+MAX_DOWNSAMPLE_OPTIONS = ("auto", "1", "2", "4", "8")
+
+
+def _ui_value(name, value):
+    if name == "max_downsample":
+        return "auto" if value == 0 else str(value)
+    return value
+
+
+def _engine_values(values: dict) -> dict:
+    values = dict(values)
+    if "max_downsample" in values:
+        choice = values["max_downsample"]
+        values["max_downsample"] = 0 if choice == "auto" else choice
+    return values
+
+
+def patch_model(model, **values):
+    """Validate the inputs and return a patched clone of ``model`` (or ``model`` itself if it is no UNet)."""
+    settings = PatchSettings.from_values(**_engine_values(values))
+    percent_to_sigma = model.get_model_object("model_sampling").percent_to_sigma
+    try:
+        return patched_clone(model, settings, percent_to_sigma)
+    except NotAUNetError as err:
+        log.warning(
+            "ToMe Patch: this model (%s) is not a UNet with attention blocks (Flux, SD3 and other "
+            "DiT models are not supported); it is passed through unchanged.",
+            err,
+        )
+        return model
+
+
+def classic_input_types(names):
+    """INPUT_TYPES of the classic node API."""
+    required = {"model": ("MODEL", {"tooltip": "The diffusion model to patch (SD1.x, SD2.x, SDXL)."})}
+    for name in names:
+        spec = SPECS[name]
+        options = {"default": _ui_value(name, spec.default), "tooltip": spec.tooltip}
+        if spec.kind == "choice":
+            choices = MAX_DOWNSAMPLE_OPTIONS if name == "max_downsample" else list(spec.choices)
+            required[name] = (list(choices), options)
+        elif spec.kind == "bool":
+            required[name] = ("BOOLEAN", options)
+        else:
+            options.update(min=spec.minimum, max=spec.maximum, step=spec.step)
+            required[name] = ("INT" if spec.kind == "int" else "FLOAT", options)
+    return {"required": required}
+
+
+class ClassicToMePatch:
+    """The node for ComfyUI versions without the V3 API (``comfy_api``)."""
+
+    INPUT_NAMES = BASIC_INPUTS
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = CATEGORY
+    DESCRIPTION = DESCRIPTION
+
+    @classmethod
+    def INPUT_TYPES(cls):  # noqa: N802 (ComfyUI's name)
+        return classic_input_types(cls.INPUT_NAMES)
+
+    def patch(self, model, **values):
+        return (patch_model(model, **values),)
+
+
+class ClassicToMePatchAdvanced(ClassicToMePatch):
+    INPUT_NAMES = ADVANCED_INPUTS
+
+
+def v3_nodes():
+    """The nodes for the V3 API; imported only where the running ComfyUI has it."""
+    from comfy_api.latest import io
+
+    def v3_inputs(names):
+        inputs = [io.Model.Input("model", tooltip="The diffusion model to patch (SD1.x, SD2.x, SDXL).")]
+        for name in names:
+            spec = SPECS[name]
+            default = _ui_value(name, spec.default)
+            if spec.kind == "choice":
+                choices = MAX_DOWNSAMPLE_OPTIONS if name == "max_downsample" else spec.choices
+                inputs.append(io.Combo.Input(name, options=list(choices), default=default, tooltip=spec.tooltip))
+            elif spec.kind == "bool":
+                inputs.append(io.Boolean.Input(name, default=default, tooltip=spec.tooltip))
+            elif spec.kind == "int":
+                inputs.append(
+                    io.Int.Input(
+                        name,
+                        default=default,
+                        min=int(spec.minimum),
+                        max=int(spec.maximum),
+                        step=int(spec.step),
+                        tooltip=spec.tooltip,
+                    )
+                )
+            else:
+                inputs.append(
+                    io.Float.Input(
+                        name, default=default, min=spec.minimum, max=spec.maximum, step=spec.step, tooltip=spec.tooltip
+                    )
+                )
+        return inputs
+
+    class ToMePatch(io.ComfyNode):
+        @classmethod
+        def define_schema(cls):
+            return io.Schema(
+                node_id=NODE_ID,
+                display_name="ToMe Patch",
+                category=CATEGORY,
+                description=DESCRIPTION,
+                inputs=v3_inputs(BASIC_INPUTS),
+                outputs=[io.Model.Output()],
+            )
+
+        @classmethod
+        def execute(cls, model, **values):
+            return io.NodeOutput(patch_model(model, **values))
+
+    class ToMePatchAdvanced(io.ComfyNode):
+        @classmethod
+        def define_schema(cls):
+            return io.Schema(
+                node_id=ADVANCED_NODE_ID,
+                display_name="ToMe Patch (Advanced)",
+                category=CATEGORY,
+                description=DESCRIPTION,
+                inputs=v3_inputs(ADVANCED_INPUTS),
+                outputs=[io.Model.Output()],
+            )
+
+        @classmethod
+        def execute(cls, model, **values):
+            return io.NodeOutput(patch_model(model, **values))
+
+    return [ToMePatch, ToMePatchAdvanced]

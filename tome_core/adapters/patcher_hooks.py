@@ -1,0 +1,128 @@
+"""Hooks for model patchers with ComfyUI's list-hook signature: ComfyUI itself, Forge and reForge.
+
+ComfyUI (0.3.75, comfy/ldm/modules/attention.py, BasicTransformerBlock.forward, lines 749-870) calls, per
+transformer block: every ``attn1_patch(n, context, value, extra_options)`` -> self-attention -> every
+``attn1_output_patch(out, extra_options)`` -> the same pair for cross-attention. ``extra_options`` is a fresh
+dict per block call shared by all four, so the block's plan is kept there and no state outlives the call.
+Forge's UNet (backend/nn/unet.py) calls the same lists with the same signature.
+
+Only the list hooks are used, never the one-slot replace hooks, so other nodes' patches keep working.
+"""
+
+from __future__ import annotations
+
+from ..reducer import Reducer
+from ..schedule import NoiseRange
+from .unet_layout import attention_levels
+
+_PLAN_KEY = "tome_patch_reduction"
+HOOK_NAMES = ("attn1_patch", "attn1_output_patch", "attn2_patch", "attn2_output_patch")
+
+
+class PatcherHooks:
+    """The four list hooks of one patch. Immutable apart from a one-entry cache of the step decision."""
+
+    def __init__(self, reducer: Reducer, noise_range: NoiseRange):
+        self.reducer = reducer
+        self.noise_range = noise_range
+        self._last_decision = (None, True)  # (sigmas tensor, active): one host sync per UNet call, not per block
+
+    def __deepcopy__(self, memo):
+        # Patchers deep-copy model_options on clone(); the hooks are shared, like functions.
+        return self
+
+    def _is_active(self, extra_options: dict) -> bool:
+        if self.noise_range.everywhere:
+            return True
+        sigmas = extra_options.get("sigmas")
+        if sigmas is None:
+            return not self.noise_range.empty
+        last_sigmas, last_active = self._last_decision
+        if last_sigmas is sigmas:
+            return last_active
+        active = self.noise_range.contains(float(sigmas.max()))
+        self._last_decision = (sigmas, active)
+        return active
+
+    def attn1_patch(self, n, context, value, extra_options):
+        if not self._is_active(extra_options):
+            return n, context, value
+        shape = extra_options.get("original_shape")
+        if shape is None or len(shape) != 4:
+            return n, context, value
+        block_key = (extra_options.get("block"), extra_options.get("block_index"))
+        reduction = self.reducer.start_block(n, (shape[2], shape[3]), block_key)
+        if reduction is None:
+            return n, context, value
+        extra_options[_PLAN_KEY] = reduction
+        query, reduced = reduction.self_attn_inputs(n)
+        if context is n and value is n:
+            return query, reduced, reduced
+        # An earlier patch changed keys/values (e.g. appended reference tokens): reduce the queries only,
+        # and only when that is still consistent with the block's output.
+        if reduced is not query:  # ToDo reduces keys/values only: leave foreign keys/values alone
+            return n, context, value
+        return query, context, value
+
+    def attn1_output_patch(self, out, extra_options):
+        reduction = extra_options.get(_PLAN_KEY)
+        return out if reduction is None else reduction.self_attn_output(out)
+
+    def attn2_patch(self, n, context, value, extra_options):
+        reduction = extra_options.get(_PLAN_KEY)
+        return (n, context, value) if reduction is None else (reduction.cross_attn_query(n), context, value)
+
+    def attn2_output_patch(self, out, extra_options):
+        reduction = extra_options.get(_PLAN_KEY)
+        return out if reduction is None else reduction.cross_attn_output(out)
+
+
+def _is_ours(hook) -> bool:
+    return isinstance(getattr(hook, "__self__", None), PatcherHooks)
+
+
+def remove_hooks(model_options: dict) -> None:
+    """Drop every hook of ours from a patcher's model_options (a clone's copy), leaving others in order."""
+    patches = model_options.get("transformer_options", {}).get("patches", {})
+    for name in HOOK_NAMES:
+        if name in patches:
+            patches[name] = [hook for hook in patches[name] if not _is_ours(hook)]
+            if not patches[name]:
+                del patches[name]
+
+
+def install_hooks(patcher, hooks: PatcherHooks, cross_attention: bool) -> None:
+    """Register ``hooks`` on ``patcher``, a clone from which earlier hooks of ours were removed."""
+    patcher.set_model_attn1_patch(hooks.attn1_patch)
+    patcher.set_model_attn1_output_patch(hooks.attn1_output_patch)
+    if cross_attention:
+        patcher.set_model_attn2_patch(hooks.attn2_patch)
+        patcher.set_model_attn2_output_patch(hooks.attn2_output_patch)
+
+
+class NotAUNetError(Exception):
+    """The patcher's model is not a UNet with attention (a DiT such as Flux or SD3, or something unknown)."""
+
+
+def patched_clone(patcher, settings, percent_to_sigma):
+    """A clone of ``patcher`` with the patch of ``settings``; ``patcher`` itself is never changed.
+
+    ``percent_to_sigma`` maps a sampling percent to the model's sigma (the host's model sampling object).
+    Raises NotAUNetError (before cloning) for a model this patch cannot reduce.
+    """
+    unet = getattr(getattr(patcher, "model", None), "diffusion_model", None)
+    levels = attention_levels(unet) if unet is not None else None
+    if levels is None:
+        raise NotAUNetError(type(unet).__name__ if unet is not None else type(patcher).__name__)
+    clone = patcher.clone()
+    remove_hooks(clone.model_options)  # applying the patch again replaces the earlier one
+    reducer = Reducer(settings, levels)
+    if reducer.does_nothing:
+        return clone
+    noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
+    install_hooks(
+        clone,
+        PatcherHooks(reducer, noise_range),
+        cross_attention=settings.method == "tome" and settings.merge_crossattn,
+    )
+    return clone

@@ -1,0 +1,36 @@
+"""What a UNet looks like: which levels have attention. Found from the module tree, by duck typing.
+
+ComfyUI's, Forge's and the WebUI's (ldm, sgm) UNets share one layout: ``input_blocks`` of sequential blocks,
+where a ``Downsample`` block halves the grid and a ``SpatialTransformer`` holds the attention blocks, then a
+``middle_block`` at the coarsest level. A model without that layout (Flux, SD3 and other DiTs) is not a UNet
+that this patch can reduce.
+"""
+
+from __future__ import annotations
+
+_TRANSFORMER_NAMES = ("SpatialTransformer", "SpatialVideoTransformer")
+
+
+def _has_transformer(block) -> bool:
+    return any(type(layer).__name__ in _TRANSFORMER_NAMES for layer in block.modules())
+
+
+def attention_levels(unet) -> tuple[int, ...] | None:
+    """The downsampling levels (1, 2, 4, ...) that have attention, or None if ``unet`` is not such a UNet."""
+    input_blocks = getattr(unet, "input_blocks", None)
+    if input_blocks is None:
+        return None
+    level = 1
+    levels = set()
+    try:
+        for block in input_blocks:
+            if any(type(layer).__name__ == "Downsample" for layer in block.modules()):
+                level *= 2
+            elif _has_transformer(block):
+                levels.add(level)
+        middle = getattr(unet, "middle_block", None)
+        if middle is not None and _has_transformer(middle):
+            levels.add(level)
+    except TypeError:  # input_blocks that are not modules: some other architecture
+        return None
+    return tuple(sorted(levels)) or None

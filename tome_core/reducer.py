@@ -1,0 +1,136 @@
+"""Per transformer-block decisions: is this block reduced, and how. The one entry point of both host adapters.
+
+A ``Reducer`` is built once per patch from validated settings and the UNet's attention levels. For each block
+call the adapter asks ``start_block`` and gets either None (leave the block exactly as it is) or a
+``BlockReduction`` whose methods it calls at its host's hook points:
+
+    q, kv = reduction.self_attn_inputs(n)      # before self-attention
+    out = reduction.self_attn_output(out)      # after self-attention
+    q = reduction.cross_attn_query(n)          # before cross-attention (context untouched)
+    out = reduction.cross_attn_output(out)
+    y = reduction.mlp_input(n); out = reduction.mlp_output(out)
+
+Both methods are pure functions of the plan, so the hooks hold no state between block calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import matching
+from .cost import worth_reducing
+from .downsample import NearestIndexCache, downsample_tokens
+from .levels import find_level, reduced_levels
+from .patterns import PatternCache, stable_salt
+from .settings import PatchSettings
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class BlockReduction:
+    """Identity at every hook point; subclasses reduce some of them."""
+
+    def self_attn_inputs(self, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return n, n
+
+    self_attn_output = staticmethod(_same)
+    cross_attn_query = staticmethod(_same)
+    cross_attn_output = staticmethod(_same)
+    mlp_input = staticmethod(_same)
+    mlp_output = staticmethod(_same)
+
+
+class TokenMerge(BlockReduction):
+    """ToMe: one plan per block call, applied to the parts the settings name."""
+
+    def __init__(self, plan: matching.MergePlan, settings: PatchSettings):
+        self.plan = plan
+        self.settings = settings
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:
+        return matching.merge(self.plan, x)
+
+    def unmerge(self, x: torch.Tensor) -> torch.Tensor:
+        return matching.unmerge(self.plan, x)
+
+    def self_attn_inputs(self, n):
+        if not self.settings.merge_attn:
+            return n, n
+        merged = self.merge(n)
+        return merged, merged
+
+    def self_attn_output(self, out):
+        return self.unmerge(out) if self.settings.merge_attn else out
+
+    def cross_attn_query(self, n):
+        return self.merge(n) if self.settings.merge_crossattn else n
+
+    def cross_attn_output(self, out):
+        return self.unmerge(out) if self.settings.merge_crossattn else out
+
+    def mlp_input(self, n):
+        return self.merge(n) if self.settings.merge_mlp else n
+
+    def mlp_output(self, out):
+        return self.unmerge(out) if self.settings.merge_mlp else out
+
+
+class KeyValueDownsample(BlockReduction):
+    """ToDo: self-attention keys and values downsampled, everything else untouched."""
+
+    def __init__(self, h: int, w: int, settings: PatchSettings, index_cache: NearestIndexCache):
+        self.h, self.w = h, w
+        self.settings = settings
+        self.index_cache = index_cache
+
+    def downsample(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.settings
+        return downsample_tokens(x, self.h, self.w, s.downsample_factor, s.downsample_method, self.index_cache)
+
+    def self_attn_inputs(self, n):
+        return n, self.downsample(n)
+
+
+class Reducer:
+    """Shared by every hook of one patched model; holds only caches that are safe to share between threads."""
+
+    def __init__(self, settings: PatchSettings, attention_levels: tuple[int, ...]):
+        self.settings = settings
+        self.levels = frozenset() if settings.is_noop else reduced_levels(settings.max_downsample, attention_levels)
+        self._patterns = PatternCache()
+        self._nearest = NearestIndexCache()
+
+    @property
+    def does_nothing(self) -> bool:
+        return not self.levels
+
+    def start_block(
+        self, x: torch.Tensor, latent_hw: tuple[int, int], block_key: object = None, metric: torch.Tensor | None = None
+    ) -> BlockReduction | None:
+        """Decide how to reduce a block whose input tokens are ``x`` (batch, tokens, channels).
+
+        ``latent_hw`` is the UNet input's latent size; ``block_key`` names the block (it salts the random
+        dst pattern so blocks differ); ``metric`` is what ToMe compares tokens by (default ``x``).
+        Returns None where the block must be left as it is.
+        """
+        if not self.levels or x.dim() != 3:
+            return None
+        found = find_level(latent_hw, x.shape[1])
+        if found is None:
+            return None
+        level, h, w = found
+        s = self.settings
+        if level not in self.levels or not worth_reducing(s, h * w):
+            return None
+        if s.method == "todo":
+            return KeyValueDownsample(h, w, s, self._nearest)
+        r = int(h * w * s.ratio)
+        if r <= 0:
+            return None
+        seed = stable_salt(s.seed, block_key) if s.use_rand else None
+        pattern = self._patterns.get(h, w, s.sx, s.sy, seed, x.device)
+        if pattern.n_dst == 0:  # grid smaller than one cell: nothing to merge into
+            return None
+        return TokenMerge(matching.make_plan(x if metric is None else metric, pattern, r), s)

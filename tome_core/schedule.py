@@ -1,0 +1,28 @@
+"""Step range: reduce only between start_percent and end_percent of the sampling schedule.
+
+Percentages follow ComfyUI's convention (as for ControlNet and conditioning ranges): a percent is turned into a
+noise level by the host (ComfyUI: ``model_sampling.percent_to_sigma``; the WebUI: the UNet timestep), and a
+step is inside the range when its noise level is in (noise at end, noise at start]. 0 and 1 are open ends, so
+the first and the last step are always inside the full range, and start == end is an empty range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+
+class NoiseRange:
+    def __init__(self, start_percent: float, end_percent: float, percent_to_noise: Callable[[float], float]):
+        self.empty = start_percent >= end_percent
+        self.high = math.inf if start_percent <= 0.0 else float(percent_to_noise(start_percent))
+        self.low = -math.inf if end_percent >= 1.0 else float(percent_to_noise(end_percent))
+        self.everywhere = not self.empty and self.high == math.inf and self.low == -math.inf
+
+    def contains(self, noise: float) -> bool:
+        return not self.empty and self.low < noise <= self.high
+
+
+def timestep_of_percent(percent: float, num_timesteps: int = 1000) -> float:
+    """The DDPM timestep at ``percent`` of sampling, as ComfyUI's discrete model sampling maps it."""
+    return (1.0 - percent) * (num_timesteps - 1)

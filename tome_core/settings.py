@@ -1,0 +1,255 @@
+"""The one place that knows every setting: its default, its allowed range and its tooltip.
+
+Both host adapters build their UI controls from ``SPECS`` and turn what the user chose into a
+``PatchSettings`` through ``PatchSettings.from_values``, which raises a ``ValueError`` naming the setting and
+its allowed range before any sampling starts. A validated ``PatchSettings`` is immutable, so one object can be
+shared by every hook of a patched model without being changed behind its back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("tome", "todo")
+DOWNSAMPLE_METHODS = ("nearest-exact", "avg_pool", "bilinear")
+# 0 means "automatic": the finest level of the UNet that has attention (see levels.reduced_levels).
+MAX_DOWNSAMPLE_CHOICES = (0, 1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Describes one setting for validation and for the UI of either host."""
+
+    name: str
+    kind: str  # "float", "int", "bool" or "choice"
+    default: Any
+    tooltip: str
+    minimum: float | None = None
+    maximum: float | None = None
+    step: float | None = None
+    choices: tuple = ()
+
+    def describe_range(self) -> str:
+        if self.kind == "choice":
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.kind == "bool":
+            return "true or false"
+        return f"a number from {self.minimum} to {self.maximum}"
+
+
+_SPEC_LIST = (
+    Spec(
+        "method",
+        "choice",
+        "tome",
+        choices=METHODS,
+        tooltip="tome: merge similar tokens before self-attention and copy the result back (ToMe). "
+        "todo: keep every query but downsample self-attention's keys and values (ToDo); "
+        "usually the faster of the two.",
+    ),
+    Spec(
+        "ratio",
+        "float",
+        0.5,
+        minimum=0.0,
+        maximum=0.75,
+        step=0.01,
+        tooltip="ToMe: fraction of the tokens merged away at each reduced level. 0 turns merging off. "
+        "The stride limits it: at most 1 - 1/(sx*sy), 0.75 for the default 2x2.",
+    ),
+    Spec(
+        "downsample_factor",
+        "float",
+        2.0,
+        minimum=1.0,
+        maximum=8.0,
+        step=0.5,
+        tooltip="ToDo: keys and values are downsampled by this factor along each side of the token grid "
+        "(2 keeps a quarter of them). 1 turns downsampling off.",
+    ),
+    Spec(
+        "max_downsample",
+        "choice",
+        0,
+        choices=MAX_DOWNSAMPLE_CHOICES,
+        tooltip="Reduce the UNet levels at this downsampling or finer (1 = only the full-size level). "
+        "0 = automatic: the finest level that has attention (1 on SD1/SD2, 2 on SDXL).",
+    ),
+    Spec(
+        "start_percent",
+        "float",
+        0.0,
+        minimum=0.0,
+        maximum=1.0,
+        step=0.01,
+        tooltip="Start reducing at this fraction of the sampling schedule (0 = first step; sigma based).",
+    ),
+    Spec(
+        "end_percent",
+        "float",
+        1.0,
+        minimum=0.0,
+        maximum=1.0,
+        step=0.01,
+        tooltip="Stop reducing at this fraction of the sampling schedule (1 = last step).",
+    ),
+    Spec(
+        "skip_when_slower",
+        "bool",
+        True,
+        tooltip="Leave a level unreduced where its token grid is too small for the reduction to pay for "
+        "itself, so the patch is never slower than off. Turn off to force the reduction everywhere.",
+    ),
+    Spec(
+        "sx",
+        "int",
+        2,
+        minimum=1,
+        maximum=8,
+        step=1,
+        tooltip="ToMe: width of the cell that keeps one destination token.",
+    ),
+    Spec(
+        "sy",
+        "int",
+        2,
+        minimum=1,
+        maximum=8,
+        step=1,
+        tooltip="ToMe: height of the cell that keeps one destination token.",
+    ),
+    Spec(
+        "use_rand",
+        "bool",
+        False,
+        tooltip="ToMe: pick the destination token of each cell at random (from the seed below) "
+        "instead of the top-left one. Never touches the sampler's random numbers.",
+    ),
+    Spec(
+        "seed",
+        "int",
+        0,
+        minimum=0,
+        maximum=2**63 - 1,
+        step=1,
+        tooltip="ToMe: seed of the destination pattern when use_rand is on. Same seed, same picture.",
+    ),
+    Spec(
+        "merge_attn",
+        "bool",
+        True,
+        tooltip="ToMe: merge the tokens that self-attention sees (queries, keys and values).",
+    ),
+    Spec(
+        "merge_crossattn",
+        "bool",
+        False,
+        tooltip="ToMe: also merge the queries of cross-attention (the text prompt is never merged).",
+    ),
+    Spec(
+        "merge_mlp",
+        "bool",
+        False,
+        tooltip="ToMe: also merge the tokens of the feed-forward layer (WebUI only; ComfyUI has no hook there).",
+    ),
+    Spec(
+        "downsample_method",
+        "choice",
+        "nearest-exact",
+        choices=DOWNSAMPLE_METHODS,
+        tooltip="ToDo: how keys and values are downsampled. nearest-exact is the fastest.",
+    ),
+)
+
+SPECS: dict[str, Spec] = {spec.name: spec for spec in _SPEC_LIST}
+
+
+def _coerce(spec: Spec, value: Any) -> Any:
+    """Return the value as the setting's type, or raise a ValueError naming the setting and its range."""
+    problem = f"{spec.name} must be {spec.describe_range()}, got {value!r}"
+    if spec.kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ValueError(problem)
+    if spec.kind == "choice":
+        for choice in spec.choices:
+            if type(choice) is type(value) and choice == value:
+                return choice
+            # Integer choices may arrive as floats (JSON) or numeric strings (UI combo boxes).
+            if isinstance(choice, int) and not isinstance(value, bool):
+                try:
+                    if float(value) == choice:
+                        return choice
+                except (TypeError, ValueError):
+                    pass
+        raise ValueError(problem)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(problem)
+    if math.isnan(value) or not (spec.minimum <= value <= spec.maximum):
+        raise ValueError(problem)
+    if spec.kind == "int":
+        if value != int(value):
+            raise ValueError(problem)
+        return int(value)
+    return float(value)
+
+
+@dataclass(frozen=True)
+class PatchSettings:
+    """A validated, immutable set of patch settings. Build it with ``from_values``."""
+
+    method: str = SPECS["method"].default
+    ratio: float = SPECS["ratio"].default
+    downsample_factor: float = SPECS["downsample_factor"].default
+    max_downsample: int = SPECS["max_downsample"].default
+    start_percent: float = SPECS["start_percent"].default
+    end_percent: float = SPECS["end_percent"].default
+    skip_when_slower: bool = SPECS["skip_when_slower"].default
+    sx: int = SPECS["sx"].default
+    sy: int = SPECS["sy"].default
+    use_rand: bool = SPECS["use_rand"].default
+    seed: int = SPECS["seed"].default
+    merge_attn: bool = SPECS["merge_attn"].default
+    merge_crossattn: bool = SPECS["merge_crossattn"].default
+    merge_mlp: bool = SPECS["merge_mlp"].default
+    downsample_method: str = SPECS["downsample_method"].default
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            object.__setattr__(self, field.name, _coerce(SPECS[field.name], getattr(self, field.name)))
+        if self.sx * self.sy < 2:
+            raise ValueError(f"sx and sy must not both be 1 (a cell needs a source token), got {self.sx}x{self.sy}")
+        max_ratio = 1.0 - 1.0 / (self.sx * self.sy)
+        if self.ratio > max_ratio + 1e-9:
+            raise ValueError(
+                f"ratio must be a number from 0 to {max_ratio:g} for a {self.sx}x{self.sy} stride "
+                f"(one token of each cell is kept), got {self.ratio!r}"
+            )
+        if self.start_percent > self.end_percent:
+            raise ValueError(
+                f"start_percent must not be above end_percent, got start_percent={self.start_percent} "
+                f"and end_percent={self.end_percent}"
+            )
+
+    @classmethod
+    def from_values(cls, **values: Any) -> PatchSettings:
+        """Validate settings given by name; unknown names are an error, missing ones take their default."""
+        unknown = sorted(set(values) - set(SPECS))
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(SPECS)}")
+        return cls(**values)
+
+    @property
+    def is_noop(self) -> bool:
+        """True when these settings can never change the model's output."""
+        if self.start_percent >= self.end_percent:
+            return True
+        if self.method == "tome":
+            return self.ratio == 0.0 or not (self.merge_attn or self.merge_crossattn or self.merge_mlp)
+        return self.downsample_factor == 1.0
+
+    def replace(self, **changes: Any) -> PatchSettings:
+        return dataclasses.replace(self, **changes)
