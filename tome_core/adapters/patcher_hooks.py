@@ -17,6 +17,8 @@ from .unet_layout import attention_levels
 
 _PLAN_KEY = "tome_patch_reduction"
 HOOK_NAMES = ("attn1_patch", "attn1_output_patch", "attn2_patch", "attn2_output_patch")
+WRAPPER_TYPE = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
+WRAPPER_KEY = "tome_patch"
 
 
 class PatcherHooks:
@@ -81,6 +83,35 @@ def _is_ours(hook) -> bool:
     return isinstance(getattr(hook, "__self__", None), PatcherHooks)
 
 
+def order_ours_innermost(transformer_options: dict) -> None:
+    """Make our hooks run after every other input hook and before every other output hook.
+
+    Another merge (ComfyUI's built-in ToMe) that ran after ours would meet a token count it cannot place on
+    the grid and fail. Innermost, ours sees what the others made of the block: if they already reduced the
+    tokens, ours finds no grid and leaves the block alone. Only this call's options are rearranged (copies).
+    """
+    patches = transformer_options.get("patches")
+    if not patches:
+        return
+    reordered = dict(patches)
+    for name in HOOK_NAMES:
+        hooks = patches.get(name)
+        if hooks:
+            ours = [h for h in hooks if _is_ours(h)]
+            others = [h for h in hooks if not _is_ours(h)]
+            reordered[name] = ours + others if "output" in name else others + ours
+    transformer_options["patches"] = reordered
+
+
+def apply_model_wrapper(
+    executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs
+):
+    """ComfyUI APPLY_MODEL wrapper (comfy/model_base.py, BaseModel.apply_model): orders the hooks per call."""
+    if transformer_options is not None:
+        order_ours_innermost(transformer_options)
+    return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+
+
 def remove_hooks(model_options: dict) -> None:
     """Drop every hook of ours from a patcher's model_options (a clone's copy), leaving others in order."""
     patches = model_options.get("transformer_options", {}).get("patches", {})
@@ -93,6 +124,8 @@ def remove_hooks(model_options: dict) -> None:
 
 def install_hooks(patcher, hooks: PatcherHooks, cross_attention: bool) -> None:
     """Register ``hooks`` on ``patcher``, a clone from which earlier hooks of ours were removed."""
+    if hasattr(patcher, "add_wrapper_with_key"):  # ComfyUI; Forge has no wrappers and keeps registration order
+        patcher.add_wrapper_with_key(WRAPPER_TYPE, WRAPPER_KEY, apply_model_wrapper)
     patcher.set_model_attn1_patch(hooks.attn1_patch)
     patcher.set_model_attn1_output_patch(hooks.attn1_output_patch)
     if cross_attention:
@@ -116,6 +149,8 @@ def patched_clone(patcher, settings, percent_to_sigma):
         raise NotAUNetError(type(unet).__name__ if unet is not None else type(patcher).__name__)
     clone = patcher.clone()
     remove_hooks(clone.model_options)  # applying the patch again replaces the earlier one
+    if hasattr(clone, "remove_wrappers_with_key"):
+        clone.remove_wrappers_with_key(WRAPPER_TYPE, WRAPPER_KEY)
     reducer = Reducer(settings, levels)
     if reducer.does_nothing:
         return clone
