@@ -332,3 +332,33 @@ def test_whole_graph_through_the_prompt_executor(node_classes, tmp_path):
     off, on = captured["ratio 0.0"], captured["ratio 0.5"]
     assert off.shape == on.shape == (2, 4, 15, 23)
     assert torch.isfinite(on).all() and not torch.equal(on, off)
+
+
+def test_classic_api_offers_the_same_inputs_and_result(node_classes, models):
+    """Older ComfyUI without comfy_api gets the classic classes: same inputs, defaults and patch."""
+    import sys
+
+    our_nodes = sys.modules[node_classes["ToMePatch"].__module__]
+    for classic, v3 in (
+        (our_nodes.ClassicToMePatch, "ToMePatch"),
+        (our_nodes.ClassicToMePatchAdvanced, "ToMePatchAdvanced"),
+    ):
+        required = classic.INPUT_TYPES()["required"]
+        schema_inputs = node_classes[v3].GET_SCHEMA().inputs
+        assert list(required) == [i.id for i in schema_inputs]
+        for spec in schema_inputs[1:]:
+            assert required[spec.id][1]["default"] == spec.default
+            assert required[spec.id][1]["tooltip"] == spec.tooltip
+    model = models["sd15"]
+    values = dict(
+        method="todo",
+        ratio=0.5,
+        downsample_factor=2.0,
+        max_downsample="auto",
+        start_percent=0.0,
+        end_percent=1.0,
+        skip_when_slower=False,
+    )
+    (classic_model,) = our_nodes.ClassicToMePatch().patch(model, **values)
+    v3_model = patch(node_classes, model, **values)
+    assert torch.equal(host.sample(classic_model, latent_hw=(15, 23)), host.sample(v3_model, latent_hw=(15, 23)))
