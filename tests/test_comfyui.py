@@ -362,3 +362,17 @@ def test_classic_api_offers_the_same_inputs_and_result(node_classes, models):
     (classic_model,) = our_nodes.ClassicToMePatch().patch(model, **values)
     v3_model = patch(node_classes, model, **values)
     assert torch.equal(host.sample(classic_model, latent_hw=(15, 23)), host.sample(v3_model, latent_hw=(15, 23)))
+
+
+def test_example_workflow_matches_the_node(node_classes):
+    """The example workflow's widget values are positional: they must follow the node's inputs."""
+    import json
+
+    for path in (host.REPO_ROOT / "example_workflows").glob("*.json"):
+        workflow = json.loads(path.read_text())
+        (ours,) = [n for n in workflow["nodes"] if n["type"] == "ToMePatch"]
+        inputs = node_classes["ToMePatch"].GET_SCHEMA().inputs[1:]
+        assert len(ours["widgets_values"]) == len(inputs)
+        values = {spec.id: value for spec, value in zip(inputs, ours["widgets_values"], strict=True)}
+        model = host.tiny_model("sd15")
+        assert patch(node_classes, model, **values) is not model
