@@ -235,6 +235,28 @@ def parse_args(args) -> ScriptArgs:
     return parsed
 
 
+def with_overrides(parsed: ScriptArgs, overrides: dict) -> ScriptArgs:
+    """``parsed`` with some values replaced by name (X/Y/Z plot axes), cast and checked like the args; an
+    override turns the patch on, since a plot axis of ours is meaningless with the patch off."""
+    if not overrides:
+        return parsed
+    values = {name: _cast(_BY_NAME[name], ARG_NAMES.index(name), value) for name, value in overrides.items()}
+    return parse_args([getattr(dataclasses.replace(parsed, **values, enabled=True), name) for name in ARG_NAMES])
+
+
+def as_list(parsed: ScriptArgs) -> list:
+    """The positional args (UI/API form) that ``parse_args`` turns back into ``parsed``."""
+    values = []
+    for name in ARG_NAMES:
+        value = getattr(parsed, name)
+        if name == "method":
+            value = METHOD_LABELS[value]
+        elif name == "max_downsample":
+            value = _max_downsample_label(value)
+        values.append(value)
+    return values
+
+
 def defaults() -> ScriptArgs:
     return parse_args([])
 

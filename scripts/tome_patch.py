@@ -1,0 +1,252 @@
+"""AUTOMATIC1111 WebUI / Forge script "ToMe Patch": token merging (ToMe) and token downsampling (ToDo).
+
+The WebUI imports every ``.py`` in ``scripts/`` as a script, with the extension folder on ``sys.path`` only while
+loading, so the helper package ``tome_core`` is imported here at the top. Nothing from ``ldm``, ``sgm`` or gradio
+is imported at module level (Forge has no ``ldm``/``sgm``; gradio is only needed to build the UI).
+
+Job order in WebUI v1.10.1 (modules/processing.py): ``before_process`` (line 821) -> built-in token merging
+applied (841) -> ``process`` (915) -> ``process_before_every_sampling`` per pass (1338 first pass, 1446 highres
+pass with ``p.is_hr_pass`` set at 1368, after the built-in applied its highres ratio at 1442; 1767 img2img) ->
+``postprocess`` (1148, not in a ``finally``) -> built-in removed in a ``finally`` (850). Every script hook is
+wrapped in a try/except that only prints (modules/scripts.py 820-872), so nothing here may rely on an exception
+reaching the user: bad input is reported in one console line and the job runs unpatched.
+
+The patch is applied right before each sampling pass, re-reading ``p.sd_model`` (the highres pass may use another
+checkpoint), and removed after the job, at the start of the next one (an exception while sampling skips
+``postprocess``), when a model is loaded and when the scripts are reloaded.
+"""
+
+from __future__ import annotations
+
+from modules import script_callbacks, scripts
+
+from tome_core.adapters import ldm_blocks, webui_args
+from tome_core.adapters.patcher_hooks import NotAUNetError, patched_clone
+
+TITLE = "ToMe Patch"
+_JOB = "_tome_patch_job"  # per-job state on the processing object
+_OVERRIDES = "_tome_patch_overrides"  # X/Y/Z plot axis values on the processing object
+
+
+def _console(message: str) -> None:
+    print(f"[{TITLE}] {message}")
+
+
+class _Job:
+    # A plain class: the WebUI imports scripts without registering them in sys.modules, where a dataclass
+    # with string annotations would look its module up.
+    def __init__(self, args: webui_args.ScriptArgs | None):
+        self.args = args
+        self.warned: set[str] = set()
+        self.infotext_written = False
+
+    def warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            _console(message)
+
+
+def _unet_of(sd_model):
+    return getattr(getattr(sd_model, "model", None), "diffusion_model", None)
+
+
+def remove_everywhere(sd_model=None) -> None:
+    """Leave no patch of ours on any UNet: those we patched, and ``sd_model``'s (it may be a reloaded object)."""
+    ldm_blocks.remove_all()
+    unet = _unet_of(sd_model)
+    if unet is not None and hasattr(unet, "modules"):
+        ldm_blocks.remove_patch(unet)
+
+
+def _builtin_ratio(p, is_hr_pass: bool) -> float:
+    """The built-in token merging ratio in force for this pass (0 when off)."""
+    # v1.10.1 modules/sd_models.py line 1034 records what apply_token_merging applied; Forge has no such
+    # attribute but the same p.get_token_merging_ratio (modules/processing.py, v1.10.1 line 412).
+    ratios = [getattr(p.sd_model, "applied_token_merged_ratio", 0) or 0]
+    try:
+        ratios.append(p.get_token_merging_ratio(for_hr=is_hr_pass) or 0)
+    except Exception:  # an old or unusual processing object: rely on the applied ratio alone
+        pass
+    return max(float(r) for r in ratios)
+
+
+def _job_seed(p) -> int:
+    for name in ("seeds", "all_seeds"):
+        seeds = getattr(p, name, None)
+        if seeds:
+            return int(seeds[0])
+    return int(getattr(p, "seed", 0) or 0)
+
+
+def _tensorrt_active() -> bool:
+    try:
+        from modules import sd_unet
+    except ImportError:
+        return False
+    return getattr(sd_unet, "current_unet", None) is not None
+
+
+def _forge_percent_to_sigma(unet_patcher):
+    predictor = getattr(getattr(unet_patcher, "model", None), "predictor", None)  # Forge backend KModel
+    if predictor is not None and hasattr(predictor, "percent_to_sigma"):
+        return predictor.percent_to_sigma
+    try:  # reForge keeps ComfyUI's model_sampling object
+        return unet_patcher.get_model_object("model_sampling").percent_to_sigma
+    except Exception:
+        return None
+
+
+def start_job(p, args) -> _Job:
+    """Read the script's args for this job (UI, API or X/Y/Z plot); on bad input report it once and do nothing."""
+    try:
+        parsed = webui_args.parse_args(args)
+        parsed = webui_args.with_overrides(parsed, getattr(p, _OVERRIDES, None) or {})
+    except ValueError as err:
+        message = f"{err}. This generation runs without it."
+        _console(message)
+        if hasattr(p, "comment"):
+            p.comment(message)
+        job = _Job(None)
+    else:
+        job = _Job(parsed if parsed.enabled else None)
+    setattr(p, _JOB, job)
+    return job
+
+
+def patch_for_pass(p, job: _Job) -> None:
+    is_hr_pass = bool(getattr(p, "is_hr_pass", False))
+    sd_model = p.sd_model
+    forge_objects = getattr(sd_model, "forge_objects", None)
+    if forge_objects is None:
+        remove_everywhere(sd_model)  # the previous pass's patch, maybe on another checkpoint
+    if job.args is None:
+        return
+    settings = job.args.settings_for_pass(is_hr_pass, _job_seed(p))
+    if settings is None:
+        return
+    if _builtin_ratio(p, is_hr_pass) > 0:
+        job.warn_once(
+            "the built-in token merging (Settings > Optimizations) is on for this pass; ToMe Patch leaves the pass "
+            "to it. Set the built-in ratio to 0 to use ToMe Patch."
+        )
+        return
+    if forge_objects is not None:
+        patched = _patch_forge(forge_objects, settings, job)
+    else:
+        patched = _patch_ldm(sd_model, settings, job)
+    if patched and not job.infotext_written:
+        p.extra_generation_params.update(webui_args.infotext_params(job.args))
+        job.infotext_written = True
+
+
+def _patch_ldm(sd_model, settings, job: _Job) -> bool:
+    unet = _unet_of(sd_model)
+    if unet is None or not hasattr(unet, "named_modules"):
+        job.warn_once(f"this model ({type(sd_model).__name__}) has no UNet to patch; generating without it.")
+        return False
+    if _tensorrt_active():
+        job.warn_once("a TensorRT UNet is active and bypasses the transformer blocks; generating without it.")
+        return False
+    try:
+        return ldm_blocks.install_patch(unet, settings)
+    except ldm_blocks.UnsupportedModelError as err:
+        job.warn_once(f"not applied: {err}.")
+        return False
+
+
+def _patch_forge(forge_objects, settings, job: _Job) -> bool:
+    unet = forge_objects.unet
+    percent_to_sigma = _forge_percent_to_sigma(unet)
+    if percent_to_sigma is None:
+        if settings.start_percent > 0 or settings.end_percent < 1:
+            job.warn_once("this Forge version exposes no sampling schedule; reducing at every step instead.")
+        settings = settings.replace(start_percent=0.0, end_percent=1.0)
+    try:
+        forge_objects.unet = patched_clone(unet, settings, percent_to_sigma)
+    except NotAUNetError as err:
+        job.warn_once(f"this model ({err}) is not a UNet with attention blocks (DiT models are not supported).")
+        return False
+    return True
+
+
+class ToMePatchScript(scripts.Script):
+    def title(self):
+        return TITLE
+
+    def show(self, is_img2img):
+        return scripts.AlwaysVisible
+
+    def ui(self, is_img2img):
+        from tome_core.adapters.webui_ui import build_ui  # gradio only here
+
+        components = build_ui(self, is_img2img)
+        self.infotext_fields = _infotext_fields(components)
+        self.paste_field_names = list(webui_args.INFOTEXT_KEYS)
+        return components
+
+    def before_process(self, p, *args):
+        remove_everywhere(getattr(p, "sd_model", None))
+        start_job(p, args)
+
+    def process_before_every_sampling(self, p, *args, **kwargs):
+        job = getattr(p, _JOB, None) or start_job(p, args)
+        try:
+            patch_for_pass(p, job)
+        except Exception as err:  # never leave a half-applied patch behind, never stop the generation
+            remove_everywhere(getattr(p, "sd_model", None))
+            job.warn_once(f"not applied because of an error: {err!r}")
+
+    def postprocess(self, p, processed, *args):
+        remove_everywhere(getattr(p, "sd_model", None))
+
+
+def _infotext_fields(components):
+    """Paste-back: each control gets a callable of the parsed parameters (a missing value means no change)."""
+    fields = []
+    for component, name in zip(components, webui_args.ARG_NAMES, strict=True):
+
+        def read(params, name=name):
+            return webui_args.ui_values_from_infotext(params).get(name)
+
+        fields.append((component, read))
+    return fields
+
+
+# --- X/Y/Z plot ---------------------------------------------------------------------------------------------------
+
+
+def _xyz_apply(name):
+    def apply(p, value, values):
+        overrides = dict(getattr(p, _OVERRIDES, None) or {})
+        overrides[name] = value
+        setattr(p, _OVERRIDES, overrides)
+
+    return apply
+
+
+def add_xyz_axes() -> bool:
+    """Add our axes to the X/Y/Z plot script if it is loaded (it is a script like ours, so look it up)."""
+    xyz = next(
+        (data.module for data in getattr(scripts, "scripts_data", []) if data.script_class.__module__ == "xyz_grid.py"),
+        None,
+    )
+    if xyz is None:
+        return False
+    labels = {option.label for option in xyz.axis_options}
+    new_axes = [
+        xyz.AxisOption(
+            f"[{TITLE}] Method",
+            str,
+            _xyz_apply("method"),
+            choices=lambda: list(webui_args.METHOD_LABELS.values()),
+        ),
+        xyz.AxisOption(f"[{TITLE}] Ratio", float, _xyz_apply("ratio")),
+        xyz.AxisOption(f"[{TITLE}] Downsample factor", float, _xyz_apply("downsample_factor")),
+    ]
+    xyz.axis_options.extend(axis for axis in new_axes if axis.label not in labels)
+    return True
+
+
+script_callbacks.on_model_loaded(remove_everywhere)
+script_callbacks.on_script_unloaded(remove_everywhere)
+script_callbacks.on_before_ui(add_xyz_axes)

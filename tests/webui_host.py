@@ -1,0 +1,552 @@
+"""A small stand-in for the AUTOMATIC1111 WebUI v1.10.1 that runs a job the way the WebUI does.
+
+What is reproduced (file and line numbers of WebUI v1.10.1, tag commit 82a973c):
+- Script loading: modules/scripts.py ``load_scripts`` (lines 487-525) puts the extension folder on ``sys.path``
+  while loading and imports each ``scripts/*.py`` by file path through modules/script_loading.py ``load_module``
+  (``spec_from_file_location(os.path.basename(path), path)``), then registers every ``Script`` subclass.
+- Script hooks: modules/scripts.py lines 820-872, every call wrapped in try/except that only reports the error.
+- Job order, modules/processing.py:
+    ``process_images`` (819): ``before_process`` (821) -> built-in token merging applied (841) ->
+    ``process_images_inner`` (847) in a ``try`` whose ``finally`` removes the built-in patch (849-850).
+    ``process_images_inner`` (863): ``process`` (915) -> per batch ``p.sample`` -> ``postprocess`` (1148), NOT in
+    a ``finally``: an exception while sampling skips it.
+    txt2img ``sample`` (1307): ``process_before_every_sampling`` (1338) -> sampler -> highres checkpoint reload
+    (1359-1360) -> ``sample_hr_pass`` (1364): ``is_hr_pass = True`` (1368) -> built-in highres ratio (1442) ->
+    ``before_hr`` (1445) -> ``process_before_every_sampling`` (1446) -> sampler -> built-in first-pass ratio back
+    (1456) -> ``is_hr_pass = False`` (1463).
+- Built-in token merging: modules/sd_models.py ``apply_token_merging`` (1011-1034) with the real tomesd 0.1.3;
+  ``get_token_merging_ratio`` of txt2img (modules/processing.py 412-416).
+- Forge (lllyasviel/stable-diffusion-webui-forge@dfdcbab): the UNet patcher's list hooks
+  (backend/patcher/base.py 161-186: ``set_model_attn1_patch`` ...; ``clone`` 79-84 deep-copies ``model_options``)
+  and the transformer block that calls them (backend/nn/unet.py 183-260), ``forge_objects`` reset before each
+  pass and ``process_before_every_sampling`` called twice in the highres pass (modules/processing.py 1510, 1522).
+The sampler is a plain Euler loop over the DDPM schedule the WebUI's k-diffusion wrapper uses, with CFG.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import sys
+import traceback
+import types
+from collections import namedtuple
+from pathlib import Path
+
+import tomesd
+import torch
+from ldm.modules.attention import BasicTransformerBlock
+from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+REPO = Path(__file__).resolve().parent.parent
+
+# --- modules.* stand-ins ----------------------------------------------------------------------------------------
+
+
+class Script:
+    """modules/scripts.py ``Script`` (lines 47-350): the parts a script uses."""
+
+    filename = None
+    args_from = None
+    args_to = None
+    alwayson = False
+    is_img2img = False
+    infotext_fields = None
+    paste_field_names = None
+
+    def title(self):
+        raise NotImplementedError()
+
+    def show(self, is_img2img):
+        return True
+
+    def before_process(self, p, *args):
+        pass
+
+    def process(self, p, *args):
+        pass
+
+    def process_before_every_sampling(self, p, *args, **kwargs):
+        pass
+
+    def before_hr(self, p, *args):
+        pass
+
+    def postprocess(self, p, processed, *args):
+        pass
+
+    def elem_id(self, item_id):
+        title = "".join(c for c in self.title().lower().replace(" ", "_") if c.isalnum() or c == "_")
+        return f"script_{'img2img' if self.is_img2img else 'txt2img'}_{title}_{item_id}"
+
+
+AlwaysVisible = object()
+ScriptClassData = namedtuple("ScriptClassData", ["script_class", "path", "basedir", "module"])
+
+
+class Callbacks:
+    """modules/script_callbacks.py: the three callbacks a script registers (lines 467, 581, 588)."""
+
+    def __init__(self):
+        self.model_loaded, self.script_unloaded, self.before_ui = [], [], []
+
+    def install(self, module):
+        module.on_model_loaded = self.model_loaded.append
+        module.on_script_unloaded = self.script_unloaded.append
+        module.on_before_ui = self.before_ui.append
+
+
+def _module(name, **attrs):
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    return module
+
+
+class FakeComponent:
+    """Enough of a gradio component for ui(): its constructor arguments and ``value``."""
+
+    def __init__(self, *args, **kwargs):
+        if args:
+            kwargs.setdefault("value", args[0])
+        self.kind = type(self).__name__
+        self.kwargs = kwargs
+        self.value = kwargs.get("value")
+        self.label = kwargs.get("label")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def fake_gradio():
+    kinds = ("Checkbox", "Slider", "Radio", "Dropdown", "Accordion", "Row", "Group", "Column")
+    return _module("gradio", **{kind: type(kind, (FakeComponent,), {}) for kind in kinds})
+
+
+class Host:
+    """One WebUI process: its ``modules`` stand-ins, the loaded scripts, the console."""
+
+    def __init__(self, with_xyz=False):
+        self.callbacks = Callbacks()
+        self.console: list[str] = []
+        self.scripts_data: list = []
+        scripts_mod = _module(
+            "modules.scripts", Script=Script, AlwaysVisible=AlwaysVisible, scripts_data=self.scripts_data
+        )
+        callbacks_mod = _module("modules.script_callbacks")
+        self.callbacks.install(callbacks_mod)
+        self.sd_unet = _module("modules.sd_unet", current_unet=None)
+        gradio = fake_gradio()
+        ui_components = _module("modules.ui_components", InputAccordion=type("InputAccordion", (gradio.Checkbox,), {}))
+        self.modules = {
+            "modules": _module("modules", scripts=scripts_mod, script_callbacks=callbacks_mod, sd_unet=self.sd_unet),
+            "modules.scripts": scripts_mod,
+            "modules.script_callbacks": callbacks_mod,
+            "modules.sd_unet": self.sd_unet,
+            "modules.ui_components": ui_components,
+            "gradio": gradio,
+        }
+        self.xyz = None
+        if with_xyz:
+            self.xyz = _module("xyz_grid.py", axis_options=[], AxisOption=AxisOption)
+            xyz_class = type("Script", (Script,), {"__module__": "xyz_grid.py"})
+            self.scripts_data.append(ScriptClassData(xyz_class, "xyz_grid.py", "", self.xyz))
+        self.scripts = self._load_scripts()
+
+    def __enter__(self):
+        self._saved = {name: sys.modules.get(name) for name in self.modules}
+        sys.modules.update(self.modules)
+        return self
+
+    def __exit__(self, *exc):
+        for name, module in self._saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+        return False
+
+    def _load_scripts(self):
+        """modules/scripts.py load_scripts (487-525) + script_loading.load_module, for this repository."""
+        loaded = []
+        with self:
+            for path in sorted((REPO / "scripts").glob("*.py")):
+                saved_path = sys.path
+                sys.path = [str(REPO)] + sys.path
+                try:
+                    spec = importlib.util.spec_from_file_location(os.path.basename(path), path)
+                    module = importlib.util.module_from_spec(spec)
+                    spec.loader.exec_module(module)
+                finally:
+                    sys.path = saved_path
+                for value in list(module.__dict__.values()):
+                    if isinstance(value, type) and issubclass(value, Script) and value is not Script:
+                        self.scripts_data.append(ScriptClassData(value, str(path), str(REPO), module))
+                        script = value()
+                        script.filename = str(path)
+                        loaded.append(script)
+        always_on = [s for s in loaded if s.show(False) is AlwaysVisible]
+        start = 1  # position 0 of script_args belongs to the script dropdown
+        for script in always_on:
+            script.alwayson = True
+            script.args_from, script.args_to = start, start + _ui_len(script)
+            start = script.args_to
+        return always_on
+
+    def script(self, title="ToMe Patch"):
+        return next(s for s in self.scripts if s.title() == title)
+
+    def ui(self, script=None, is_img2img=False):
+        with self:
+            return (script or self.script()).ui(is_img2img)
+
+    def fire(self, name, *args):
+        with self:
+            for callback in getattr(self.callbacks, name):
+                callback(*args)
+
+    # modules/scripts.py 820-872: each hook is called for every always-on script and only reported on error.
+    def run_hook(self, p, name, *extra, **kwargs):
+        with self:
+            for script in self.scripts:
+                args = p.script_args[script.args_from : script.args_to]
+                try:
+                    getattr(script, name)(p, *extra, *args, **kwargs)
+                except Exception:
+                    self.console.append(f"Error running {name}: {script.filename}\n{traceback.format_exc()}")
+
+
+def _ui_len(script) -> int:
+    from tome_core.adapters.webui_args import ARGS
+
+    return len(ARGS) if script.title() == "ToMe Patch" else 0
+
+
+class AxisOption:
+    """scripts/xyz_grid.py ``AxisOption`` (line 214)."""
+
+    def __init__(self, label, type, apply, format_value=None, confirm=None, cost=0.0, choices=None, prepare=None):
+        self.label, self.type, self.apply, self.choices = label, type, apply, choices
+
+
+# --- models -----------------------------------------------------------------------------------------------------
+
+
+def make_unet(layout="sd1", seed=0) -> UNetModel:
+    """A small UNet of the real ldm code with random weights (its zero-initialised output layers re-drawn)."""
+    if layout == "sd1":  # attention at levels 1 and 2 (SD1/SD2 have it at 1, 2, 4)
+        config = dict(channel_mult=(1, 2), attention_resolutions=(1, 2), transformer_depth=1)
+    elif layout == "sd2":  # linear projections in the transformer, as SD2
+        config = dict(
+            channel_mult=(1, 2), attention_resolutions=(1, 2), transformer_depth=1, use_linear_in_transformer=True
+        )
+    elif layout == "sdxl":  # no attention at level 1, attention at levels 2 and 4, linear projections
+        # (depth 1: this ldm version needs one context per block for deeper transformers, sgm's does not)
+        config = dict(
+            channel_mult=(1, 2, 4), attention_resolutions=(2, 4), transformer_depth=1, use_linear_in_transformer=True
+        )
+    else:
+        raise ValueError(layout)
+    torch.manual_seed(seed)
+    unet = UNetModel(
+        image_size=32,
+        in_channels=4,
+        out_channels=4,
+        model_channels=32,
+        num_res_blocks=1,
+        num_head_channels=16,
+        use_spatial_transformer=True,
+        context_dim=32,
+        use_checkpoint=False,
+        legacy=False,
+        **config,
+    ).eval()
+    with torch.no_grad():
+        for module in unet.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+                fan_in = module.weight[0].numel()
+                module.weight.normal_(0.0, 1.0 / fan_in**0.5)
+                if module.bias is not None:
+                    module.bias.normal_(0.0, 0.02)
+    return unet
+
+
+class SDModel(torch.nn.Module):
+    """What ``p.sd_model`` is to a script: ``model.diffusion_model`` is the UNet (tomesd patches through it)."""
+
+    def __init__(self, unet):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.diffusion_model = unet
+
+
+def apply_token_merging(sd_model, ratio):
+    """modules/sd_models.py apply_token_merging, v1.10.1 lines 1011-1034."""
+    current = getattr(sd_model, "applied_token_merged_ratio", 0)
+    if current == ratio:
+        return
+    if current > 0:
+        tomesd.remove_patch(sd_model)
+    if ratio > 0:
+        tomesd.apply_patch(sd_model, ratio=ratio, use_rand=False, merge_attn=True, merge_crossattn=False)
+    sd_model.applied_token_merged_ratio = ratio
+
+
+# --- sampling ---------------------------------------------------------------------------------------------------
+
+_BETAS = torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64) ** 2
+_ALPHAS_CUMPROD = torch.cumprod(1.0 - _BETAS, dim=0)
+SIGMAS = ((1 - _ALPHAS_CUMPROD) / _ALPHAS_CUMPROD).sqrt().float()  # sigma of each DDPM timestep
+
+
+def sigma_of_percent(percent: float) -> float:
+    return float(SIGMAS[round((1.0 - percent) * 999)])
+
+
+def euler(apply_model, x, timesteps, cond, uncond, cfg=5.0, on_step=None):
+    """Euler over the given DDPM timesteps (eps prediction, as the WebUI's CompVis denoiser), with CFG."""
+    sigmas = [float(SIGMAS[t]) for t in timesteps] + [0.0]
+    for i, t in enumerate(timesteps):
+        if on_step is not None:
+            on_step(i)
+        sigma = sigmas[i]
+        x_in = torch.cat([x, x]) / (sigma**2 + 1) ** 0.5
+        t_in = torch.full((x_in.shape[0],), float(t))
+        eps_uncond, eps_cond = apply_model(x_in, t_in, torch.cat([uncond, cond]), sigma).chunk(2)
+        denoised = x - (eps_uncond + cfg * (eps_cond - eps_uncond)) * sigma
+        x = x + (x - denoised) / sigma * (sigmas[i + 1] - sigma)
+    return x
+
+
+class Processing:
+    """The parts of StableDiffusionProcessingTxt2Img (modules/processing.py) a script and the job order use."""
+
+    def __init__(self, sd_model, script_args, *, seed=1234, enable_hr=False, hr_sd_model=None, size=8):
+        self.sd_model = sd_model
+        self.hr_sd_model = hr_sd_model  # highres checkpoint (line 1360 reloads it); None: same model
+        self.script_args = [0, *script_args]
+        self.seed = seed
+        self.all_seeds = [seed]
+        self.seeds = [seed]
+        self.enable_hr = enable_hr
+        self.is_hr_pass = False
+        self.extra_generation_params = {}
+        self.comments = {}
+        self.token_merging_ratio = 0.0
+        self.token_merging_ratio_hr = 0.0
+        self.size = size
+        self.steps = (999, 749, 499)
+        self.hr_steps = (599, 299)
+        self.on_step = None  # test probe: called at each sampler step with (p, step)
+        self.forge_objects_after_applying_lora = None
+
+    def comment(self, text):
+        self.comments[text] = 1
+
+    def get_token_merging_ratio(self, for_hr=False):  # lines 412-416 (options folded into the fields)
+        if for_hr:
+            return self.token_merging_ratio_hr or self.token_merging_ratio
+        return self.token_merging_ratio
+
+
+def _ldm_apply_model(sd_model):
+    unet = sd_model.model.diffusion_model
+
+    def apply_model(x, t, context, sigma):
+        return unet(x, t, context=context)
+
+    return apply_model
+
+
+def process_images(host: Host, p: Processing):
+    """modules/processing.py process_images (819-861) and process_images_inner (863-1150), reduced."""
+    host.run_hook(p, "before_process")  # 821
+    try:
+        apply_token_merging(p.sd_model, p.get_token_merging_ratio())  # 841
+        result = _process_images_inner(host, p)  # 847
+    finally:
+        apply_token_merging(p.sd_model, 0)  # 849-850
+    return result
+
+
+def _process_images_inner(host, p):
+    host.run_hook(p, "process")  # 915
+    generator = torch.Generator().manual_seed(p.seed)
+    noise = torch.randn(1, 4, p.size, p.size, generator=generator)
+    cond = torch.randn(1, 5, 32, generator=generator)
+    uncond = torch.zeros(1, 5, 32)
+    samples = _sample(host, p, noise, cond, uncond, generator)
+    host.run_hook(p, "postprocess", samples)  # 1148, not in a finally
+    return samples
+
+
+def _probe(p):
+    return None if p.on_step is None else (lambda step: p.on_step(p, step))
+
+
+def _sample(host, p, noise, cond, uncond, generator):
+    """txt2img sample (1307-1362) and sample_hr_pass (1364-1464)."""
+    _reset_forge(p)
+    host.run_hook(p, "process_before_every_sampling", x=noise, noise=noise, c=cond, uc=uncond)  # 1338
+    samples = euler(_apply_model(p), noise * float(SIGMAS[p.steps[0]]), p.steps, cond, uncond, on_step=_probe(p))
+    if not p.enable_hr:
+        return samples
+    if p.hr_sd_model is not None:  # 1359-1360: the highres checkpoint is loaded
+        p.sd_model = p.hr_sd_model
+        host.fire("model_loaded", p.sd_model)
+    p.is_hr_pass = True  # 1368
+    latent = torch.nn.functional.interpolate(samples, scale_factor=2, mode="nearest")
+    hr_noise = torch.randn(latent.shape, generator=generator)
+    apply_token_merging(p.sd_model, p.get_token_merging_ratio(for_hr=True))  # 1442
+    host.run_hook(p, "before_hr")  # 1445
+    host.run_hook(p, "process_before_every_sampling", x=latent, noise=hr_noise, c=cond, uc=uncond)  # 1446
+    if _is_forge(p):  # Forge: reset, then the hook a second time (forge modules/processing.py 1518-1522)
+        _reset_forge(p)
+        host.run_hook(p, "process_before_every_sampling", x=latent, noise=hr_noise, c=cond, uc=uncond)
+    start = latent + hr_noise * float(SIGMAS[p.hr_steps[0]])
+    samples = euler(_apply_model(p), start, p.hr_steps, cond, uncond, on_step=_probe(p))
+    apply_token_merging(p.sd_model, p.get_token_merging_ratio())  # 1456
+    p.is_hr_pass = False  # 1463
+    return samples
+
+
+# --- Forge ------------------------------------------------------------------------------------------------------
+
+
+def _is_forge(p):
+    return getattr(p.sd_model, "forge_objects", None) is not None
+
+
+def _reset_forge(p):
+    if _is_forge(p):  # forge modules/processing.py 1373 / 1518: a fresh copy before every pass
+        p.sd_model.forge_objects = types.SimpleNamespace(unet=p.sd_model.forge_unet_original)
+
+
+def _apply_model(p):
+    if not _is_forge(p):
+        return _ldm_apply_model(p.sd_model)
+    patcher = p.sd_model.forge_objects.unet
+
+    def apply_model(x, t, context, sigma):
+        return patcher.apply_model(x, t, context, sigma)
+
+    return apply_model
+
+
+class ForgeLikeBlock(BasicTransformerBlock):
+    """A transformer block that calls the patch lists as Forge's does (backend/nn/unet.py 183-260)."""
+
+    def _forward(self, x, context=None):
+        options = self.forge_transformer_options
+        extra_options = {k: v for k, v in options.items() if k != "patches"}
+        extra_options["block"] = self.forge_block_name
+        patches = options.get("patches", {})
+        n = self.norm1(x)
+        context_attn1 = value_attn1 = None
+        if "attn1_patch" in patches:
+            context_attn1 = value_attn1 = n
+            for patch in patches["attn1_patch"]:
+                n, context_attn1, value_attn1 = patch(n, context_attn1, value_attn1, extra_options)
+        # Forge's attention takes the values separately; the ldm one uses context for both (they are the same).
+        assert value_attn1 is context_attn1
+        n = self.attn1(n, context=context_attn1)
+        for patch in patches.get("attn1_output_patch", []):
+            n = patch(n, extra_options)
+        x = x + n
+        n = self.norm2(x)
+        context_attn2 = context
+        for patch in patches.get("attn2_patch", []):
+            n, context_attn2, _ = patch(n, context_attn2, context_attn2, extra_options)
+        n = self.attn2(n, context=context_attn2)
+        for patch in patches.get("attn2_output_patch", []):
+            n = patch(n, extra_options)
+        x = x + n
+        return self.ff(self.norm3(x)) + x
+
+
+class ForgePatcher:
+    """Forge's UnetPatcher as far as patches go (backend/patcher/base.py 79-205)."""
+
+    def __init__(self, unet):
+        self.model = types.SimpleNamespace(
+            diffusion_model=unet, predictor=types.SimpleNamespace(percent_to_sigma=sigma_of_percent)
+        )
+        self.model_options = {"transformer_options": {}}
+        self.blocks = []
+        for name, module in unet.named_modules():
+            if type(module) is BasicTransformerBlock:
+                module.__class__ = ForgeLikeBlock
+                module.forge_block_name = name
+                self.blocks.append(module)
+
+    def clone(self):
+        clone = copy.copy(self)
+        clone.model_options = copy.deepcopy(self.model_options)
+        return clone
+
+    def set_model_patch(self, patch, name):
+        patches = self.model_options["transformer_options"].setdefault("patches", {})
+        patches[name] = patches.get(name, []) + [patch]
+
+    def set_model_attn1_patch(self, patch):
+        self.set_model_patch(patch, "attn1_patch")
+
+    def set_model_attn1_output_patch(self, patch):
+        self.set_model_patch(patch, "attn1_output_patch")
+
+    def set_model_attn2_patch(self, patch):
+        self.set_model_patch(patch, "attn2_patch")
+
+    def set_model_attn2_output_patch(self, patch):
+        self.set_model_patch(patch, "attn2_output_patch")
+
+    def apply_model(self, x, t, context, sigma):
+        # Forge's sampling_function sets the sigmas; its UNet forward the original shape (unet.py 697).
+        options = dict(self.model_options["transformer_options"])
+        options["original_shape"] = list(x.shape)
+        options["sigmas"] = torch.full((x.shape[0],), sigma)
+        for block in self.blocks:
+            block.forge_transformer_options = options
+        return self.model.diffusion_model(x, t, context=context)
+
+
+class ForgeSDModel(torch.nn.Module):
+    """``p.sd_model`` on Forge: ``forge_objects.unet`` is the patcher, reset before every sampling pass."""
+
+    def __init__(self, unet):
+        super().__init__()
+        self.forge_unet_original = ForgePatcher(unet)
+        self.forge_objects = types.SimpleNamespace(unet=self.forge_unet_original)
+
+
+# --- helpers for the tests --------------------------------------------------------------------------------------
+
+
+def script_args(enabled=True, **values) -> list:
+    """Positional args of the script (UI/API order, UI values such as "ToDo" or "auto"): the defaults, on,
+    reducing at any size, with ``values``."""
+    from tome_core.adapters import webui_args
+
+    values.setdefault("skip_when_slower", False)
+    args = webui_args.as_list(webui_args.defaults())
+    for name, value in {"enabled": enabled, **values}.items():
+        args[webui_args.ARG_NAMES.index(name)] = value
+    webui_args.parse_args(args)  # a test must not pass what the script would reject
+    return args
+
+
+def run_job(host: Host, sd_model, args, **kwargs):
+    """One generation through the host; returns the final latent and the processing object. Keyword arguments
+    that are not Processing's own set attributes (token_merging_ratio, on_step, ...)."""
+    attributes = {
+        k: kwargs.pop(k) for k in list(kwargs) if k in ("token_merging_ratio", "token_merging_ratio_hr", "on_step")
+    }
+    p = Processing(sd_model, args, **kwargs)
+    for name, value in attributes.items():
+        setattr(p, name, value)
+    with torch.no_grad():
+        samples = process_images(host, p)
+    return samples, p
