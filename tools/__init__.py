@@ -1,0 +1,1 @@
+"""Setup, test and benchmark commands; ``python -m tools.benchmark`` runs the benchmark."""

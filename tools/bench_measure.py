@@ -1,0 +1,97 @@
+"""Timing, peak memory and output deviation of one call, the same way for every row.
+
+Timing: wall clock around one call, with the device synchronised before and after (GPU), garbage collected
+before. Peak memory: on CUDA the allocator's peak above what was allocated before the call; on the CPU the
+growth of the process's peak resident set (Linux: the peak is reset through /proc/self/clear_refs, and freed
+heap is handed back with malloc_trim first, so the figure is what this call needed on top of what was there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(call, device: torch.device) -> tuple[float, object]:
+    gc.collect()
+    synchronize(device)
+    start = time.perf_counter()
+    result = call()
+    synchronize(device)
+    return time.perf_counter() - start, result
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _trim_heap() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakMemory:
+    """Context manager: ``.mib`` is the extra peak memory of the code inside it, or None if unmeasurable."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.mib: float | None = None
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            return self
+        _trim_heap()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+            self._base = _status_kib("VmRSS")
+        except OSError:
+            self._base = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.mib = (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+        elif self._base is not None:
+            peak = _status_kib("VmHWM")
+            self.mib = None if peak is None else max(0, peak - self._base) / 1024
+        return False
+
+
+def relative_l2(value: torch.Tensor, reference: torch.Tensor) -> float:
+    value, reference = value.double(), reference.double()
+    return float((value - reference).norm() / reference.norm().clamp_min(1e-30))
+
+
+def summary(times: list[float]) -> dict:
+    """Median and spread (min, max, and the half range relative to the median) of repeated timings."""
+    median = statistics.median(times)
+    return {
+        "median_s": median,
+        "min_s": min(times),
+        "max_s": max(times),
+        "spread_pct": 100.0 * (max(times) - min(times)) / 2 / median if median > 0 else 0.0,
+        "times_s": list(times),
+    }

@@ -1,0 +1,161 @@
+"""The benchmark's rows: one UNet evaluation each, all on the same weights and inputs.
+
+A ``Row`` is a callable ``run(x, timesteps, context, y)`` plus ``enter``/``leave`` for rows that patch a
+module in place (tomesd swaps block classes), so rows can be interleaved: each row is entered before its
+call and left after it, outside the timed region.
+
+Rows: the unpatched UNet; this project (through the same ``patched_clone`` that the ComfyUI node calls);
+ComfyUI's built-in TomePatchModel; tomesd 0.1.3 on the WebUI's ldm UNet; a ToDo reference-style downsampling
+(written here from the paper's description: a plain ``interpolate`` of keys/values in an attn1 patch, with the
+reference code's level guess); and the ceiling, whose self-attention at the reduced levels is an oracle that
+returns zeros, so no method that only shrinks self-attention can be faster.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tome_core import PatchSettings, find_level, grid_at_level
+from tome_core.adapters.patcher_hooks import patched_clone
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class Row:
+    name: str
+    group: str  # "unpatched", "ours", "peer" or "ceiling"
+    host: str  # "comfy" or "ldm": which unpatched row is this row's baseline
+    run: Callable
+    enter: Callable[[], None] = _nothing
+    leave: Callable[[], None] = _nothing
+    settings: dict = field(default_factory=dict)
+
+
+def comfy_runner(patcher, sigma_of: Callable) -> Callable:
+    """Call the patcher's UNet the way ComfyUI's sampler does, with its transformer_options (copied per call)."""
+    unet = patcher.model.diffusion_model
+    options = patcher.model_options.get("transformer_options", {})
+
+    def run(x, timesteps, context, y=None):
+        transformer_options = dict(options)
+        transformer_options["sigmas"] = sigma_of(timesteps)
+        return unet(x, timesteps, context=context, y=y, transformer_options=transformer_options)
+
+    return run
+
+
+def ours(patcher, sigma_of, **values) -> Callable:
+    """This project's patch, exactly as the ComfyUI node applies it."""
+    settings = PatchSettings.from_values(**values)
+    ms = patcher.get_model_object("model_sampling")
+    return comfy_runner(patched_clone(patcher, settings, ms.percent_to_sigma), sigma_of)
+
+
+def comfy_builtin(patcher, sigma_of, ratio: float) -> Callable:
+    """ComfyUI's own TomePatchModel node (comfy_extras/nodes_tomesd.py), applied through its node API."""
+    from comfy_extras.nodes_tomesd import TomePatchModel
+
+    return comfy_runner(TomePatchModel.execute(patcher, ratio).result[0], sigma_of)
+
+
+def tomesd_row(name: str, holder, ratio: float, level: int) -> Row:
+    """tomesd 0.1.3 on the ldm UNet, as the WebUI's built-in token merging applies it (use_rand off)."""
+    import tomesd
+
+    unet = holder.model.diffusion_model
+
+    def run(x, timesteps, context, y=None):
+        return unet(x, timesteps, context)
+
+    return Row(
+        name,
+        "peer",
+        "ldm",
+        run,
+        enter=lambda: tomesd.apply_patch(holder, ratio=ratio, max_downsample=level, use_rand=False),
+        leave=lambda: tomesd.remove_patch(holder),
+        settings={"ratio": ratio, "max_downsample": level, "use_rand": False},
+    )
+
+
+def ldm_unpatched(holder) -> Row:
+    unet = holder.model.diffusion_model
+    return Row(
+        "unpatched (ldm UNet)", "unpatched", "ldm", lambda x, timesteps, context, y=None: unet(x, timesteps, context)
+    )
+
+
+def todo_reference_patch(factor: float, max_level: int) -> Callable:
+    """ToDo as the paper describes it: keys/values of self-attention resized by ``interpolate``.
+
+    The level is guessed as the reference code does, from the token-count ratio to the latent
+    (ceil(sqrt(latent tokens // tokens))), the grid size from the latent divided by that level, and the new
+    size rounded down; blocks at ``max_level`` or finer are downsampled by ``factor``.
+    """
+
+    def attn1_patch(n, context, value, extra_options):
+        _, _, height, width = extra_options["original_shape"]
+        level = math.ceil(math.sqrt(height * width // n.shape[1]))
+        if level > max_level:
+            return n, context, value
+        h, w = math.ceil(height / level), math.ceil(width / level)
+        batch, _, channels = n.shape
+        grid = n.reshape(batch, h, w, channels).permute(0, 3, 1, 2)
+        small = F.interpolate(grid, size=(int(h / factor), int(w / factor)), mode="nearest-exact")
+        kv = small.permute(0, 2, 3, 1).reshape(batch, -1, channels)
+        return n, kv, kv
+
+    return attn1_patch
+
+
+def todo_reference(patcher, sigma_of, factor: float, max_level: int) -> Callable:
+    clone = patcher.clone()
+    clone.set_model_attn1_patch(todo_reference_patch(factor, max_level))
+    return comfy_runner(clone, sigma_of)
+
+
+def _transformer_keys(unet) -> list[tuple[str, int, int]]:
+    """ComfyUI's replace-patch keys (block name, block number, transformer index) of every attention block."""
+    keys = []
+    for name, module in unet.named_modules():
+        if type(module).__name__ != "SpatialTransformer":
+            continue
+        parts = name.split(".")
+        block = {"input_blocks": "input", "middle_block": "middle", "output_blocks": "output"}[parts[0]]
+        number = 0 if block == "middle" else int(parts[1])
+        keys += [(block, number, i) for i in range(len(module.transformer_blocks))]
+    return keys
+
+
+def ceiling(patcher, sigma_of, levels: frozenset[int]) -> Callable:
+    """The UNet with self-attention's core (QK^T, softmax, AV) at ``levels`` replaced by zeros.
+
+    The projections still run (ComfyUI computes them before calling a replace patch), so this is the bound of
+    methods that shrink the attention itself; the other levels call ComfyUI's own attention.
+    """
+    from comfy.ldm.modules.attention import optimized_attention
+
+    def oracle(q, k, v, extra_options):
+        _, _, height, width = extra_options["original_shape"]
+        found = find_level((height, width), q.shape[1])
+        if found is not None and found[0] in levels:
+            return torch.zeros_like(q)
+        return optimized_attention(q, k, v, extra_options["n_heads"])
+
+    clone = patcher.clone()
+    for block, number, index in _transformer_keys(clone.model.diffusion_model):
+        clone.set_model_attn1_replace(oracle, block, number, index)
+    return comfy_runner(clone, sigma_of)
+
+
+def level_tokens(latent_hw: tuple[int, int], level: int) -> int:
+    h, w = grid_at_level(latent_hw, level)
+    return h * w

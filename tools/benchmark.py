@@ -1,0 +1,289 @@
+"""Benchmark of the patch against the unpatched UNet, its peers and the ceiling, on this machine.
+
+    python -m tools.benchmark [--model sd15|sdxl] [--resolutions 512,768] [--batch 1] [--repeats 2] ...
+
+Every row runs in this one process on the same random-weight UNet and the same inputs; rows are interleaved
+(round-robin, starting from a different row each round) so that drift of the machine spreads over all of
+them; the first call of each row (warm-up) is not timed and gives the output deviation and peak memory.
+Outputs go to ``--out`` (default ``results/``): a markdown table (also printed), a JSON file with the machine,
+versions and every figure, and a PNG chart of speed-up versus resolution.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from . import bench_host, bench_report
+from .bench_measure import PeakMemory, relative_l2, summary, timed
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="sd15", choices=sorted(bench_host.FAMILIES))
+    parser.add_argument("--resolutions", default="512,768", help="image sizes in px: 768 or 1024x768, comma list")
+    parser.add_argument("--batch", type=int, default=1, help="UNet batch (2 = one image with cfg)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed calls per row and resolution")
+    parser.add_argument("--steps", type=int, default=2, help="steps of the sampling run (0: none)")
+    parser.add_argument("--sample-resolution", default=None, help="size of the sampling run (default: the largest)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    parser.add_argument("--ratios", default="0.3,0.5", help="ToMe ratios of this project")
+    parser.add_argument("--peer-ratios", default="0.5", help="ToMe ratios of ComfyUI's node and tomesd")
+    parser.add_argument("--force", action="store_true", help="our rows with skip_when_slower off (break-even)")
+    parser.add_argument("--only", default="", help="keep only rows whose name contains one of these (comma list)")
+    parser.add_argument("--no-peers", action="store_true", help="skip ComfyUI's node, tomesd and ToDo reference")
+    parser.add_argument("--engine-repeats", type=int, default=5, help="repeats of the engine sub-benchmark (0: none)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(ROOT / "results"), help="folder for the table, JSON and chart")
+    parser.add_argument("--chart", default=None, help="also copy the chart to this path")
+    return parser.parse_args(argv)
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """'768' -> (768, 768); '1024x768' -> (768, 1024) as (height, width)."""
+    if "x" in text:
+        width, height = text.lower().split("x")
+        return int(height), int(width)
+    return int(text), int(text)
+
+
+def size_label(size: tuple[int, int]) -> str:
+    return str(size[0]) if size[0] == size[1] else f"{size[1]}x{size[0]}"
+
+
+def choose_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def choose_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+class Bench:
+    """The model, its baselines and peers, and the inputs of one resolution."""
+
+    def __init__(self, args, device, dtype):
+        from tome_core import reduced_levels
+        from tome_core.adapters.unet_layout import attention_levels
+
+        self.args, self.device, self.dtype = args, device, dtype
+        self.family = bench_host.FAMILIES[args.model]
+        self.patcher = bench_host.build_comfy_model(self.family, dtype, device, args.seed)
+        unet = self.patcher.model.diffusion_model
+        self.levels = reduced_levels(0, attention_levels(unet))  # this project's default levels
+        self.level = max(self.levels)
+        self.holder = None
+        if not args.no_peers:
+            ldm = bench_host.build_ldm_unet(self.family, unet.state_dict(), dtype, device)
+            self.holder = None if ldm is None else bench_host.LdmHolder(ldm)
+        self.model_sampling = self.patcher.get_model_object("model_sampling")
+
+    def ldm_fits(self, size: tuple[int, int]) -> bool:
+        """ldm's UNet concatenates skips without resizing: the latent must halve evenly at every level."""
+        step = 8 * 2 ** (len(self.family.channel_mult) - 1)
+        return size[0] % step == 0 and size[1] % step == 0
+
+    def sigma_of(self, timesteps):
+        return self.model_sampling.sigma(timesteps.float())
+
+    def inputs(self, size: tuple[int, int], seed_offset: int = 0) -> dict:
+        generator = torch.Generator().manual_seed(self.args.seed + 1 + seed_offset)
+        batch, family = self.args.batch, self.family
+        x = torch.randn(batch, 4, (size[0] + 7) // 8, (size[1] + 7) // 8, generator=generator)
+        context = torch.randn(batch, 77, family.context_dim, generator=generator)
+        y = torch.randn(batch, family.adm_channels, generator=generator) if family.adm_channels else None
+        as_model = {"device": self.device, "dtype": self.dtype}
+        return {
+            "x": x.to(**as_model),
+            "timesteps": torch.full((batch,), 500.0, device=self.device),
+            "context": context.to(**as_model),
+            "y": None if y is None else y.to(**as_model),
+        }
+
+    def rows(self, size: tuple[int, int]) -> list:
+        from . import bench_rows as R
+
+        args, patcher, sigma_of = self.args, self.patcher, self.sigma_of
+        unpatched = R.comfy_runner(patcher, sigma_of)
+        rows = [R.Row("unpatched", "unpatched", "comfy", unpatched)]
+        force = {"skip_when_slower": False} if args.force else {}
+        suffix = " forced" if args.force else ""
+        for ratio in _floats(args.ratios):
+            values = {"method": "tome", "ratio": ratio, **force}
+            rows.append(R.Row(f"ours ToMe {ratio:g}{suffix}", "ours", "comfy", R.ours(patcher, sigma_of, **values)))
+        factors = [2.0] + ([4.0] if min(size) >= 1536 else [])
+        for factor in factors:
+            values = {"method": "todo", "downsample_factor": factor, **force}
+            rows.append(R.Row(f"ours ToDo {factor:g}{suffix}", "ours", "comfy", R.ours(patcher, sigma_of, **values)))
+        if not args.no_peers:
+            for ratio in _floats(args.peer_ratios):
+                run = R.comfy_builtin(patcher, sigma_of, ratio)
+                rows.append(R.Row(f"ComfyUI TomePatchModel {ratio:g}", "peer", "comfy", run, settings={"ratio": ratio}))
+            if self.holder is not None and self.ldm_fits(size):
+                rows.append(R.ldm_unpatched(self.holder))
+                for ratio in _floats(args.peer_ratios):
+                    rows.append(R.tomesd_row(f"tomesd {ratio:g}", self.holder, ratio, self.level))
+            for factor in factors:
+                run = R.todo_reference(patcher, sigma_of, factor, self.level)
+                rows.append(R.Row(f"ToDo reference {factor:g}", "peer", "comfy", run, settings={"factor": factor}))
+        rows.append(R.Row("ceiling", "ceiling", "comfy", R.ceiling(patcher, sigma_of, self.levels)))
+        if args.only:
+            keep = [part.strip() for part in args.only.split(",") if part.strip()]
+            rows = [row for row in rows if row.group == "unpatched" or any(k in row.name for k in keep)]
+        return rows
+
+
+def _floats(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
+def call_row(row, inputs: dict):
+    row.enter()
+    try:
+        with torch.inference_mode():
+            return row.run(inputs["x"], inputs["timesteps"], inputs["context"], inputs["y"])
+    finally:
+        row.leave()
+
+
+def measure_resolution(bench: Bench, size: tuple[int, int], log) -> list[dict]:
+    """Warm-up (deviation, memory), then interleaved timed rounds; one record per row."""
+    rows = bench.rows(size)
+    inputs = bench.inputs(size)
+    outputs, records = {}, []
+    for row in rows:
+        with PeakMemory(bench.device) as memory:
+            out = call_row(row, inputs)
+        outputs[row.name] = out.float().cpu()
+        records.append({"row": row.name, "group": row.group, "host": row.host, "peak_mib": memory.mib})
+        log(f"  warm-up {row.name}")
+    baselines = {row.host: row.name for row in rows if row.group == "unpatched"}
+    for record in records:
+        record["deviation_unet"] = relative_l2(outputs[record["row"]], outputs[baselines[record["host"]]])
+    times = {row.name: [] for row in rows}
+    for round_index in range(bench.args.repeats):
+        start = round_index % len(rows)
+        for row in rows[start:] + rows[:start]:
+            seconds, _ = timed(lambda row=row: call_row(row, inputs), bench.device)
+            times[row.name].append(seconds)
+        log(
+            f"  round {round_index + 1}/{bench.args.repeats}: "
+            + ", ".join(f"{r.name} {times[r.name][-1]:.2f}s" for r in rows)
+        )
+    for record in records:
+        record.update(summary(times[record["row"]]) if times[record["row"]] else {})
+    bench_report.add_ratios(records)
+    return records
+
+
+def sampling_deviation(bench: Bench, size: tuple[int, int], steps: int, log) -> dict[str, float]:
+    """Relative L2 of a short Euler run (eps prediction, ComfyUI's normal schedule) against the unpatched run."""
+    import comfy.samplers
+
+    ms = bench.model_sampling
+    sigmas = comfy.samplers.calculate_sigmas(ms, "normal", steps).to(bench.device)
+    rows = [
+        row
+        for row in bench.rows(size)
+        if row.group in ("unpatched", "ours", "peer") and row.name != "unpatched (ldm UNet)"
+    ]
+    base = bench.inputs(size, seed_offset=100)
+    finals = {}
+    for row in rows:
+        x = base["x"].float() * sigmas[0]
+        for i in range(steps):
+            sigma = sigmas[i]
+            x_in = (x / (sigma**2 + 1) ** 0.5).to(bench.dtype)
+            timesteps = ms.timestep(sigma).float().expand(x.shape[0])
+            inputs = dict(base, x=x_in, timesteps=timesteps)
+            eps = call_row(row, inputs).float()
+            x = x + (sigmas[i + 1] - sigma) * eps
+        finals[row.name] = x.cpu()
+        log(f"  sampled {row.name}")
+    return {name: relative_l2(final, finals["unpatched"]) for name, final in finals.items()}
+
+
+def engine_benchmark(bench: Bench, sizes, log) -> list[dict]:
+    """Engine work versus attention at each reduced level, and its share of one UNet evaluation."""
+    from . import bench_engine
+
+    shapes = bench_report.level_shapes(bench)
+    results = []
+    for size in sizes:
+        latent = ((size[0] + 7) // 8, (size[1] + 7) // 8)
+        for level in sorted(bench.levels):
+            info = shapes[level]
+            grid = bench_host_grid(latent, level)
+            row = bench_engine.engine_rows(
+                grid,
+                info["channels"],
+                info["heads"],
+                bench.args.batch,
+                0.5,
+                2.0,
+                bench.device,
+                bench.dtype,
+                bench.args.engine_repeats,
+            )
+            row.update(resolution=size_label(size), level=level, blocks=info["blocks"])
+            results.append(row)
+            log(f"  engine {size_label(size)} level {level}: plan {row['plan_s'] * 1e3:.1f} ms")
+    return results
+
+
+def bench_host_grid(latent, level):
+    from tome_core import grid_at_level
+
+    return grid_at_level(latent, level)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    device = choose_device(args.device)
+    dtype = choose_dtype(args.dtype, device)
+    bench_host.setup_comfy(device.type)
+    torch.manual_seed(args.seed)
+    sizes = [parse_size(part) for part in args.resolutions.split(",") if part.strip()]
+    log(f"building {args.model} ({dtype}, {device}) ...")
+    bench = Bench(args, device, dtype)
+    report = {
+        "machine": bench_report.machine(device),
+        "versions": bench_report.versions(),
+        "config": {**vars(args), "dtype": str(dtype).replace("torch.", ""), "device": str(device)},
+        "levels": sorted(bench.levels),
+        "resolutions": [],
+    }
+    for size in sizes:
+        log(f"{size_label(size)} px:")
+        records = measure_resolution(bench, size, log)
+        report["resolutions"].append({"resolution": size_label(size), "size": list(size), "rows": records})
+    if args.steps > 0:
+        sample_size = parse_size(args.sample_resolution) if args.sample_resolution else max(sizes)
+        log(f"sampling run, {args.steps} steps at {size_label(sample_size)} px:")
+        deviations = sampling_deviation(bench, sample_size, args.steps, log)
+        report["sampling"] = {"resolution": size_label(sample_size), "steps": args.steps, "deviation": deviations}
+    if args.engine_repeats > 0:
+        log("engine sub-benchmark:")
+        report["engine"] = engine_benchmark(bench, sizes, log)
+    paths = bench_report.write(report, Path(args.out), args.chart)
+    print(paths["table_text"])
+    log("wrote " + ", ".join(str(paths[key]) for key in ("markdown", "json", "chart")))
+    return report
+
+
+if __name__ == "__main__":
+    main()
