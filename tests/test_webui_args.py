@@ -1,0 +1,206 @@
+"""The WebUI script's interface: ui() order, API args, infotext and paste-back, X/Y/Z plot axes, install.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from webui_host import REPO, Host, SDModel, make_unet, run_job, script_args
+
+from tome_core.adapters import webui_args
+from tome_core.settings import SPECS
+
+
+@pytest.fixture(scope="module")
+def host():
+    return Host(with_xyz=True)
+
+
+@pytest.fixture(scope="module")
+def sd1():
+    return SDModel(make_unet("sd1"))
+
+
+@pytest.fixture(scope="module")
+def baseline(host, sd1):
+    return run_job(host, sd1, script_args(enabled=False))[0]
+
+
+def test_scripts_folder_holds_only_the_script():
+    assert sorted(p.name for p in (REPO / "scripts").iterdir() if p.suffix == ".py") == ["tome_patch.py"]
+
+
+def test_ui_returns_the_documented_order_with_engine_defaults_and_ranges(host):
+    components = host.ui()
+    assert [c.label for c in components[1:]] == [arg.label for arg in webui_args.ARGS[1:]]
+    assert components[0].kind == "InputAccordion" and components[0].value is False
+    assert webui_args.parse_args([c.value for c in components]) == webui_args.defaults()
+    by_name = dict(zip(webui_args.ARG_NAMES, components, strict=True))
+    for name in ("ratio", "downsample_factor", "sx", "end_percent"):
+        spec = SPECS[name]
+        kwargs = by_name[name].kwargs
+        assert (kwargs["minimum"], kwargs["maximum"], kwargs["value"]) == (spec.minimum, spec.maximum, spec.default)
+    assert by_name["max_downsample"].kwargs["choices"] == ["auto", "1", "2", "4", "8"]
+    assert webui_args.ARG_NAMES[:4] == ("enabled", "method", "ratio", "downsample_factor")  # API positions
+
+
+def test_api_args_from_json_are_cast(host, sd1):
+    typed, _ = run_job(host, sd1, script_args(method="ToDo", downsample_factor=3.0, hr_only=False, sx=2))
+    json_like = script_args(method="ToDo", downsample_factor=3.0)
+    json_like[0], json_like[1], json_like[3], json_like[9] = 1, "todo", "3", 2.0
+    json_like[webui_args.ARG_NAMES.index("skip_when_slower")] = "false"
+    cast, _ = run_job(host, sd1, json_like)
+    assert torch.equal(cast, typed)
+    short, p = run_job(host, sd1, [True, "ToMe", 0.5])  # trailing args missing: defaults
+    assert p.extra_generation_params["ToMe ratio"] == 0.5
+
+
+@pytest.mark.parametrize(
+    "position,value,words",
+    [
+        (1, "merge", ['"Method"', "'ToMe', 'ToDo'", "'merge'"]),
+        (2, 0.9, ['"Ratio (ToMe)"', "from 0 to 0.75", "0.9"]),
+        (2, "half", ['"Ratio (ToMe)"', "'half'"]),
+        (3, True, ['"Downsample factor (ToDo)"', "from 1 to 8"]),
+        (8, "16", ['"Max downsample"', "'auto'"]),
+        (9, 2.5, ['"Stride x (ToMe)"', "whole number"]),
+        (16, -0.1, ['"Stop after (fraction of steps)"', "from 0 to 1"]),
+    ],
+)
+def test_bad_api_args_are_rejected_with_a_clear_message(host, sd1, baseline, capsys, position, value, words):
+    args = script_args()
+    args[position] = value
+    out, p = run_job(host, sd1, args)
+    console = capsys.readouterr().out
+    assert console.count("[ToMe Patch]") == 1 and "Traceback" not in console
+    assert all(word in console for word in words), console
+    assert any(all(word in comment for word in words) for comment in p.comments)  # shown with the result
+    assert torch.equal(out, baseline) and not host.console
+
+
+def test_combination_errors_name_both_settings(capsys, host, sd1):
+    args = script_args()
+    args[9] = args[10] = 1  # sx, sy: each in range, together no source token
+    run_job(host, sd1, args)
+    assert "sx and sy" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="at most 18 arguments"):
+        webui_args.parse_args([True] * 19)
+
+
+def _infotext(params: dict) -> str:
+    """The last line of a picture's parameters, as modules/processing.py create_infotext writes it."""
+    return "Steps: 20, Sampler: Euler, " + ", ".join(f"{key}: {value}" for key, value in params.items())
+
+
+def _parse(line: str) -> dict:
+    """modules/infotext_utils.py parse_generation_parameters for a line without quoted values: all text."""
+    return dict(part.split(": ", 1) for part in line.split(", "))
+
+
+def _paste(components, fields, params):
+    """modules/infotext_utils.py connect_paste (476-520): a callable per field, None = unchanged, cast by the
+    type of the component's value."""
+    values = [c.value for c in components]
+    for index, (component, key) in enumerate(fields):
+        assert component is components[index]
+        v = key(params)
+        if v is None:
+            continue
+        kind = type(component.value)
+        values[index] = False if kind is bool and v == "False" else float(v) if kind is int else kind(v)
+    return values
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        dict(ratio=0.4),
+        dict(method="ToDo", downsample_factor=3, hr_same=False, hr_downsample_factor=4, downsample_method="avg_pool"),
+        dict(hr_same=False, hr_ratio=0.6, hr_only=True, max_downsample="2", sx=3, sy=2, use_rand=True),
+        dict(merge_crossattn=True, merge_mlp=True, merge_attn=False, end_percent=0.7, skip_when_slower=True),
+    ],
+)
+def test_infotext_round_trip(host, sd1, values):
+    args = script_args(**values)
+    _, p = run_job(host, sd1, args, enable_hr=True)
+    params = _parse(_infotext(p.extra_generation_params))
+    assert all(key in webui_args.INFOTEXT_KEYS for key in p.extra_generation_params)
+    script = host.script()
+    components = host.ui(script)
+    pasted = webui_args.parse_args(_paste(components, script.infotext_fields, params))
+    original = webui_args.parse_args(args)
+    assert pasted.enabled
+    for is_hr_pass in (False, True):
+        assert pasted.settings_for_pass(is_hr_pass, 7) == original.settings_for_pass(is_hr_pass, 7)
+
+
+def test_pasting_parameters_without_ours_turns_it_off_and_changes_nothing_else(host):
+    script = host.script()
+    components = host.ui(script)
+    params = _parse("Steps: 20, Sampler: Euler, Token merging ratio: 0.5")
+    assert [key(params) for _, key in script.infotext_fields] == [False] + [None] * (len(components) - 1)
+
+
+def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
+    host.fire("before_ui")
+    host.fire("before_ui")
+    labels = [option.label for option in host.xyz.axis_options]
+    assert labels == ["[ToMe Patch] Method", "[ToMe Patch] Ratio", "[ToMe Patch] Downsample factor"]
+    method_axis, ratio_axis, _ = host.xyz.axis_options
+    assert method_axis.choices() == ["ToMe", "ToDo"]
+    from webui_host import Processing, process_images
+
+    outputs = {}
+    for ratio in (0.25, 0.5):
+        p = Processing(sd1, script_args(enabled=False))
+        ratio_axis.apply(p, ratio, [0.25, 0.5])  # a plot cell: the axis value turns the patch on
+        with torch.no_grad():
+            outputs[ratio] = process_images(host, p)
+        assert p.extra_generation_params["ToMe ratio"] == ratio
+    assert not torch.equal(outputs[0.25], outputs[0.5]) and not torch.equal(outputs[0.5], baseline)
+    # Without the X/Y/Z script (e.g. disabled), nothing is added and nothing fails.
+    assert Host().script() is not None
+
+
+def _run_install(tmp_path, launch_source):
+    if launch_source is not None:
+        (tmp_path / "launch.py").write_text(textwrap.dedent(launch_source))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    return subprocess.run(
+        [sys.executable, str(REPO / "install.py")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_install_py_installs_nothing_when_everything_is_there(tmp_path):
+    launch = """
+        import pathlib
+        def is_installed(name):
+            return True
+        def run_pip(command, desc=None):
+            pathlib.Path("pip_calls.txt").open("a").write(command + "\\n")
+    """
+    result = _run_install(tmp_path, launch)
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "pip_calls.txt").exists()
+    plain = tmp_path / "no_webui"
+    plain.mkdir()
+    result = _run_install(plain, None)  # outside the WebUI: a plain import check, nothing installed
+    assert result.returncode == 0 and not result.stdout, result.stderr + result.stdout
+
+
+def test_install_py_installs_only_what_is_missing_and_never_torch(tmp_path):
+    launch = """
+        import pathlib
+        def is_installed(name):
+            return name not in ("einops", "torch")
+        def run_pip(command, desc=None):
+            pathlib.Path("pip_calls.txt").open("a").write(command + "\\n")
+    """
+    result = _run_install(tmp_path, launch)
+    assert result.returncode == 0, result.stderr
+    calls = (tmp_path / "pip_calls.txt").read_text().splitlines()
+    assert len(calls) == 1 and "einops" in calls[0] and "torch" not in calls[0]
