@@ -1,11 +1,17 @@
 """The ``skip_when_slower`` rule: reduce a level only where its token grid is large enough to pay off.
 
 Shrinking self-attention saves time quadratic in the token count, while matching, merging and downsampling
-cost time linear in it (plus a fixed launch cost). Below some token count the saving is smaller than the cost
-and the patched UNet is slower than the unpatched one (ComfyUI's built-in ToMe at 512 px runs at 0.9x). The
-minimum token counts below were read off the benchmark (``python -m tools.benchmark``): the smallest grid at
-which the reduced UNet was faster than the unpatched one on the machines measured, with a margin. They are
-documented with their measurements in the README ("The skip_when_slower rule").
+cost time linear in it plus a fixed cost per call (ToMe's plan also has a quadratic part, about a tenth of
+the attention it shrinks). Below some token count the saving is smaller than the cost and the patched UNet
+is slower than the unpatched one.
+
+How the minimum token counts were derived (``python -m tools.bench_breakeven``, README "The skip_when_slower
+rule"): only the blocks of the reduced level change, so the whole UNet's gain is those blocks' gain. One real
+ComfyUI transformer block of SD1.5's level 1 (320 channels, 8 heads) and of SDXL's level 2 (640 channels,
+10 heads) was timed unpatched and with each method forced on, on square grids from 16x16 to 72x72 tokens
+(2-core CPU, fp32, SDPA). ToDo (factor 2) was faster from 256 tokens on, ToMe (ratio 0.3 and 0.5) from 1600
+tokens on with SD1.5 and SDXL alike; each threshold below is that measurement with a safety margin, and the
+whole-UNet rows of ``python -m tools.benchmark`` confirm it at 512 and 768 px.
 """
 
 from __future__ import annotations
@@ -13,10 +19,11 @@ from __future__ import annotations
 from .settings import PatchSettings
 
 # Minimum tokens at a level (h * w of its grid) for the reduction to be applied there.
-# 4096 tokens is SD1.5 at 512 px at level 1; 9216 is 768 px.
+# For scale: SD1.5 level 1 has 4096 tokens at 512 px and 2304 at 384 px; SDXL level 2 has 1024 at 512 px,
+# 2304 at 768 px and 4096 at 1024 px.
 MIN_TOKENS = {
-    "todo": 6144,
-    "tome": 8192,
+    "todo": 1024,
+    "tome": 2304,
 }
 
 
