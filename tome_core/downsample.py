@@ -9,7 +9,6 @@ layout copies that interpolate needs for a (batch, tokens, channels) tensor.
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +28,6 @@ class NearestIndexCache:
 
     def __init__(self) -> None:
         self._index: dict[tuple, torch.Tensor] = {}
-        self._lock = threading.Lock()
 
     def get(self, h: int, w: int, out_h: int, out_w: int, device: torch.device) -> torch.Tensor:
         key = (h, w, out_h, out_w, str(device))
@@ -38,10 +36,10 @@ class NearestIndexCache:
             rows = _nearest_exact_index(h, out_h)
             cols = _nearest_exact_index(w, out_w)
             index = (rows.view(-1, 1) * w + cols.view(1, -1)).flatten().to(device)
-            with self._lock:
-                if len(self._index) > 4096:
-                    self._index.clear()
-                self._index[key] = index
+            # No lock: dict get and set are atomic, and a lock would break torch.compile's graph here.
+            if len(self._index) > 4096:
+                self._index.clear()
+            self._index[key] = index
         return index
 
 
