@@ -102,7 +102,7 @@ def _parse(line: str) -> dict:
 
 
 def _paste(components, fields, params):
-    """modules/infotext_utils.py connect_paste (476-520): a callable per field, None = unchanged, cast by the
+    """modules/infotext_utils.py connect_paste (476-519): a callable per field, None = unchanged, cast by the
     type of the component's value."""
     values = [c.value for c in components]
     for index, (component, key) in enumerate(fields):

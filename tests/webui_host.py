@@ -6,7 +6,7 @@ What is reproduced (file and line numbers of WebUI v1.10.1, tag commit 82a973c):
   (``spec_from_file_location(os.path.basename(path), path)``), then registers every ``Script`` subclass.
 - Script hooks: modules/scripts.py lines 820-872, every call wrapped in try/except that only reports the error.
 - Job order, modules/processing.py:
-    ``process_images`` (819): ``before_process`` (821) -> built-in token merging applied (841) ->
+    ``process_images`` (819-860): ``before_process`` (821) -> built-in token merging applied (841) ->
     ``process_images_inner`` (847) in a ``try`` whose ``finally`` removes the built-in patch (849-850).
     ``process_images_inner`` (863): ``process`` (915) -> per batch ``p.sample`` -> ``postprocess`` (1148), NOT in
     a ``finally``: an exception while sampling skips it.
@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class Script:
-    """modules/scripts.py ``Script`` (lines 47-350): the parts a script uses."""
+    """modules/scripts.py ``Script`` (line 52): the parts a script uses."""
 
     filename = None
     args_from = None
