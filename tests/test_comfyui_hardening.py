@@ -184,7 +184,8 @@ def test_seeded_output_is_bit_identical_across_processes():
     assert hashes[0] == hashes[1]
 
 
-def test_patched_unet_compiles_without_graph_breaks(node_classes, model, monkeypatch):
+@pytest.mark.parametrize("step_range", [False, True])
+def test_patched_unet_compiles_without_graph_breaks(node_classes, model, monkeypatch, step_range):
     """The tiny UNet with our hooks under torch.compile, as ComfyUI's TorchCompileModel compiles it.
 
     ComfyUI's CPU attention (attention_split) reads free memory with psutil, a graph break of its own; PyTorch's
@@ -197,12 +198,24 @@ def test_patched_unet_compiles_without_graph_breaks(node_classes, model, monkeyp
     monkeypatch.setattr(attention, "optimized_attention", attention.attention_pytorch)
     monkeypatch.setattr(attention, "optimized_attention_masked", attention.attention_pytorch)
     patched = patch(
-        node_classes, model, method="tome", skip_when_slower=False, use_rand=True, merge_crossattn=True, seed=2
+        node_classes,
+        model,
+        method="tome",
+        skip_when_slower=False,
+        use_rand=True,
+        merge_crossattn=True,
+        seed=2,
+        end_percent=0.7 if step_range else 1.0,
     )
     unet = patched.model.diffusion_model
     latent = torch.randn(2, 4, *HW, generator=torch.Generator().manual_seed(1))
     context = host.conditioning("sd15", 2)[0][0]
     options = dict(patched.model_options["transformer_options"], sigmas=torch.full((2,), 5.0))
+    if step_range:
+        # As in sampling: the apply_model wrapper takes the step decision outside the compiled diffusion model.
+        (wrapper,) = patched.get_wrappers("apply_model", "tome_patch")
+        wrapper(lambda *args, **kwargs: None, latent, torch.full((2,), 5.0), transformer_options=options)
+        assert options["tome_patch_active"] is True
 
     def forward(x, transformer_options=options):
         return unet(x, timesteps=torch.full((2,), 500.0), context=context, transformer_options=transformer_options)

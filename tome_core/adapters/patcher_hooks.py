@@ -16,6 +16,7 @@ from ..schedule import NoiseRange
 from .unet_layout import attention_levels
 
 _PLAN_KEY = "tome_patch_reduction"
+_ACTIVE_KEY = "tome_patch_active"  # the step decision, made once per model call by the apply_model wrapper
 HOOK_NAMES = ("attn1_patch", "attn1_output_patch", "attn2_patch", "attn2_output_patch")
 WRAPPER_TYPE = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
 WRAPPER_KEY = "tome_patch"
@@ -36,6 +37,10 @@ class PatcherHooks:
     def _is_active(self, extra_options: dict) -> bool:
         if self.noise_range.everywhere:
             return True
+        decided = extra_options.get(_ACTIVE_KEY)
+        if decided is not None:  # ComfyUI: decided outside the (possibly compiled) diffusion model
+            return decided
+        # Forge has no wrappers: decide at the first block of each call, and reuse it for the call's other blocks.
         sigmas = extra_options.get("sigmas")
         if sigmas is None:
             return not self.noise_range.empty
@@ -45,6 +50,20 @@ class PatcherHooks:
         active = self.noise_range.contains(float(sigmas.max()))
         self._last_decision = (sigmas, active)
         return active
+
+    def apply_model_wrapper(
+        self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs
+    ):
+        """ComfyUI APPLY_MODEL wrapper (comfy/model_base.py, BaseModel.apply_model, 0.3.75 line 160).
+
+        Orders the hooks for this call, and takes the step decision once per call from the sigma ``t``, outside
+        the diffusion model, so a compiled model sees a plain Python bool and no host sync inside.
+        """
+        if transformer_options is not None:
+            order_ours_innermost(transformer_options)
+            if not self.noise_range.everywhere:
+                transformer_options[_ACTIVE_KEY] = self.noise_range.contains(float(t.max()))
+        return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
 
     def attn1_patch(self, n, context, value, extra_options):
         if not self._is_active(extra_options):
@@ -103,15 +122,6 @@ def order_ours_innermost(transformer_options: dict) -> None:
     transformer_options["patches"] = reordered
 
 
-def apply_model_wrapper(
-    executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs
-):
-    """ComfyUI APPLY_MODEL wrapper (comfy/model_base.py, BaseModel.apply_model): orders the hooks per call."""
-    if transformer_options is not None:
-        order_ours_innermost(transformer_options)
-    return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
-
-
 def remove_hooks(model_options: dict) -> None:
     """Drop every hook of ours from a patcher's model_options (a clone's copy), leaving others in order."""
     patches = model_options.get("transformer_options", {}).get("patches", {})
@@ -125,7 +135,7 @@ def remove_hooks(model_options: dict) -> None:
 def install_hooks(patcher, hooks: PatcherHooks, cross_attention: bool) -> None:
     """Register ``hooks`` on ``patcher``, a clone from which earlier hooks of ours were removed."""
     if hasattr(patcher, "add_wrapper_with_key"):  # ComfyUI; Forge has no wrappers and keeps registration order
-        patcher.add_wrapper_with_key(WRAPPER_TYPE, WRAPPER_KEY, apply_model_wrapper)
+        patcher.add_wrapper_with_key(WRAPPER_TYPE, WRAPPER_KEY, hooks.apply_model_wrapper)
     patcher.set_model_attn1_patch(hooks.attn1_patch)
     patcher.set_model_attn1_output_patch(hooks.attn1_output_patch)
     if cross_attention:
