@@ -30,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1, help="UNet batch (2 = one image with cfg)")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per row and resolution")
     parser.add_argument("--steps", type=int, default=2, help="steps of the sampling run (0: none)")
-    parser.add_argument("--sample-resolution", default=None, help="size of the sampling run (default: the largest)")
+    parser.add_argument("--sample-resolution", default=None, help="size of the sampling run (default: the smallest)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     parser.add_argument("--ratios", default="0.3,0.5", help="ToMe ratios of this project")
@@ -272,7 +272,7 @@ def main(argv=None) -> dict:
         records = measure_resolution(bench, size, log)
         report["resolutions"].append({"resolution": size_label(size), "size": list(size), "rows": records})
     if args.steps > 0:
-        sample_size = parse_size(args.sample_resolution) if args.sample_resolution else max(sizes)
+        sample_size = parse_size(args.sample_resolution) if args.sample_resolution else min(sizes)
         log(f"sampling run, {args.steps} steps at {size_label(sample_size)} px:")
         deviations = sampling_deviation(bench, sample_size, args.steps, log)
         report["sampling"] = {"resolution": size_label(sample_size), "steps": args.steps, "deviation": deviations}
