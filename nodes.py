@@ -136,36 +136,28 @@ def v3_nodes():
                 )
         return inputs
 
-    class ToMePatch(io.ComfyNode):
-        @classmethod
-        def define_schema(cls):
-            return io.Schema(
-                node_id=NODE_ID,
-                display_name="ToMe Patch",
-                category=CATEGORY,
-                description=DESCRIPTION,
-                inputs=v3_inputs(BASIC_INPUTS),
-                outputs=[io.Model.Output()],
-            )
+    def node_class(node_id, display_name, input_names):
+        # One independent class per node: ComfyUI stores per-class schema state, so no node inherits another.
+        class Node(io.ComfyNode):
+            @classmethod
+            def define_schema(cls):
+                return io.Schema(
+                    node_id=node_id,
+                    display_name=display_name,
+                    category=CATEGORY,
+                    description=DESCRIPTION,
+                    inputs=v3_inputs(input_names),
+                    outputs=[io.Model.Output()],
+                )
 
-        @classmethod
-        def execute(cls, model, **values):
-            return io.NodeOutput(patch_model(model, **values))
+            @classmethod
+            def execute(cls, model, **values):
+                return io.NodeOutput(patch_model(model, **values))
 
-    class ToMePatchAdvanced(io.ComfyNode):
-        @classmethod
-        def define_schema(cls):
-            return io.Schema(
-                node_id=ADVANCED_NODE_ID,
-                display_name="ToMe Patch (Advanced)",
-                category=CATEGORY,
-                description=DESCRIPTION,
-                inputs=v3_inputs(ADVANCED_INPUTS),
-                outputs=[io.Model.Output()],
-            )
+        Node.__name__ = Node.__qualname__ = node_id
+        return Node
 
-        @classmethod
-        def execute(cls, model, **values):
-            return io.NodeOutput(patch_model(model, **values))
-
-    return [ToMePatch, ToMePatchAdvanced]
+    return [
+        node_class(NODE_ID, "ToMe Patch", BASIC_INPUTS),
+        node_class(ADVANCED_NODE_ID, "ToMe Patch (Advanced)", ADVANCED_INPUTS),
+    ]
