@@ -17,11 +17,13 @@ NODE_ID = "ToMePatch"
 ADVANCED_NODE_ID = "ToMePatchAdvanced"
 CATEGORY = "model_patches/unet"
 DESCRIPTION = (
-    "Makes sampling faster by reducing the tokens that self-attention works on: ToMe merges similar tokens, "
-    "ToDo downsamples keys and values. Returns a patched copy; the input model is not changed."
+    "Makes sampling faster by reducing the tokens that the transformer blocks work on: ToMe merges similar "
+    "tokens (for self-attention only, or for the whole block), ToDo downsamples self-attention's keys and values. "
+    "Returns a patched copy; the input model is not changed."
 )
 
-BASIC_INPUTS = (
+# Saved workflows store widget values by position: new inputs are only ever appended to each tuple.
+_FIRST_INPUTS = (
     "method",
     "ratio",
     "downsample_factor",
@@ -30,7 +32,21 @@ BASIC_INPUTS = (
     "end_percent",
     "skip_when_slower",
 )
-ADVANCED_INPUTS = BASIC_INPUTS + ("sx", "sy", "use_rand", "seed", "merge_attn", "merge_crossattn", "downsample_method")
+BASIC_INPUTS = _FIRST_INPUTS + ("scope",)
+ADVANCED_INPUTS = _FIRST_INPUTS + (
+    "sx",
+    "sy",
+    "use_rand",
+    "seed",
+    "merge_attn",
+    "merge_crossattn",
+    "downsample_method",
+    "scope",
+)
+
+# Inputs added after the first release are optional: an API prompt or a saved workflow without them still
+# validates, and they take their default.
+OPTIONAL_INPUTS = frozenset({"scope"})
 
 # max_downsample is shown as a dropdown of strings; "auto" is the engine's 0.
 MAX_DOWNSAMPLE_OPTIONS = ("auto", "1", "2", "4", "8")
@@ -68,18 +84,20 @@ def patch_model(model, **values):
 def classic_input_types(names):
     """INPUT_TYPES of the classic node API."""
     required = {"model": ("MODEL", {"tooltip": "The diffusion model to patch (SD1.x, SD2.x, SDXL)."})}
+    optional = {}
     for name in names:
         spec = SPECS[name]
         options = {"default": _ui_value(name, spec.default), "tooltip": spec.tooltip}
+        group = optional if name in OPTIONAL_INPUTS else required
         if spec.kind == "choice":
             choices = MAX_DOWNSAMPLE_OPTIONS if name == "max_downsample" else list(spec.choices)
-            required[name] = (list(choices), options)
+            group[name] = (list(choices), options)
         elif spec.kind == "bool":
-            required[name] = ("BOOLEAN", options)
+            group[name] = ("BOOLEAN", options)
         else:
             options.update(min=spec.minimum, max=spec.maximum, step=spec.step)
-            required[name] = ("INT" if spec.kind == "int" else "FLOAT", options)
-    return {"required": required}
+            group[name] = ("INT" if spec.kind == "int" else "FLOAT", options)
+    return {"required": required, "optional": optional} if optional else {"required": required}
 
 
 class ClassicToMePatch:
@@ -114,7 +132,15 @@ def v3_nodes():
             default = _ui_value(name, spec.default)
             if spec.kind == "choice":
                 choices = MAX_DOWNSAMPLE_OPTIONS if name == "max_downsample" else spec.choices
-                inputs.append(io.Combo.Input(name, options=list(choices), default=default, tooltip=spec.tooltip))
+                inputs.append(
+                    io.Combo.Input(
+                        name,
+                        options=list(choices),
+                        default=default,
+                        tooltip=spec.tooltip,
+                        optional=name in OPTIONAL_INPUTS,
+                    )
+                )
             elif spec.kind == "bool":
                 inputs.append(io.Boolean.Input(name, default=default, tooltip=spec.tooltip))
             elif spec.kind == "int":

@@ -50,11 +50,21 @@ def test_package_registers_both_nodes(node_classes):
         "start_percent",
         "end_percent",
         "skip_when_slower",
+        "scope",
     ]
     assert all(i.tooltip for i in schema.inputs)
+    # Saved workflows keep widget values by position: both nodes only ever append inputs.
     advanced = [i.id for i in node_classes["ToMePatchAdvanced"].GET_SCHEMA().inputs]
-    assert advanced[: len(names)] == names
-    assert {"sx", "sy", "use_rand", "seed", "merge_attn", "merge_crossattn", "downsample_method"} <= set(advanced)
+    assert advanced == names[:-1] + [
+        "sx",
+        "sy",
+        "use_rand",
+        "seed",
+        "merge_attn",
+        "merge_crossattn",
+        "downsample_method",
+        "scope",
+    ]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -343,12 +353,15 @@ def test_classic_api_offers_the_same_inputs_and_result(node_classes, models):
         (our_nodes.ClassicToMePatch, "ToMePatch"),
         (our_nodes.ClassicToMePatchAdvanced, "ToMePatchAdvanced"),
     ):
-        required = classic.INPUT_TYPES()["required"]
+        types = classic.INPUT_TYPES()
+        inputs = {**types["required"], **types.get("optional", {})}
         schema_inputs = node_classes[v3].GET_SCHEMA().inputs
-        assert list(required) == [i.id for i in schema_inputs]
+        assert list(inputs) == [i.id for i in schema_inputs]
+        # Inputs added after the first release are optional in both APIs, so older prompts still validate.
+        assert set(types.get("optional", {})) == {i.id for i in schema_inputs if i.optional} == {"scope"}
         for spec in schema_inputs[1:]:
-            assert required[spec.id][1]["default"] == spec.default
-            assert required[spec.id][1]["tooltip"] == spec.tooltip
+            assert inputs[spec.id][1]["default"] == spec.default
+            assert inputs[spec.id][1]["tooltip"] == spec.tooltip
     model = models["sd15"]
     values = dict(
         method="todo",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import tomesd.merge
 import torch
@@ -153,6 +155,8 @@ def test_reducer_todo_keeps_queries():
         ({"use_rand": "yes"}, "use_rand must be true or false"),
         ({"speed": 2}, "unknown setting(s) speed"),
         ({"sx": 1, "sy": 1}, "sx and sy must not both be 1"),
+        ({"scope": "all"}, "scope must be one of 'self-attention', 'block', got 'all'"),
+        ({"scope": None}, "scope must be one of 'self-attention', 'block', got None"),
     ],
 )
 def test_bad_settings_name_the_setting_and_range(values, message):
@@ -164,3 +168,32 @@ def test_bad_settings_name_the_setting_and_range(values, message):
 def test_settings_accept_integer_choices_from_json():
     assert PatchSettings.from_values(max_downsample=2.0).max_downsample == 2
     assert PatchSettings.from_values(max_downsample="4").max_downsample == 4
+
+
+def test_scope_block_is_tome_only_and_ignores_the_sub_layer_switches():
+    n = torch.randn(2, 16 * 16, 8)
+    block = PatchSettings(scope="block", skip_when_slower=False)
+    assert block.merges_whole_block and not block.is_noop
+    # The merge_* switches choose sub-layers for scope self-attention; scope block merges the whole block anyway.
+    no_switches = block.replace(merge_attn=False, merge_crossattn=False, merge_mlp=False)
+    assert not no_switches.is_noop and no_switches.replace(scope="self-attention").is_noop
+    assert block.replace(ratio=0.0).is_noop
+    reduction = Reducer(no_switches, (1,)).start_block(n, (16, 16))
+    assert reduction.run_block(n, lambda tokens: tokens[:, :1].expand_as(tokens)).shape == n.shape
+    # ToDo ignores the scope: keys and values of self-attention, nothing around the block.
+    todo = PatchSettings(method="todo", scope="block", skip_when_slower=False)
+    assert not todo.merges_whole_block and not Reducer(todo, (1,)).merges_whole_block
+    todo_reduction = Reducer(todo, (1,)).start_block(n, (16, 16))
+    q, kv = todo_reduction.self_attn_inputs(n)
+    assert q is n and kv.shape == (2, 64, 8)
+    assert todo_reduction.run_block(n, lambda tokens: tokens * 2).equal(n * 2)
+
+
+def test_skip_when_slower_has_its_own_threshold_for_scope_block():
+    from tome_core.cost import MIN_TOKENS
+
+    reducer = Reducer(PatchSettings(scope="block"), (1, 2, 4))
+    side = math.isqrt(MIN_TOKENS["tome block"] - 1) + 1  # the smallest square grid at the threshold
+    assert MIN_TOKENS["tome block"] < MIN_TOKENS["tome"]
+    assert reducer.start_block(torch.randn(1, side * side, 8), (side, side)) is not None
+    assert reducer.start_block(torch.randn(1, (side - 1) ** 2, 8), (side - 1, side - 1)) is None

@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-from tome_core import PatchSettings, Reducer, grid_at_level, matching
+from tome_core import BlockMerge, PatchSettings, Reducer, grid_at_level, matching
 from tome_core.cost import MIN_TOKENS
 from tome_core.downsample import NearestIndexCache, downsample_tokens, downsampled_size
 from tome_core.patterns import PatternCache
@@ -46,6 +46,7 @@ def patch_settings(draw):
         merge_crossattn=draw(st.booleans()),
         merge_mlp=draw(st.booleans()),
         downsample_method=draw(st.sampled_from(["nearest-exact", "avg_pool", "bilinear"])),
+        scope=draw(st.sampled_from(["self-attention", "block"])),
     )
 
 
@@ -59,7 +60,8 @@ def expected_to_reduce(s: PatchSettings, attention_levels, level: int, h: int, w
         chosen = {a for a in attention_levels if a <= s.max_downsample}
     if level not in chosen:
         return False
-    if s.skip_when_slower and h * w < MIN_TOKENS[s.method]:
+    threshold = MIN_TOKENS["tome block" if (s.method, s.scope) == ("tome", "block") else s.method]
+    if s.skip_when_slower and h * w < threshold:
         return False
     if s.method == "todo":
         return downsampled_size(h, w, s.downsample_factor) != (h, w)
@@ -119,6 +121,9 @@ def test_any_grid_batch_and_setting(s, latent_h, latent_w, level, batch, layout)
 
     n_src = h * w - (h // s.sy) * (w // s.sx)
     r = min(int(h * w * s.ratio), n_src)
+    if s.scope == "block":
+        _check_block_merge(reduction, x, r)
+        return
     merged = reduction.merge(x)
     assert merged.shape == (batch, h * w - r, CHANNELS)
     assert reduction.unmerge(merged).shape == x.shape
@@ -138,6 +143,83 @@ def test_any_grid_batch_and_setting(s, latent_h, latent_w, level, batch, layout)
     assert torch.equal(back[group == 1], x[group == 1])
     assert int((group > 1).sum()) >= r * batch  # r tokens per image really went into another token
     assert torch.allclose(back.sum(dim=1), x.sum(dim=1), atol=1e-4 * h * w)  # means preserve the group sums
+
+
+def _token_mixing_body(tokens: torch.Tensor) -> torch.Tensor:
+    """A stand-in block: a per-token map plus a softmax-weighted mix over all tokens, like attention."""
+    weights = torch.softmax(tokens @ tokens.transpose(1, 2) / tokens.shape[-1] ** 0.5, dim=-1)
+    return tokens + torch.tanh(tokens) + weights @ tokens
+
+
+def _per_token_body(tokens: torch.Tensor) -> torch.Tensor:
+    return tokens + torch.tanh(tokens)
+
+
+def _check_block_merge(reduction, x: torch.Tensor, r: int) -> None:
+    """Scope block: identity at every sub-layer hook, the block runs on h*w - r tokens, the update comes back."""
+    assert isinstance(reduction, BlockMerge)
+    batch, n_tokens, _ = x.shape
+    for hook in ("self_attn_output", "cross_attn_query", "cross_attn_output", "mlp_input", "mlp_output"):
+        assert getattr(reduction, hook)(x) is x
+    q, kv = reduction.self_attn_inputs(x)
+    assert q is x and kv is x
+    seen = []
+    # A block that changes nothing gives its input back bit-identically (its update is exactly zero).
+    assert torch.equal(reduction.run_block(x, lambda tokens: seen.append(tokens.shape) or tokens), x)
+    assert seen == [(batch, n_tokens - r, x.shape[-1])]
+    # Mixing all tokens costs tokens^2: on the largest grids a per-token body stands in.
+    body = _token_mixing_body if n_tokens <= 4096 else _per_token_body
+    out = reduction.run_block(x, body)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    # The defining identity of the merged residual: merge(x + unmerge(a)) == merge(x) + a for mean merging.
+    # Each merged row is a mean of at most sx*sy + 1 values of x plus copies of one value of a: a few ulp apart.
+    a = torch.randn(batch, n_tokens - r, x.shape[-1], generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(reduction.merge(x + reduction.unmerge(a)), reduction.merge(x) + a, rtol=0, atol=1e-5)
+    # Running the block on the merged residual and adding back its update equals applying the body to the
+    # merged tokens: merge(run_block(x, f)) == f(merge(x)).
+    torch.testing.assert_close(reduction.merge(out), body(reduction.merge(x)), rtol=0, atol=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    latent_h=st.integers(8, 40),  # the token-mixing body costs tokens^2: grids up to 1600 tokens
+    latent_w=st.integers(8, 40),
+    batch=st.integers(1, 4),
+    depth=st.integers(1, 4),
+    ratio=st.floats(0.05, 0.75),
+    use_rand=st.booleans(),
+)
+def test_block_scope_shares_one_plan_per_level_and_call(latent_h, latent_w, batch, depth, ratio, use_rand):
+    """Every block of a level in one UNet call gets the plan of the first; a new call (a new plans dict) or another
+    batch size gets a new one. Chaining the blocks of a level equals merging once before the first and
+    unmerging once after the last (merge(x + unmerge(a)) == merge(x) + a)."""
+    s = PatchSettings(ratio=ratio, scope="block", skip_when_slower=False, use_rand=use_rand)
+    reducer = Reducer(s, (1, 2, 4))
+    h, w = latent_h, latent_w
+    x = torch.randn(batch, h * w, CHANNELS, generator=torch.Generator().manual_seed(h + 7 * w))
+    plans: dict = {}
+    first = reducer.start_block(x, (h, w), block_key=("input", 1), plans=plans)
+    if first is None:  # a grid smaller than one cell, or r == 0
+        assert int(h * w * ratio) == 0 or (h // 2) * (w // 2) == 0
+        return
+    out, merged = x, first.merge(x)
+    for index in range(depth):
+        reduction = reducer.start_block(out, (h, w), block_key=("output", index), plans=plans)
+        assert reduction.plan is first.plan
+        out = reduction.run_block(out, _token_mixing_body)
+        merged = _token_mixing_body(merged)
+    once = x + first.unmerge(merged - first.merge(x))
+    # The body about doubles its input's scale each time; float32 rounding of the two orders stays within a few
+    # ulp of that scale per block.
+    torch.testing.assert_close(out, once, rtol=1e-4, atol=1e-5 * depth * float(once.abs().max()))
+    level2 = grid_at_level((h, w), 2)
+    other_level = reducer.start_block(torch.randn(batch, level2[0] * level2[1], CHANNELS), (h, w), plans=plans)
+    assert other_level is None or other_level.plan is not first.plan
+    assert reducer.start_block(x, (h, w), plans={}).plan is not first.plan  # next UNet call
+    assert reducer.start_block(x, (h, w)).plan is not first.plan  # no plans dict: a plan per block
+    if batch > 1:
+        fewer = reducer.start_block(x[:1], (h, w), plans=plans)
+        assert fewer.plan.batch == 1 and fewer.plan is not first.plan
 
 
 @settings(max_examples=40, deadline=None)
@@ -231,13 +313,17 @@ class OnlyOnDevice(TorchFunctionMode):
         return out
 
 
-def _run_every_hook(reducer, x, latent_hw):
-    reduction = reducer.start_block(x, latent_hw, block_key=("input", 1))
+def _run_every_hook(reducer, x, latent_hw, plans=None):
+    reduction = reducer.start_block(x, latent_hw, block_key=("input", 1), plans=plans)
     assert reduction is not None
-    q, kv = reduction.self_attn_inputs(x)
-    out = reduction.self_attn_output(q + kv.mean(dim=1, keepdim=True))
-    out = reduction.cross_attn_output(reduction.cross_attn_query(out))
-    return reduction.mlp_output(reduction.mlp_input(out))
+
+    def body(x):
+        q, kv = reduction.self_attn_inputs(x)
+        out = reduction.self_attn_output(q + kv.mean(dim=1, keepdim=True))
+        out = reduction.cross_attn_output(reduction.cross_attn_query(out))
+        return reduction.mlp_output(reduction.mlp_input(out))
+
+    return reduction.run_block(x, body)
 
 
 @pytest.mark.parametrize(
@@ -248,6 +334,7 @@ def _run_every_hook(reducer, x, latent_hw):
         {"method": "todo", "downsample_method": "nearest-exact"},
         {"method": "todo", "downsample_method": "avg_pool"},
         {"method": "todo", "downsample_method": "bilinear"},
+        {"method": "tome", "scope": "block", "use_rand": True},
     ],
 )
 def test_hot_path_has_no_host_sync_and_stays_on_the_device(values):
@@ -280,6 +367,7 @@ def test_the_device_check_catches_a_host_sync():
         {"method": "tome", "sx": 2, "sy": 3},
         {"method": "todo", "downsample_method": "nearest-exact"},
         {"method": "todo", "downsample_method": "avg_pool"},
+        {"method": "tome", "scope": "block", "use_rand": True},
     ],
 )
 def test_compiles_without_graph_breaks_and_matches_eager(values):
@@ -290,7 +378,9 @@ def test_compiles_without_graph_breaks_and_matches_eager(values):
     x = torch.randn(2, 15 * 23, 8, generator=torch.Generator().manual_seed(0))
 
     def block(x):
-        return _run_every_hook(Reducer(settings_, (1, 2, 4)), x, (15, 23))
+        # Two blocks of one level in one call: the second takes the plan the first left in the call's plans.
+        reducer, plans = Reducer(settings_, (1, 2, 4)), {}
+        return _run_every_hook(reducer, _run_every_hook(reducer, x, (15, 23), plans), (15, 23), plans)
 
     torch._dynamo.reset()
     explained = torch._dynamo.explain(block)(x)

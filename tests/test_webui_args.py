@@ -46,6 +46,8 @@ def test_ui_returns_the_documented_order_with_engine_defaults_and_ranges(host):
         assert (kwargs["minimum"], kwargs["maximum"], kwargs["value"]) == (spec.minimum, spec.maximum, spec.default)
     assert by_name["max_downsample"].kwargs["choices"] == ["auto", "1", "2", "4", "8"]
     assert webui_args.ARG_NAMES[:4] == ("enabled", "method", "ratio", "downsample_factor")  # API positions
+    assert webui_args.ARG_NAMES[18] == "scope" and by_name["scope"].kwargs["choices"] == ["self-attention", "block"]
+    assert by_name["scope"].kwargs["value"] == "self-attention" and by_name["scope"].kind == "Dropdown"
 
 
 def test_api_args_from_json_are_cast(host, sd1):
@@ -69,6 +71,7 @@ def test_api_args_from_json_are_cast(host, sd1):
         (8, "16", ['"Max downsample"', "'auto'"]),
         (9, 2.5, ['"Stride x (ToMe)"', "whole number"]),
         (16, -0.1, ['"Stop after (fraction of steps)"', "from 0 to 1"]),
+        (18, "all", ['"Scope (ToMe)"', "'self-attention', 'block'", "'all'"]),
     ],
 )
 def test_bad_api_args_are_rejected_with_a_clear_message(host, sd1, baseline, capsys, position, value, words):
@@ -87,8 +90,8 @@ def test_combination_errors_name_both_settings(capsys, host, sd1):
     args[9] = args[10] = 1  # sx, sy: each in range, together no source token
     run_job(host, sd1, args)
     assert "sx and sy" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="at most 18 arguments"):
-        webui_args.parse_args([True] * 19)
+    with pytest.raises(ValueError, match="at most 19 arguments"):
+        webui_args.parse_args([True] * 20)
 
 
 def _infotext(params: dict) -> str:
@@ -122,6 +125,7 @@ def _paste(components, fields, params):
         dict(method="ToDo", downsample_factor=3, hr_same=False, hr_downsample_factor=4, downsample_method="avg_pool"),
         dict(hr_same=False, hr_ratio=0.6, hr_only=True, max_downsample="2", sx=3, sy=2, use_rand=True),
         dict(merge_crossattn=True, merge_mlp=True, merge_attn=False, end_percent=0.7, skip_when_slower=True),
+        dict(scope="block", max_downsample="4"),
     ],
 )
 def test_infotext_round_trip(host, sd1, values):
@@ -149,9 +153,15 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
     host.fire("before_ui")
     host.fire("before_ui")
     labels = [option.label for option in host.xyz.axis_options]
-    assert labels == ["[ToMe Patch] Method", "[ToMe Patch] Ratio", "[ToMe Patch] Downsample factor"]
-    method_axis, ratio_axis, _ = host.xyz.axis_options
+    assert labels == [
+        "[ToMe Patch] Method",
+        "[ToMe Patch] Ratio",
+        "[ToMe Patch] Downsample factor",
+        "[ToMe Patch] Scope",
+    ]
+    method_axis, ratio_axis, _, scope_axis = host.xyz.axis_options
     assert method_axis.choices() == ["ToMe", "ToDo"]
+    assert scope_axis.choices() == ["self-attention", "block"]
     from webui_host import Processing, process_images
 
     outputs = {}
@@ -162,6 +172,11 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
             outputs[ratio] = process_images(host, p)
         assert p.extra_generation_params["ToMe ratio"] == ratio
     assert not torch.equal(outputs[0.25], outputs[0.5]) and not torch.equal(outputs[0.5], baseline)
+    p = Processing(sd1, script_args(enabled=False))
+    scope_axis.apply(p, "block", ["self-attention", "block"])
+    with torch.no_grad():
+        block = process_images(host, p)
+    assert p.extra_generation_params["ToMe scope"] == "block" and not torch.equal(block, outputs[0.5])
     # Without the X/Y/Z script (e.g. disabled), nothing is added and nothing fails.
     assert Host().script() is not None
 

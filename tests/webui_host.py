@@ -18,8 +18,14 @@ What is reproduced (file and line numbers of WebUI v1.10.1, tag commit 82a973c):
   ``get_token_merging_ratio`` of txt2img (modules/processing.py 412-416).
 - Forge (lllyasviel/stable-diffusion-webui-forge@dfdcbab): the UNet patcher's list hooks
   (backend/patcher/base.py 161-186: ``set_model_attn1_patch`` ...; ``clone`` 79-84 deep-copies ``model_options``)
-  and the transformer block that calls them (backend/nn/unet.py 183-260), ``forge_objects`` reset before each
-  pass and ``process_before_every_sampling`` called twice in the highres pass (modules/processing.py 1510, 1522).
+  and its object patches (``add_object_patch`` 188-189, applied by ``forge_patch_model`` and undone by
+  ``forge_unpatch_model``), loaded before every sampling pass (backend/sampling/sampling_function.py
+  ``sampling_prepare`` -> backend/memory_management.py ``load_models_gpu``, which first unloads every loaded
+  clone of the same model, ``unload_model_clones`` 552-559, and ``model_unload`` calls ``forge_unpatch_model``);
+  the transformer block that calls the hooks (backend/nn/unet.py 180-279: ``forward(x, context,
+  transformer_options)``, residual added in place) and the SpatialTransformer that passes the options to it
+  (308-321); ``forge_objects`` reset before each pass and ``process_before_every_sampling`` called twice in the
+  highres pass (modules/processing.py 1510, 1522).
 The sampler is a plain Euler loop over the DDPM schedule the WebUI's k-diffusion wrapper uses, with CFG.
 """
 
@@ -36,7 +42,8 @@ from pathlib import Path
 
 import tomesd
 import torch
-from ldm.modules.attention import BasicTransformerBlock
+from einops import rearrange
+from ldm.modules.attention import BasicTransformerBlock, SpatialTransformer
 from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -429,6 +436,7 @@ def _apply_model(p):
     if not _is_forge(p):
         return _ldm_apply_model(p.sd_model)
     patcher = p.sd_model.forge_objects.unet
+    forge_load_models_gpu(patcher)  # sampling_prepare at the start of each pass (sd_samplers_kdiffusion.py 138)
 
     def apply_model(x, t, context, sigma):
         return patcher.apply_model(x, t, context, sigma)
@@ -437,13 +445,14 @@ def _apply_model(p):
 
 
 class ForgeLikeBlock(BasicTransformerBlock):
-    """A transformer block that calls the patch lists as Forge's does (backend/nn/unet.py 183-260)."""
+    """A transformer block that calls the patch lists as Forge's does (backend/nn/unet.py 180-279)."""
 
-    def _forward(self, x, context=None):
-        options = self.forge_transformer_options
-        extra_options = {k: v for k, v in options.items() if k != "patches"}
-        extra_options["block"] = self.forge_block_name
-        patches = options.get("patches", {})
+    def forward(self, x, context=None, transformer_options={}):  # noqa: B006 (Forge's signature)
+        return self._forward(x, context, transformer_options)
+
+    def _forward(self, x, context=None, transformer_options={}):  # noqa: B006
+        extra_options = {k: v for k, v in transformer_options.items() if k != "patches"}
+        patches = transformer_options.get("patches", {})
         n = self.norm1(x)
         context_attn1 = value_attn1 = None
         if "attn1_patch" in patches:
@@ -455,7 +464,7 @@ class ForgeLikeBlock(BasicTransformerBlock):
         n = self.attn1(n, context=context_attn1)
         for patch in patches.get("attn1_output_patch", []):
             n = patch(n, extra_options)
-        x = x + n
+        x += n  # in place, as Forge's block does
         n = self.norm2(x)
         context_attn2 = context
         for patch in patches.get("attn2_patch", []):
@@ -463,29 +472,100 @@ class ForgeLikeBlock(BasicTransformerBlock):
         n = self.attn2(n, context=context_attn2)
         for patch in patches.get("attn2_output_patch", []):
             n = patch(n, extra_options)
-        x = x + n
-        return self.ff(self.norm3(x)) + x
+        x += n
+        x_skip = x
+        x = self.ff(self.norm3(x))
+        x += x_skip
+        return x
+
+
+class ForgeLikeSpatialTransformer(SpatialTransformer):
+    """Forge's SpatialTransformer (backend/nn/unet.py 308-327): passes the call's options to every block. (The ldm
+    UNet around it does not pass options down, so the patcher hands them to each transformer before the call.)"""
+
+    def forward(self, x, context=None):
+        options = self.forge_transformer_options
+        if not isinstance(context, list):
+            context = [context] * len(self.transformer_blocks)
+        b, c, h, w = x.shape
+        x_in = x
+        x = self.norm(x)
+        if not self.use_linear:
+            x = self.proj_in(x)
+        x = rearrange(x, "b c h w -> b (h w) c").contiguous()
+        if self.use_linear:
+            x = self.proj_in(x)
+        for i, block in enumerate(self.transformer_blocks):
+            options["block_index"] = i
+            options["block"] = self.forge_block_name
+            x = block(x, context=context[i], transformer_options=options)
+        if self.use_linear:
+            x = self.proj_out(x)
+        x = rearrange(x, "b (h w) c -> b c h w", h=h, w=w).contiguous()
+        if not self.use_linear:
+            x = self.proj_out(x)
+        return x + x_in
+
+
+def _get_attr(obj, name):
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set_attr_raw(obj, name, value):  # backend/utils.py set_attr_raw (57-61)
+    *path, last = name.split(".")
+    for part in path:
+        obj = getattr(obj, part)
+    setattr(obj, last, value)
+
+
+_forge_loaded: list = []  # backend/memory_management.py current_loaded_models
+
+
+def forge_load_models_gpu(patcher):
+    """backend/memory_management.py load_models_gpu (614-700) for one patcher on the CPU: nothing to do if it is
+    loaded; else every loaded clone of the same model is unloaded (its object patches undone) and it is patched."""
+    if any(loaded is patcher for loaded in _forge_loaded):
+        return
+    for loaded in [m for m in _forge_loaded if m.is_clone(patcher)]:
+        _forge_loaded.remove(loaded)
+        loaded.forge_unpatch_model()
+    patcher.forge_patch_model()
+    _forge_loaded.insert(0, patcher)
 
 
 class ForgePatcher:
-    """Forge's UnetPatcher as far as patches go (backend/patcher/base.py 79-205)."""
+    """Forge's UnetPatcher as far as patches go (backend/patcher/base.py 79-205, 241-271)."""
 
     def __init__(self, unet):
         self.model = types.SimpleNamespace(
             diffusion_model=unet, predictor=types.SimpleNamespace(percent_to_sigma=sigma_of_percent)
         )
         self.model_options = {"transformer_options": {}}
-        self.blocks = []
+        self.object_patches = {}
+        self.object_patches_backup = {}
+        self.transformers = []
         for name, module in unet.named_modules():
             if type(module) is BasicTransformerBlock:
                 module.__class__ = ForgeLikeBlock
-                module.forge_block_name = name
-                self.blocks.append(module)
+            elif type(module) is SpatialTransformer:
+                module.__class__ = ForgeLikeSpatialTransformer
+                # Forge's UNet forward names the block of each call (unet.py 710, 726, 734).
+                part, number = name.split(".")[:2]
+                kind = {"input_blocks": "input", "middle_block": "middle", "output_blocks": "output"}[part]
+                module.forge_block_name = (kind, 0 if kind == "middle" else int(number))
+                self.transformers.append(module)
 
     def clone(self):
         clone = copy.copy(self)
         clone.model_options = copy.deepcopy(self.model_options)
+        clone.object_patches = self.object_patches.copy()
+        clone.object_patches_backup = {}
         return clone
+
+    def is_clone(self, other):
+        return getattr(other, "model", None) is self.model
 
     def set_model_patch(self, patch, name):
         patches = self.model_options["transformer_options"].setdefault("patches", {})
@@ -503,13 +583,37 @@ class ForgePatcher:
     def set_model_attn2_output_patch(self, patch):
         self.set_model_patch(patch, "attn2_output_patch")
 
+    def add_object_patch(self, name, obj):
+        self.object_patches[name] = obj
+
+    def get_model_object(self, name):
+        if name in self.object_patches:
+            return self.object_patches[name]
+        if name in self.object_patches_backup:
+            return self.object_patches_backup[name]
+        return _get_attr(self.model, name)
+
+    def forge_patch_model(self, target_device=None):
+        for name, item in self.object_patches.items():
+            old = _get_attr(self.model, name)
+            if name not in self.object_patches_backup:
+                self.object_patches_backup[name] = old
+            _set_attr_raw(self.model, name, item)
+        return self.model
+
+    def forge_unpatch_model(self, target_device=None):
+        for name, old in self.object_patches_backup.items():
+            _set_attr_raw(self.model, name, old)
+        self.object_patches_backup = {}
+
     def apply_model(self, x, t, context, sigma):
-        # Forge's sampling_function sets the sigmas; its UNet forward the original shape (unet.py 697).
+        # Forge's sampling_function copies the options per call and sets the sigmas; its UNet forward the
+        # original shape (unet.py 697).
         options = dict(self.model_options["transformer_options"])
         options["original_shape"] = list(x.shape)
         options["sigmas"] = torch.full((x.shape[0],), sigma)
-        for block in self.blocks:
-            block.forge_transformer_options = options
+        for transformer in self.transformers:
+            transformer.forge_transformer_options = options
         return self.model.diffusion_model(x, t, context=context)
 
 

@@ -2,17 +2,44 @@
 
 ``PatchSettings`` validates what the user chose; ``Reducer`` decides per transformer block how to reduce it;
 the host adapters in ``tome_core.adapters`` call it from their hook points.
+
+For diffusers (``pip install`` of this repository gives this package)::
+
+    import tome_core
+    tome_core.apply_patch(pipe, ratio=0.5)   # a StableDiffusion(XL)/ControlNet/... pipeline or its UNet
+    image = pipe(prompt).images[0]
+    tome_core.remove_patch(pipe)
 """
 
 from .levels import find_level, grid_at_level, reduced_levels
-from .reducer import BlockReduction, KeyValueDownsample, Reducer, TokenMerge
+from .reducer import BlockMerge, BlockReduction, KeyValueDownsample, Reducer, TokenMerge
 from .schedule import NoiseRange, timestep_of_percent
 from .settings import SPECS, PatchSettings, Spec
 
 __version__ = "0.1.0"
 
+
+def apply_patch(pipe_or_unet, **settings):
+    """Patch a diffusers pipeline or ``UNet2DConditionModel`` in place with ``settings`` (see ``SPECS``).
+
+    Raises ValueError for a bad setting, TypeError for a model it cannot patch (both name what is allowed),
+    leaving the model unchanged. See ``tome_core.adapters.diffusers_blocks.apply_patch``.
+    """
+    from .adapters import diffusers_blocks  # imported here: hosts other than diffusers never load it
+
+    return diffusers_blocks.apply_patch(pipe_or_unet, **settings)
+
+
+def remove_patch(pipe_or_unet):
+    """Undo ``apply_patch``: the UNet then computes bit-identically to one never patched."""
+    from .adapters import diffusers_blocks
+
+    return diffusers_blocks.remove_patch(pipe_or_unet)
+
+
 __all__ = [
     "SPECS",
+    "BlockMerge",
     "BlockReduction",
     "KeyValueDownsample",
     "NoiseRange",
@@ -20,8 +47,10 @@ __all__ = [
     "Reducer",
     "Spec",
     "TokenMerge",
+    "apply_patch",
     "find_level",
     "grid_at_level",
     "reduced_levels",
+    "remove_patch",
     "timestep_of_percent",
 ]

@@ -18,16 +18,22 @@ from __future__ import annotations
 
 from .settings import PatchSettings
 
-# Minimum tokens at a level (h * w of its grid) for the reduction to be applied there.
+# Minimum tokens at a level (h * w of its grid) for the reduction to be applied there, per method and scope.
 # For scale: SD1.5 level 1 has 4096 tokens at 512 px and 2304 at 384 px; SDXL level 2 has 1024 at 512 px,
-# 2304 at 768 px and 4096 at 1024 px.
+# 2304 at 768 px and 4096 at 1024 px; SDXL level 4 has 1024 at 1024 px.
 MIN_TOKENS = {
     "todo": 1024,
     "tome": 2304,
+    "tome block": 256,
 }
+
+
+def threshold_key(settings: PatchSettings) -> str:
+    """The ``MIN_TOKENS`` entry for these settings: ToMe's scope block has its own (ToDo ignores the scope)."""
+    return "tome block" if settings.merges_whole_block else settings.method
 
 
 def worth_reducing(settings: PatchSettings, n_tokens: int) -> bool:
     if not settings.skip_when_slower:
         return True
-    return n_tokens >= MIN_TOKENS[settings.method]
+    return n_tokens >= MIN_TOKENS[threshold_key(settings)]

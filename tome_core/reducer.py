@@ -1,19 +1,33 @@
-"""Per transformer-block decisions: is this block reduced, and how. The one entry point of both host adapters.
+"""Per transformer-block decisions: is this block reduced, and how. The one entry point of every host adapter.
 
 A ``Reducer`` is built once per patch from validated settings and the UNet's attention levels. For each block
 call the adapter asks ``start_block`` and gets either None (leave the block exactly as it is) or a
-``BlockReduction`` whose methods it calls at its host's hook points:
+``BlockReduction``, one class per scope, whose methods it calls at its host's hook points:
 
+    out = reduction.run_block(x, body)         # around the whole block: body(tokens) runs the block
     q, kv = reduction.self_attn_inputs(n)      # before self-attention
     out = reduction.self_attn_output(out)      # after self-attention
     q = reduction.cross_attn_query(n)          # before cross-attention (context untouched)
     out = reduction.cross_attn_output(out)
     y = reduction.mlp_input(n); out = reduction.mlp_output(out)
 
-Both methods are pure functions of the plan, so the hooks hold no state between block calls.
+Every method is identity unless the scope reduces that point, so an adapter maps all of its hook points once and
+never needs to know the scope; a hook point a host lacks (ComfyUI has none around the MLP) only matters to the
+scopes that use it. The methods are pure functions of the plan, so the hooks hold no state between block calls.
+
+Scopes (``PatchSettings.scope``, ToMe only; ToDo always reduces self-attention's keys and values):
+- ``self-attention``: ``TokenMerge``, one plan per block call, merged around the sub-layers the merge_* switches
+  name, each sub-layer's output unmerged into the full-size residual (ToMe for SD's way).
+- ``block``: ``BlockMerge``, the block runs on the merged residual stream and only its total update is unmerged.
+  One plan per level and UNet call, kept in a per-call ``plans`` dict that the adapter passes in (never on a
+  module). For mean merging with one plan, merge(x + unmerge(a)) == merge(x) + a, so running every block of a
+  level this way equals merging the residual once before the level's first block and unmerging once after its
+  last: the per-block form is exact and needs no state between blocks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +45,9 @@ def _same(x: torch.Tensor) -> torch.Tensor:
 
 class BlockReduction:
     """Identity at every hook point; subclasses reduce some of them."""
+
+    def run_block(self, x: torch.Tensor, body: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return body(x)
 
     def self_attn_inputs(self, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return n, n
@@ -77,6 +94,30 @@ class TokenMerge(BlockReduction):
         return self.unmerge(out) if self.settings.merge_mlp else out
 
 
+class BlockMerge(BlockReduction):
+    """ToMe over the whole block: the block runs on merged tokens, its update is unmerged into the residual.
+
+    x -> x + unmerge(block(merge(x)) - merge(x)). Every sub-layer (self-attention, cross-attention queries, MLP)
+    and the norms and residual additions between them see the merged tokens; cross-attention's context (the
+    prompt) is untouched. Tokens that no other token merged into come back exactly as the block would make them.
+    """
+
+    def __init__(self, plan: matching.MergePlan):
+        self.plan = plan
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:
+        return matching.merge(self.plan, x)
+
+    def unmerge(self, x: torch.Tensor) -> torch.Tensor:
+        return matching.unmerge(self.plan, x)
+
+    def run_block(self, x, body):
+        start = self.merge(x)
+        # The body gets its own copy: a host block may add to its input in place (Forge's ``x += n``).
+        update = body(start.clone()) - start
+        return x + self.unmerge(update)
+
+
 class KeyValueDownsample(BlockReduction):
     """ToDo: self-attention keys and values downsampled, everything else untouched."""
 
@@ -106,14 +147,25 @@ class Reducer:
     def does_nothing(self) -> bool:
         return not self.levels
 
+    @property
+    def merges_whole_block(self) -> bool:
+        """The adapter must call ``run_block`` around the block (scope block); else sub-layer hooks suffice."""
+        return bool(self.levels) and self.settings.merges_whole_block
+
     def start_block(
-        self, x: torch.Tensor, latent_hw: tuple[int, int], block_key: object = None, metric: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        latent_hw: tuple[int, int],
+        block_key: object = None,
+        metric: torch.Tensor | None = None,
+        plans: dict | None = None,
     ) -> BlockReduction | None:
         """Decide how to reduce a block whose input tokens are ``x`` (batch, tokens, channels).
 
         ``latent_hw`` is the UNet input's latent size; ``block_key`` names the block (it salts the random
-        dst pattern so blocks differ); ``metric`` is what ToMe compares tokens by (default ``x``).
-        Returns None where the block must be left as it is.
+        dst pattern so blocks differ); ``metric`` is what ToMe compares tokens by (default ``x``). ``plans`` is a
+        dict that lives for one UNet call (scope block shares one plan per level through it; without it each
+        block makes its own). Returns None where the block must be left as it is.
         """
         if not self.levels or x.dim() != 3:
             return None
@@ -129,8 +181,28 @@ class Reducer:
         r = int(h * w * s.ratio)
         if r <= 0:
             return None
+        if s.scope == "block":
+            return self._level_merge(x if metric is None else metric, level, h, w, r, plans)
         seed = stable_salt(s.seed, block_key) if s.use_rand else None
         pattern = self._patterns.get(h, w, s.sx, s.sy, seed, x.device)
         if pattern.n_dst == 0:  # grid smaller than one cell: nothing to merge into
             return None
         return TokenMerge(matching.make_plan(x if metric is None else metric, pattern, r), s)
+
+    def _level_merge(
+        self, metric: torch.Tensor, level: int, h: int, w: int, r: int, plans: dict | None
+    ) -> BlockMerge | None:
+        """Scope block: the level's plan of this UNet call, made from the first block that asks for it."""
+        key = ("tome_plan", level, h, w)
+        plan = None if plans is None else plans.get(key)
+        # A plan of another batch size cannot be applied (a host that split the batch differently): make a new one.
+        if plan is None or plan.batch != metric.shape[0]:
+            s = self.settings
+            seed = stable_salt(s.seed, ("level", level)) if s.use_rand else None
+            pattern = self._patterns.get(h, w, s.sx, s.sy, seed, metric.device)
+            if pattern.n_dst == 0:
+                return None
+            plan = matching.make_plan(metric, pattern, r)
+            if plans is not None:
+                plans[key] = plan
+        return BlockMerge(plan)

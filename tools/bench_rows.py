@@ -59,6 +59,39 @@ def ours(patcher, sigma_of, **values) -> Callable:
     return comfy_runner(patched_clone(patcher, settings, ms.percent_to_sigma), sigma_of)
 
 
+def ours_loaded(name: str, patcher, sigma_of, **values) -> Row:
+    """This project's patch as a row whose clone is loaded around each call, as ComfyUI's sampler loads it.
+
+    Scope block gives the transformer blocks their forward when the patcher injects its model
+    (``ModelPatcher.patch_model`` -> ``inject_model``) and takes it away on ejection (``unpatch_model``); the other
+    rows need no loading (their hooks travel in ``transformer_options``). Loading is outside the timed call.
+    """
+    settings = PatchSettings.from_values(**values)
+    ms = patcher.get_model_object("model_sampling")
+    clone = patched_clone(patcher, settings, ms.percent_to_sigma)
+    return Row(
+        name,
+        "ours",
+        "comfy",
+        comfy_runner(clone, sigma_of),
+        enter=lambda: clone.patch_model(load_weights=False),
+        leave=lambda: clone.unpatch_model(unpatch_weights=False),
+        settings=dict(values),
+    )
+
+
+def block_scope_rows(patcher, sigma_of, max_downsample: int, ratio: float, force: dict) -> list[Row]:
+    """ToMe at the two finest attention levels (SD1.x: 1 and 2, SDXL: 2 and 4): the whole block on merged tokens
+    (scope block), and today's self-attention-only merging at the same levels and ratio for comparison."""
+    levels = f"levels<={max_downsample}"
+    common = {"method": "tome", "ratio": ratio, "max_downsample": max_downsample, **force}
+    suffix = " forced" if force else ""
+    return [
+        ours_loaded(f"ours ToMe block {ratio:g} {levels}{suffix}", patcher, sigma_of, scope="block", **common),
+        ours_loaded(f"ours ToMe {ratio:g} {levels}{suffix}", patcher, sigma_of, scope="self-attention", **common),
+    ]
+
+
 def comfy_builtin(patcher, sigma_of, ratio: float) -> Callable:
     """ComfyUI's own TomePatchModel node (comfy_extras/nodes_tomesd.py), applied through its node API."""
     from comfy_extras.nodes_tomesd import TomePatchModel
@@ -66,8 +99,9 @@ def comfy_builtin(patcher, sigma_of, ratio: float) -> Callable:
     return comfy_runner(TomePatchModel.execute(patcher, ratio).result[0], sigma_of)
 
 
-def tomesd_row(name: str, holder, ratio: float, level: int) -> Row:
-    """tomesd 0.1.3 on the ldm UNet, as the WebUI's built-in token merging applies it (use_rand off)."""
+def tomesd_row(name: str, holder, ratio: float, level: int, **options) -> Row:
+    """tomesd 0.1.3 on the ldm UNet, as the WebUI's built-in token merging applies it (use_rand off); ``options``
+    are further ``apply_patch`` arguments (``merge_crossattn=True, merge_mlp=True``: its whole-block merging)."""
     import tomesd
 
     unet = holder.model.diffusion_model
@@ -75,14 +109,15 @@ def tomesd_row(name: str, holder, ratio: float, level: int) -> Row:
     def run(x, timesteps, context, y=None):
         return unet(x, timesteps, context)
 
+    settings = {"ratio": ratio, "max_downsample": level, "use_rand": False, **options}
     return Row(
         name,
         "peer",
         "ldm",
         run,
-        enter=lambda: tomesd.apply_patch(holder, ratio=ratio, max_downsample=level, use_rand=False),
+        enter=lambda: tomesd.apply_patch(holder, **settings),
         leave=lambda: tomesd.remove_patch(holder),
-        settings={"ratio": ratio, "max_downsample": level, "use_rand": False},
+        settings=settings,
     )
 
 

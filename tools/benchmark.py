@@ -1,24 +1,29 @@
 """Benchmark of the patch against the unpatched UNet, its peers and the ceiling, on this machine.
 
-    python -m tools.benchmark [--model sd15|sdxl] [--resolutions 512,768] [--batch 1] [--repeats 2] ...
+    python -m tools.benchmark [--model sd15|sdxl] [--resolutions 512,768] [--repeats 2] [--max-minutes 20] ...
+    python -m tools.benchmark --host diffusers ...   (diffusers' UNet2DConditionModel: tools/bench_diffusers.py)
 
-Every row runs in this one process on the same random-weight UNet and the same inputs; rows are interleaved
-(round-robin, starting from a different row each round) so that drift of the machine spreads over all of
-them; the first call of each row (warm-up) is not timed and gives the output deviation and peak memory.
-Outputs go to ``--out`` (default ``results/``): a markdown table (also printed), a JSON file with the machine,
-versions and every figure, and a PNG chart of speed-up versus resolution.
+Every row runs in this one process on the same random-weight UNet and the same inputs. First every row is
+called once, untimed, at every size (warm-up; it gives the output deviation, the peak memory and a first cost
+estimate). Then each row is timed in A/B pairs with its own unpatched row (``bench_pairs``): its speed-up is the
+median of the pairs' ratios, repeated until every row's spread is within ``--spread`` or the time runs out.
+Finally a verdict (``bench_verdict``): a run on a busy machine, with spreads left too wide, or with an
+impossible ordering is marked ``UNRELIABLE:`` with its reasons. Outputs go to ``--out`` (default ``results/``):
+a markdown table (also printed), a JSON file with the machine, versions and every figure, and a PNG chart of
+speed-up versus resolution.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from . import bench_host, bench_report
-from .bench_measure import PeakMemory, relative_l2, summary, timed
+from . import bench_host, bench_load, bench_pairs, bench_report, bench_verdict
+from .bench_measure import PeakMemory, clocked, relative_l2
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,15 +31,32 @@ ROOT = Path(__file__).resolve().parent.parent
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="sd15", choices=sorted(bench_host.FAMILIES))
+    parser.add_argument("--host", default="comfy", choices=["comfy", "diffusers"], help="whose UNet classes to run")
     parser.add_argument("--resolutions", default="512,768", help="image sizes in px: 768 or 1024x768, comma list")
     parser.add_argument("--batch", type=int, default=1, help="UNet batch (2 = one image with cfg)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed calls per row and resolution")
+    parser.add_argument("--repeats", type=int, default=2, help="A/B pairs per row and resolution, at least")
+    parser.add_argument(
+        "--max-minutes", type=float, default=20.0, help="time for the whole run; more pairs only while it lasts"
+    )
+    parser.add_argument("--spread", type=float, default=5.0, help="stable when every speed-up's spread is within (%%)")
+    parser.add_argument(
+        "--busy-limit",
+        type=float,
+        default=bench_load.BUSY_LIMIT_CORES,
+        help="cores other processes may use before the run counts as disturbed",
+    )
     parser.add_argument("--steps", type=int, default=2, help="steps of the sampling run (0: none)")
     parser.add_argument("--sample-resolution", default=None, help="size of the sampling run (default: the smallest)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     parser.add_argument("--ratios", default="0.3,0.5", help="ToMe ratios of this project")
     parser.add_argument("--peer-ratios", default="0.5", help="ToMe ratios of ComfyUI's node and tomesd")
+    parser.add_argument(
+        "--block-ratios",
+        default="0.5",
+        help="ToMe ratios of the rows at the two finest attention levels: scope block, scope self-attention and "
+        "tomesd with merge_crossattn+merge_mlp ('' for none)",
+    )
     parser.add_argument("--force", action="store_true", help="our rows with skip_when_slower off (break-even)")
     parser.add_argument("--only", default="", help="keep only rows whose name contains one of these (comma list)")
     parser.add_argument("--no-peers", action="store_true", help="skip ComfyUI's node, tomesd and ToDo reference")
@@ -42,7 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "results"), help="folder for the table, JSON and chart")
     parser.add_argument("--chart", default=None, help="also copy the chart to this path")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.max_minutes < 0 or args.spread <= 0 or args.busy_limit < 0:
+        parser.error("--max-minutes and --busy-limit must be 0 or more, --spread more than 0")
+    return args
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -82,6 +109,7 @@ class Bench:
         unet = self.patcher.model.diffusion_model
         self.levels = reduced_levels(0, attention_levels(unet))  # this project's default levels
         self.level = max(self.levels)
+        self.block_level = sorted(attention_levels(unet))[:2][-1]  # the two finest attention levels
         self.holder = None
         if not args.no_peers:
             ldm = bench_host.build_ldm_unet(self.family, unet.state_dict(), dtype, device)
@@ -125,6 +153,8 @@ class Bench:
         for factor in factors:
             values = {"method": "todo", "downsample_factor": factor, **force}
             rows.append(R.Row(f"ours ToDo {factor:g}{suffix}", "ours", "comfy", R.ours(patcher, sigma_of, **values)))
+        for ratio in _floats(args.block_ratios):
+            rows += R.block_scope_rows(patcher, sigma_of, self.block_level, ratio, force)
         if not args.no_peers:
             for ratio in _floats(args.peer_ratios):
                 run = R.comfy_builtin(patcher, sigma_of, ratio)
@@ -133,6 +163,10 @@ class Bench:
                 rows.append(R.ldm_unpatched(self.holder))
                 for ratio in _floats(args.peer_ratios):
                     rows.append(R.tomesd_row(f"tomesd {ratio:g}", self.holder, ratio, self.level))
+                for ratio in _floats(args.block_ratios):
+                    name = f"tomesd {ratio:g} +crossattn+mlp levels<={self.block_level}"
+                    whole = {"merge_crossattn": True, "merge_mlp": True}
+                    rows.append(R.tomesd_row(name, self.holder, ratio, self.block_level, **whole))
             for factor in factors:
                 run = R.todo_reference(patcher, sigma_of, factor, self.level)
                 rows.append(R.Row(f"ToDo reference {factor:g}", "peer", "comfy", run, settings={"factor": factor}))
@@ -156,34 +190,24 @@ def call_row(row, inputs: dict):
         row.leave()
 
 
-def measure_resolution(bench: Bench, size: tuple[int, int], log) -> list[dict]:
-    """Warm-up (deviation, memory), then interleaved timed rounds; one record per row."""
+def warm_up(bench: Bench, size: tuple[int, int], log) -> tuple[bench_pairs.Block, list[dict]]:
+    """Every row called once, untimed but clocked (first cost estimate): output deviation and peak memory."""
     rows = bench.rows(size)
     inputs = bench.inputs(size)
-    outputs, records = {}, []
+    outputs, records, warm = {}, [], {}
     for row in rows:
         with PeakMemory(bench.device) as memory:
-            out = call_row(row, inputs)
+            warm[row.name], _, out = clocked(lambda row=row: call_row(row, inputs), bench.device)
         outputs[row.name] = out.float().cpu()
-        records.append({"row": row.name, "group": row.group, "host": row.host, "peak_mib": memory.mib})
-        log(f"  warm-up {row.name}")
+        record = {"row": row.name, "group": row.group, "host": row.host, "peak_mib": memory.mib}
+        if row.settings:
+            record["settings"] = dict(row.settings)
+        records.append(record)
+        log(f"  warm-up {size_label(size)} px {row.name} ({warm[row.name]:.2f} s)")
     baselines = {row.host: row.name for row in rows if row.group == "unpatched"}
     for record in records:
         record["deviation_unet"] = relative_l2(outputs[record["row"]], outputs[baselines[record["host"]]])
-    times = {row.name: [] for row in rows}
-    for round_index in range(bench.args.repeats):
-        start = round_index % len(rows)
-        for row in rows[start:] + rows[:start]:
-            seconds, _ = timed(lambda row=row: call_row(row, inputs), bench.device)
-            times[row.name].append(seconds)
-        log(
-            f"  round {round_index + 1}/{bench.args.repeats}: "
-            + ", ".join(f"{r.name} {times[r.name][-1]:.2f}s" for r in rows)
-        )
-    for record in records:
-        record.update(summary(times[record["row"]]) if times[record["row"]] else {})
-    bench_report.add_ratios(records)
-    return records
+    return bench_pairs.Block(size_label(size), rows, inputs, warm), records
 
 
 def sampling_deviation(bench: Bench, size: tuple[int, int], steps: int, log) -> dict[str, float]:
@@ -247,38 +271,81 @@ def bench_host_grid(latent, level):
     return grid_at_level(latent, level)
 
 
+def sampling_estimate(blocks, size, steps: int) -> float:
+    """Seconds the sampling run will take, from the warm-up at its size (0 when that size was not warmed up)."""
+    block = next((b for b in blocks if b.label == size_label(size)), None)
+    return 0.0 if block is None else steps * sum(block.warm_s.values())
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    started = time.perf_counter()
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    # Before anything heavy: what do other processes take of the CPU while this one sleeps?
+    at_start, load_average = bench_load.sample(1.0), bench_load.load_average()
+    log(f"machine at the start: {at_start.describe()}")
     device = choose_device(args.device)
     dtype = choose_dtype(args.dtype, device)
-    bench_host.setup_comfy(device.type)
+    if args.host == "comfy":
+        bench_host.setup_comfy(device.type)
     torch.manual_seed(args.seed)
     sizes = [parse_size(part) for part in args.resolutions.split(",") if part.strip()]
     log(f"building {args.model} ({dtype}, {device}) ...")
-    bench = Bench(args, device, dtype)
+    if args.host == "diffusers":
+        from . import bench_diffusers
+
+        bench = bench_diffusers.DiffusersBench(args, device, dtype)
+    else:
+        bench = Bench(args, device, dtype)
     report = {
+        "reliable": None,  # filled by the verdict; first in the JSON, where a reader looks
+        "unreliable_reasons": [],
         "machine": bench_report.machine(device),
         "versions": bench_report.versions(),
         "config": {**vars(args), "dtype": str(dtype).replace("torch.", ""), "device": str(device)},
         "levels": sorted(bench.levels),
         "resolutions": [],
     }
+    blocks = []
     for size in sizes:
-        log(f"{size_label(size)} px:")
-        records = measure_resolution(bench, size, log)
+        block, records = warm_up(bench, size, log)
+        blocks.append(block)
         report["resolutions"].append({"resolution": size_label(size), "size": list(size), "rows": records})
+    sample_size = parse_size(args.sample_resolution) if args.sample_resolution else min(sizes)
+    reserve = sampling_estimate(blocks, sample_size, args.steps) if args.steps > 0 else 0.0
+    log(f"timing A/B pairs: {args.repeats} per row at least, then until within ±{args.spread:g}% or out of time")
+    timing = bench_pairs.run(
+        blocks,
+        call_row,
+        device,
+        min_repeats=args.repeats,
+        spread_limit_pct=args.spread,
+        deadline=started + 60.0 * args.max_minutes - reserve,
+    )
+    for block, entry in zip(blocks, report["resolutions"], strict=True):
+        bench_report.add_figures(entry["rows"], block, with_cpu=device.type == "cpu")
+    report["measurement"] = bench_report.measurement(args, timing)
+    report["machine_load"] = {
+        "at_start": {**at_start.as_dict(), "load_average": load_average},
+        "during": timing["load"].as_dict(),
+        "busy_limit_cores": args.busy_limit,
+    }
     if args.steps > 0:
-        sample_size = parse_size(args.sample_resolution) if args.sample_resolution else min(sizes)
         log(f"sampling run, {args.steps} steps at {size_label(sample_size)} px:")
-        deviations = sampling_deviation(bench, sample_size, args.steps, log)
+        if args.host == "diffusers":
+            deviations = bench.sampling_deviation(sample_size, args.steps, log)
+        else:
+            deviations = sampling_deviation(bench, sample_size, args.steps, log)
         report["sampling"] = {"resolution": size_label(sample_size), "steps": args.steps, "deviation": deviations}
-    if args.engine_repeats > 0:
+    if args.engine_repeats > 0 and args.host == "comfy":  # host-independent: measured on the ComfyUI path
         log("engine sub-benchmark:")
         report["engine"] = engine_benchmark(bench, sizes, log)
+    reasons = bench_verdict.judge(report, args.spread, args.busy_limit)
+    report["reliable"], report["unreliable_reasons"] = not reasons, reasons
+    report["measurement"]["minutes_total"] = round((time.perf_counter() - started) / 60.0, 2)
     paths = bench_report.write(report, Path(args.out), args.chart)
     print(paths["table_text"])
     log("wrote " + ", ".join(str(paths[key]) for key in ("markdown", "json", "chart")))

@@ -30,6 +30,7 @@ from .unet_layout import attention_levels
 BLOCK_CLASS_NAME = "BasicTransformerBlock"
 _STATE = "_tome_patch_state"  # on each patched block and on the UNet
 _HOOK = "_tome_patch_hook"  # the UNet's forward pre-hook handle
+_AFTER_HOOK = "_tome_patch_after_hook"  # the UNet's forward hook handle
 _PARENT = "_tome_patch_parent"  # on our block subclasses: the class they replace
 
 # sgm's BasicTransformerBlock._forward (generative-models@45c443b, sgm/modules/attention.py lines 463-465) takes
@@ -45,15 +46,26 @@ class UnsupportedModelError(Exception):
 
 
 class _UNetState:
-    """Shared by the UNet's pre-hook and all of its patched blocks: what the current UNet call looks like."""
+    """Shared by the UNet's hooks and all of its patched blocks: what the current UNet call looks like.
+
+    Everything here describes one UNet call and is set afresh by the pre-hook at the start of each: the latent
+    size, the step decision and ``plans``, the merge plans that scope block shares between the blocks of a level
+    (emptied again by the forward hook after the call, so no plan outlives the call that made it).
+    """
 
     def __init__(self, reducer: Reducer, noise_range: NoiseRange):
         self.reducer = reducer
         self.noise_range = noise_range
         self.latent_hw: tuple[int, int] | None = None
         self.active = True
+        self.plans: dict = {}
+
+    def after_unet_call(self, module, args, output):
+        self.plans = {}
+        return None
 
     def before_unet_call(self, module, args, kwargs):
+        self.plans = {}
         x = args[0] if args else kwargs.get("x")
         if x is None or x.dim() != 4:
             self.latent_hw = None
@@ -90,19 +102,23 @@ def _reduced_forward(self, x, context=None, *args, **kwargs):
     if state is not None and not _extras_given(args, kwargs):
         unet_state = state.unet_state
         if unet_state.active and unet_state.latent_hw is not None:
-            reduction = unet_state.reducer.start_block(x, unet_state.latent_hw, state.block_key)
+            reduction = unet_state.reducer.start_block(x, unet_state.latent_hw, state.block_key, plans=unet_state.plans)
     if reduction is None:
         return parent._forward(self, x, context, *args, **kwargs)
+    return reduction.run_block(x, lambda tokens: _block_body(self, tokens, context, reduction))
 
-    if self.disable_self_attn:  # attn1 attends to the prompt: only its queries can be merged
-        query, _ = reduction.self_attn_inputs(self.norm1(x))
+
+def _block_body(block, x, context, reduction):
+    """ldm's block body (attention.py, BasicTransformerBlock._forward) with the engine's calls at each sub-layer."""
+    if block.disable_self_attn:  # attn1 attends to the prompt: only its queries can be merged
+        query, _ = reduction.self_attn_inputs(block.norm1(x))
         attn1_context = context
     else:
-        query, keys_values = reduction.self_attn_inputs(self.norm1(x))
+        query, keys_values = reduction.self_attn_inputs(block.norm1(x))
         attn1_context = None if keys_values is query else keys_values
-    x = reduction.self_attn_output(self.attn1(query, context=attn1_context)) + x
-    x = reduction.cross_attn_output(self.attn2(reduction.cross_attn_query(self.norm2(x)), context=context)) + x
-    x = reduction.mlp_output(self.ff(reduction.mlp_input(self.norm3(x)))) + x
+    x = reduction.self_attn_output(block.attn1(query, context=attn1_context)) + x
+    x = reduction.cross_attn_output(block.attn2(reduction.cross_attn_query(block.norm2(x)), context=context)) + x
+    x = reduction.mlp_output(block.ff(reduction.mlp_input(block.norm3(x)))) + x
     return x
 
 
@@ -149,9 +165,10 @@ def is_patched(unet) -> bool:
 
 def remove_patch(unet) -> None:
     """Undo ``install_patch`` on ``unet``; a no-op on a UNet that is not patched."""
-    handle = unet.__dict__.pop(_HOOK, None)
-    if handle is not None:
-        handle.remove()
+    for key in (_HOOK, _AFTER_HOOK):
+        handle = unet.__dict__.pop(key, None)
+        if handle is not None:
+            handle.remove()
     unet.__dict__.pop(_STATE, None)
     for module in unet.modules():
         module.__dict__.pop(_STATE, None)
@@ -201,5 +218,6 @@ def install_patch(unet, settings: PatchSettings, num_timesteps: int = 1000) -> b
         block.__class__ = _reduced_class(_original_class(block))
     unet.__dict__[_STATE] = unet_state
     unet.__dict__[_HOOK] = unet.register_forward_pre_hook(unet_state.before_unet_call, with_kwargs=True)
+    unet.__dict__[_AFTER_HOOK] = unet.register_forward_hook(unet_state.after_unet_call, always_call=True)
     _patched_unets.add(unet)
     return True

@@ -7,16 +7,37 @@ dict per block call shared by all four, so the block's plan is kept there and no
 Forge's UNet (backend/nn/unet.py) calls the same lists with the same signature.
 
 Only the list hooks are used, never the one-slot replace hooks, so other nodes' patches keep working.
+
+Scope block (the whole block runs on merged tokens) needs a way around the whole block, which neither host has
+as a hook (there is none around the MLP). Each ``BasicTransformerBlock`` gets an instance attribute ``forward``
+(a ``BlockForward``) that calls the block's own forward inside the engine's ``run_block``; no module is replaced,
+so every weight keeps its key and LoRA / weight patches apply as before. It is set and removed by the patcher
+itself, at load and unload:
+- ComfyUI: an injection (``ModelPatcher.set_injections``, comfy/patcher_extension.py ``PatcherInjection``;
+  0.3.75 model_patcher.py lines 1054-1119): ``inject`` runs when the patcher loads the model, ``eject`` when it
+  unloads it or another clone of the model is loaded (model_management.py ``load_models_gpu``, line 662), and
+  ``eject`` deletes the attribute again, so the block is exactly as before.
+- Forge: an object patch per block (backend/patcher/base.py ``add_object_patch``, applied in
+  ``forge_patch_model`` and undone in ``forge_unpatch_model`` when the model or a clone of it is unloaded,
+  backend/memory_management.py ``unload_model_clones``). Forge restores the value it read, the block's bound
+  ``forward`` method, as an instance attribute: it computes exactly what the class's forward computes.
+A ``BlockForward`` reduces only calls whose ``transformer_options`` carry this patch's owner mark (put in the
+clone's ``model_options``), so a forward left on a block by another clone of the same model is inert.
+The merge plans that blocks of a level share live in the call's ``transformer_options`` (a fresh dict per model
+call in both hosts), tagged with that call's ``original_shape`` list, never on a module.
 """
 
 from __future__ import annotations
 
 from ..reducer import Reducer
 from ..schedule import NoiseRange
-from .unet_layout import attention_levels
+from .unet_layout import attention_levels, basic_transformer_blocks
 
 _PLAN_KEY = "tome_patch_reduction"
 _ACTIVE_KEY = "tome_patch_active"  # the step decision, made once per model call by the apply_model wrapper
+OWNER_KEY = "tome_patch_owner"  # scope block: the PatcherHooks whose BlockForwards may reduce this call
+_PLANS_KEY = "tome_patch_plans"  # scope block: (original_shape of this call, {key: shared plan})
+INJECTION_KEY = "tome_patch"
 HOOK_NAMES = ("attn1_patch", "attn1_output_patch", "attn2_patch", "attn2_output_patch")
 WRAPPER_TYPE = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
 WRAPPER_KEY = "tome_patch"
@@ -65,6 +86,22 @@ class PatcherHooks:
                 transformer_options[_ACTIVE_KEY] = self.noise_range.contains(float(t.max()))
         return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
 
+    def block_forward(self, forward: BlockForward, x, context, transformer_options, kwargs):
+        """A transformer block's forward with scope block: the block's own forward inside ``run_block``."""
+        reduction = None
+        if (
+            transformer_options is not None
+            and transformer_options.get(OWNER_KEY) is self
+            and self._is_active(transformer_options)
+        ):
+            shape = transformer_options.get("original_shape")
+            if shape is not None and len(shape) == 4:
+                plans = _plans_of_call(transformer_options, shape)
+                reduction = self.reducer.start_block(x, (shape[2], shape[3]), plans=plans)
+        if reduction is None:
+            return forward.original(x, context, transformer_options, kwargs)
+        return reduction.run_block(x, lambda tokens: forward.original(tokens, context, transformer_options, kwargs))
+
     def attn1_patch(self, n, context, value, extra_options):
         if not self._is_active(extra_options):
             return n, context, value
@@ -98,6 +135,65 @@ class PatcherHooks:
         return out if reduction is None else reduction.cross_attn_output(out)
 
 
+def _plans_of_call(transformer_options: dict, shape) -> dict:
+    """The shared plans of this model call. The UNet writes a new ``original_shape`` list at every call, so a
+    plans dict tagged with another one belongs to an earlier call (a host that kept the options dict)."""
+    entry = transformer_options.get(_PLANS_KEY)
+    if entry is None or entry[0] is not shape:
+        entry = (shape, {})
+        transformer_options[_PLANS_KEY] = entry
+    return entry[1]
+
+
+class BlockForward:
+    """The ``forward`` of one transformer block while scope block is on (an instance attribute of the block)."""
+
+    def __init__(self, hooks: PatcherHooks, block, inner=None):
+        self.hooks = hooks
+        self.block = block
+        self.inner = inner  # an instance-level forward that was there before ours (None: the class's)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, x, context=None, transformer_options=None, **kwargs):
+        return self.hooks.block_forward(self, x, context, transformer_options, kwargs)
+
+    def original(self, x, context, transformer_options, kwargs):
+        if transformer_options is not None:
+            kwargs = dict(kwargs, transformer_options=transformer_options)
+        if self.inner is not None:
+            return self.inner(x, context=context, **kwargs)
+        return type(self.block).forward(self.block, x, context=context, **kwargs)
+
+
+class BlockInjection:
+    """ComfyUI's PatcherInjection for scope block: ``inject`` sets every block's ``forward``, ``eject`` removes it."""
+
+    def __init__(self, hooks: PatcherHooks, blocks: list):
+        self.hooks = hooks
+        self.blocks = blocks
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def inject(self, patcher) -> None:
+        for block in self.blocks:
+            current = block.__dict__.get("forward")
+            if isinstance(current, BlockForward):  # left by a clone that was never ejected: replace it
+                current = current.inner
+            block.__dict__["forward"] = BlockForward(self.hooks, block, current)
+
+    def eject(self, patcher) -> None:
+        for block in self.blocks:
+            current = block.__dict__.get("forward")
+            if isinstance(current, BlockForward) and current.hooks is self.hooks:
+                if current.inner is None:
+                    del block.__dict__["forward"]
+                else:
+                    block.__dict__["forward"] = current.inner
+
+
 def _is_ours(hook) -> bool:
     return isinstance(getattr(hook, "__self__", None), PatcherHooks)
 
@@ -124,7 +220,9 @@ def order_ours_innermost(transformer_options: dict) -> None:
 
 def remove_hooks(model_options: dict) -> None:
     """Drop every hook of ours from a patcher's model_options (a clone's copy), leaving others in order."""
-    patches = model_options.get("transformer_options", {}).get("patches", {})
+    transformer_options = model_options.get("transformer_options", {})
+    transformer_options.pop(OWNER_KEY, None)
+    patches = transformer_options.get("patches", {})
     for name in HOOK_NAMES:
         if name in patches:
             patches[name] = [hook for hook in patches[name] if not _is_ours(hook)]
@@ -132,10 +230,45 @@ def remove_hooks(model_options: dict) -> None:
                 del patches[name]
 
 
-def install_hooks(patcher, hooks: PatcherHooks, cross_attention: bool) -> None:
+def remove_patch(patcher) -> None:
+    """Remove everything of ours from ``patcher`` (a clone): hooks, wrapper, block forwards."""
+    remove_hooks(patcher.model_options)
+    if hasattr(patcher, "remove_wrappers_with_key"):
+        patcher.remove_wrappers_with_key(WRAPPER_TYPE, WRAPPER_KEY)
+    if hasattr(patcher, "remove_injections"):
+        patcher.remove_injections(INJECTION_KEY)
+    object_patches = getattr(patcher, "object_patches", None)
+    if object_patches:
+        for name in [name for name, value in object_patches.items() if isinstance(value, BlockForward)]:
+            del object_patches[name]
+
+
+class UnsupportedPatcherError(Exception):
+    """The patcher offers no way to run whole blocks on merged tokens (neither injections nor object patches)."""
+
+
+def install_block_forwards(patcher, hooks: PatcherHooks) -> None:
+    """Scope block: give every transformer block our ``forward`` while ``patcher`` has the model loaded."""
+    blocks = basic_transformer_blocks(patcher.model.diffusion_model)
+    patcher.model_options.setdefault("transformer_options", {})[OWNER_KEY] = hooks
+    if hasattr(patcher, "set_injections"):  # ComfyUI: set on inject, deleted on eject
+        patcher.set_injections(INJECTION_KEY, [BlockInjection(hooks, [block for _, block in blocks])])
+    elif hasattr(patcher, "add_object_patch"):  # Forge (and ComfyUI before injections): restored on unload
+        for name, block in blocks:
+            patcher.add_object_patch(f"diffusion_model.{name}.forward", BlockForward(hooks, block))
+    else:
+        raise UnsupportedPatcherError(
+            f"{type(patcher).__name__} has neither set_injections nor add_object_patch, which scope 'block' needs"
+        )
+
+
+def install_hooks(patcher, hooks: PatcherHooks, cross_attention: bool, whole_block: bool = False) -> None:
     """Register ``hooks`` on ``patcher``, a clone from which earlier hooks of ours were removed."""
     if hasattr(patcher, "add_wrapper_with_key"):  # ComfyUI; Forge has no wrappers and keeps registration order
         patcher.add_wrapper_with_key(WRAPPER_TYPE, WRAPPER_KEY, hooks.apply_model_wrapper)
+    if whole_block:
+        install_block_forwards(patcher, hooks)
+        return
     patcher.set_model_attn1_patch(hooks.attn1_patch)
     patcher.set_model_attn1_output_patch(hooks.attn1_output_patch)
     if cross_attention:
@@ -158,9 +291,7 @@ def patched_clone(patcher, settings, percent_to_sigma):
     if levels is None:
         raise NotAUNetError(type(unet).__name__ if unet is not None else type(patcher).__name__)
     clone = patcher.clone()
-    remove_hooks(clone.model_options)  # applying the patch again replaces the earlier one
-    if hasattr(clone, "remove_wrappers_with_key"):
-        clone.remove_wrappers_with_key(WRAPPER_TYPE, WRAPPER_KEY)
+    remove_patch(clone)  # applying the patch again replaces the earlier one
     reducer = Reducer(settings, levels)
     if reducer.does_nothing:
         return clone
@@ -169,5 +300,6 @@ def patched_clone(patcher, settings, percent_to_sigma):
         clone,
         PatcherHooks(reducer, noise_range),
         cross_attention=settings.method == "tome" and settings.merge_crossattn,
+        whole_block=reducer.merges_whole_block,
     )
     return clone

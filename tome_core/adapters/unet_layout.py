@@ -9,6 +9,8 @@ that this patch can reduce.
 from __future__ import annotations
 
 _TRANSFORMER_NAMES = ("SpatialTransformer", "SpatialVideoTransformer")
+_BLOCK_CLASS_NAME = "BasicTransformerBlock"
+_BLOCK_PARTS = ("attn1", "attn2", "ff", "norm1")
 
 
 def _has_transformer(block) -> bool:
@@ -34,3 +36,16 @@ def attention_levels(unet) -> tuple[int, ...] | None:
     except TypeError:  # input_blocks that are not modules: some other architecture
         return None
     return tuple(sorted(levels)) or None
+
+
+def basic_transformer_blocks(unet) -> list[tuple[str, object]]:
+    """(name, module) of every spatial transformer block (class ``BasicTransformerBlock`` or a subclass of it).
+
+    Temporal blocks of video models have other classes and are left out.
+    """
+    return [
+        (name, module)
+        for name, module in unet.named_modules()
+        if any(c.__name__ == _BLOCK_CLASS_NAME for c in type(module).__mro__)
+        and all(hasattr(module, part) for part in _BLOCK_PARTS)
+    ]

@@ -106,6 +106,7 @@ ARGS: tuple[Arg, ...] = (
         "steps, which refine details, then run unreduced.",
     ),
     _from_spec("skip_when_slower", "Skip where slower"),
+    _from_spec("scope", "Scope (ToMe)"),
 )
 ARG_NAMES = tuple(arg.name for arg in ARGS)
 _BY_NAME = {arg.name: arg for arg in ARGS}
@@ -133,6 +134,7 @@ class ScriptArgs:
     downsample_method: str
     end_percent: float
     skip_when_slower: bool
+    scope: str
 
     def settings_for_pass(self, is_hr_pass: bool, seed: int = 0) -> PatchSettings | None:
         """The engine settings for one sampling pass, or None where this pass must stay unpatched."""
@@ -154,6 +156,7 @@ class ScriptArgs:
             "merge_crossattn": self.merge_crossattn,
             "merge_mlp": self.merge_mlp,
             "downsample_method": self.downsample_method,
+            "scope": self.scope,
         }
         settings = PatchSettings.from_values(**values)
         return None if settings.is_noop else settings
@@ -276,6 +279,7 @@ KEY_MERGE = "ToMe merge"
 KEY_DOWNSAMPLE_METHOD = "ToMe downsample method"
 KEY_STOP = "ToMe stop at"
 KEY_SKIP = "ToMe skip when slower"
+KEY_SCOPE = "ToMe scope"
 INFOTEXT_KEYS = (
     KEY_METHOD,
     KEY_RATIO,
@@ -290,6 +294,7 @@ INFOTEXT_KEYS = (
     KEY_DOWNSAMPLE_METHOD,
     KEY_STOP,
     KEY_SKIP,
+    KEY_SCOPE,
 )
 _MERGE_PARTS = (("attn", "merge_attn"), ("crossattn", "merge_crossattn"), ("mlp", "merge_mlp"))
 
@@ -319,6 +324,8 @@ def infotext_params(args: ScriptArgs) -> dict[str, Any]:
         merged = [part for part, name in _MERGE_PARTS if getattr(args, name)]
         if merged != [part for part, name in _MERGE_PARTS if getattr(d, name)]:
             params[KEY_MERGE] = "+".join(merged) or "none"
+        if args.scope != d.scope:
+            params[KEY_SCOPE] = args.scope
     elif args.downsample_method != d.downsample_method:
         params[KEY_DOWNSAMPLE_METHOD] = args.downsample_method
     if args.end_percent != d.end_percent:
@@ -369,6 +376,7 @@ def ui_values_from_infotext(params: dict) -> dict[str, Any]:
     values["downsample_method"] = read(KEY_DOWNSAMPLE_METHOD, "downsample_method", d.downsample_method)
     values["end_percent"] = read(KEY_STOP, "end_percent", d.end_percent)
     values["skip_when_slower"] = read(KEY_SKIP, "skip_when_slower", d.skip_when_slower)
+    values["scope"] = read(KEY_SCOPE, "scope", d.scope)
     return values
 
 

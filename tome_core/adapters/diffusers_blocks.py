@@ -1,0 +1,400 @@
+"""The patch for diffusers' UNets: ``apply_patch(pipe_or_unet, **settings)`` and ``remove_patch(pipe_or_unet)``.
+
+Supported: a ``UNet2DConditionModel`` (SD1.x, SD2.x, SDXL and their fine-tunes) on its own or as ``.unet`` of a
+pipeline (text-to-image, image-to-image, inpainting, ControlNet, SDXL, ...). Checked against diffusers 0.39.0 and
+0.42.1, whose ``BasicTransformerBlock``, ``Attention``, ``Transformer2DModel`` and ``UNet2DConditionModel`` are the
+same code apart from type annotations.
+
+How: each ``BasicTransformerBlock`` of the UNet gets its class swapped for a subclass whose ``forward`` calls the
+block's own sub-layers (``norm1``, ``attn1``, ``norm2``, ``attn2``, ``norm3``, ``ff``) the way diffusers' forward
+does (diffusers/models/attention.py, ``BasicTransformerBlock.forward``, layer-norm path), with the engine's
+``BlockReduction`` calls around each of them; a forward pre-hook on the UNet records the latent size and the step
+decision of each call. The attention modules are called as diffusers calls them, so whichever processor is set
+(SDPA ``AttnProcessor2_0``, xformers, attention slicing, IP-Adapter, PAG, ...) runs, only on fewer query tokens
+(ToMe) or with fewer key/value tokens passed as ``encoder_hidden_states`` (ToDo).
+
+Why a class swap rather than hooks on ``attn1``/``ff``: torch.compile does not guard on module hooks
+(``torch._dynamo.config.skip_nnmodule_hook_guards``), so sub-layer hooks added or removed after the UNet was
+compiled would be silently ignored or kept; a changed class is guarded and recompiled. Removal restores each
+block's class and removes the hook and every attribute added here, so the UNet then computes bit-identically to
+one never patched.
+
+Blocks that this path cannot reduce run diffusers' own forward unchanged: norm types other than the layer norm of
+SD's UNets (ada-norm and others), positional embeddings, an ``attention_mask`` on self-attention, token counts
+that are not the latent's grid at some level. Nothing from diffusers is imported: classes are recognised by name,
+so this module imports anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from ..reducer import Reducer
+from ..schedule import NoiseRange, timestep_of_percent
+from ..settings import PatchSettings
+
+BLOCK_CLASS_NAME = "BasicTransformerBlock"
+UNET_CLASS_NAME = "UNet2DConditionModel"
+_STATE = "_tome_patch_diffusers_state"  # on each patched block and on the UNet
+_HOOK = "_tome_patch_diffusers_hook"  # the UNet's forward pre-hook handle
+_PARENT = "_tome_patch_diffusers_parent"  # on our block subclasses: the class they replace
+
+SUPPORTED = (
+    "a diffusers pipeline whose denoiser is a UNet2DConditionModel (Stable Diffusion 1.x/2.x, SDXL and their "
+    "text-to-image, image-to-image, inpainting and ControlNet pipelines) or a UNet2DConditionModel itself"
+)
+
+_subclasses: dict[type, type] = {}
+
+
+class UnsupportedModelError(TypeError):
+    """Not something this patch can reduce (a transformer/DiT pipeline, a pixel-space UNet, an unknown object)."""
+
+
+class PatchConflictError(ValueError):
+    """Another patch on the UNet's blocks would make ours wrong or be bypassed by it."""
+
+
+def _class_names(obj) -> list[str]:
+    return [cls.__name__ for cls in type(obj).__mro__]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Finding the UNet and its layout
+
+
+def _unwrap(module):
+    """The module inside a ``torch.compile`` wrapper (OptimizedModule keeps it as ``_orig_mod``)."""
+    return getattr(module, "_orig_mod", module)
+
+
+def find_unet(pipe_or_unet) -> tuple[torch.nn.Module, object | None]:
+    """Return (unet, pipeline or None) for what the user passed; raise UnsupportedModelError naming what is."""
+    if UNET_CLASS_NAME in _class_names(_unwrap(pipe_or_unet)):
+        return _unwrap(pipe_or_unet), None
+    unet = getattr(pipe_or_unet, "unet", None)
+    if unet is not None and UNET_CLASS_NAME in _class_names(_unwrap(unet)):
+        return _unwrap(unet), pipe_or_unet
+    what = type(pipe_or_unet).__name__
+    denoiser = getattr(pipe_or_unet, "transformer", None) or getattr(pipe_or_unet, "prior", None) or unet
+    if denoiser is not None:
+        what += f" (its denoiser is {type(_unwrap(denoiser)).__name__})"
+    raise UnsupportedModelError(f"tome_core.apply_patch supports {SUPPORTED}; got {what}")
+
+
+def _is_block(module) -> bool:
+    return BLOCK_CLASS_NAME in _class_names(module) and all(
+        hasattr(module, name) for name in ("attn1", "attn2", "ff", "norm1", "norm3", "norm_type")
+    )
+
+
+def transformer_blocks(unet) -> list[tuple[str, torch.nn.Module]]:
+    return [(name, module) for name, module in unet.named_modules() if _is_block(module)]
+
+
+def _has_blocks(module) -> bool:
+    return module is not None and any(_is_block(m) for m in module.modules())
+
+
+def attention_levels(unet) -> tuple[int, ...]:
+    """The downsampling levels (1, 2, 4, ...) whose blocks have transformer blocks.
+
+    ``down_blocks[i]`` works at the level reached after the downsamplers of the blocks before it; the mid block
+    at the coarsest level. (SD1.x: 1, 2, 4 and the mid block at 8; SDXL: 2 and 4.)
+    """
+    level, levels = 1, set()
+    for block in getattr(unet, "down_blocks", ()):
+        if _has_blocks(getattr(block, "attentions", None)):
+            levels.add(level)
+        if getattr(block, "downsamplers", None) is not None:
+            level *= 2
+    if _has_blocks(getattr(unet, "mid_block", None)):
+        levels.add(level)
+    return tuple(sorted(levels))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Step range: percent of the schedule -> the noise value the UNet receives as ``timestep``
+
+
+def percent_to_unet_timestep(scheduler) -> Callable[[float], float]:
+    """Map a sampling percent to the ``timestep`` value the pipeline gives the UNet, higher meaning noisier.
+
+    The convention is ComfyUI's (``model_sampling.percent_to_sigma``), so a range means the same noise levels in
+    every host: for DDPM-trained models (every SD1/SD2/SDXL scheduler of diffusers) percent p is the training
+    timestep (1 - p) * (T - 1), which is what those schedulers pass to the UNet (fractional for Euler/Karras
+    schedules). EDM-style schedulers (EDM Euler/DPM-Solver, CosineDPMSolver) pass ``precondition_noise(sigma)``:
+    there p is the sigma log-interpolated between sigma_max and sigma_min. Euler with continuous timesteps
+    passes 0.25 * log(sigma) of the training schedule.
+    """
+    config = getattr(scheduler, "config", None) or {}
+    get = config.get if hasattr(config, "get") else lambda key, default=None: getattr(config, key, default)
+    precondition = getattr(scheduler, "precondition_noise", None)
+    if callable(precondition) and get("sigma_min") is not None and get("sigma_max") is not None:
+        log_min, log_max = math.log(get("sigma_min")), math.log(get("sigma_max"))
+
+        def edm(percent: float) -> float:
+            sigma = math.exp(log_min + (1.0 - percent) * (log_max - log_min))
+            return float(precondition(torch.tensor([sigma], dtype=torch.float64)).reshape(-1)[0])
+
+        return edm
+    steps = int(get("num_train_timesteps", None) or 1000)
+    alphas_cumprod = getattr(scheduler, "alphas_cumprod", None)
+    if get("timestep_type") == "continuous" and alphas_cumprod is not None:
+        log_sigmas = (((1 - alphas_cumprod) / alphas_cumprod) ** 0.5).double().log()
+
+        def continuous(percent: float) -> float:
+            t = timestep_of_percent(percent, steps)
+            low = min(int(t), len(log_sigmas) - 2)
+            frac = t - low
+            return 0.25 * float((1 - frac) * log_sigmas[low] + frac * log_sigmas[low + 1])
+
+        return continuous
+    return lambda percent: timestep_of_percent(percent, steps)
+
+
+class _StepRange:
+    """Whether a UNet call is inside the range, mapped through the pipeline's current scheduler.
+
+    The pipeline is held weakly and its scheduler looked up at each call, so a scheduler swapped after
+    ``apply_patch`` (``pipe.scheduler = X.from_config(...)``) is followed.
+    """
+
+    def __init__(self, settings: PatchSettings, pipeline):
+        self.settings = settings
+        self._pipeline = weakref.ref(pipeline) if pipeline is not None else None
+        self._scheduler = None
+        self.noise_range = self._range_for(None)
+        self.everywhere = self.noise_range.everywhere
+
+    def _range_for(self, scheduler) -> NoiseRange:
+        s = self.settings
+        mapping = percent_to_unet_timestep(scheduler) if scheduler is not None else timestep_of_percent
+        return NoiseRange(s.start_percent, s.end_percent, mapping)
+
+    def contains(self, timestep: float) -> bool:
+        pipeline = self._pipeline() if self._pipeline is not None else None
+        scheduler = getattr(pipeline, "scheduler", None)
+        if scheduler is not self._scheduler:
+            self._scheduler = scheduler
+            self.noise_range = self._range_for(scheduler)
+        return self.noise_range.contains(timestep)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The patched block
+
+
+class _UNetState:
+    """Shared by the UNet's pre-hook and all of its patched blocks: what the current UNet call looks like."""
+
+    def __init__(self, reducer: Reducer, step_range: _StepRange):
+        self.reducer = reducer
+        self.step_range = step_range
+        self.latent_hw: tuple[int, int] | None = None
+        self.active = True
+
+    def before_unet_call(self, module, args, kwargs):
+        sample = args[0] if args else kwargs.get("sample")
+        if not isinstance(sample, torch.Tensor) or sample.dim() != 4:
+            self.latent_hw = None
+            return None
+        self.latent_hw = (int(sample.shape[2]), int(sample.shape[3]))
+        if self.step_range.everywhere:
+            self.active = True
+        else:
+            timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+            # One host read per UNet call, not per block; no timestep means "inside the range".
+            self.active = timestep is None or self.step_range.contains(float(torch.as_tensor(timestep).max()))
+        return None
+
+
+class _BlockState:
+    def __init__(self, unet_state: _UNetState, block_key: str):
+        self.unet_state = unet_state
+        self.block_key = block_key
+
+
+def _feed_forward(block, x: torch.Tensor) -> torch.Tensor:
+    """``block.ff`` honouring ``set_chunk_feed_forward`` (memory saving): the MLP applied chunk by chunk."""
+    if block._chunk_size is None:
+        return block.ff(x)
+    parts = x.split(block._chunk_size, dim=block._chunk_dim)
+    return torch.cat([block.ff(part) for part in parts], dim=block._chunk_dim)
+
+
+def _start(block, hidden_states, attention_mask):
+    """The block's reduction for this call, or None where the block must run as diffusers wrote it."""
+    state = block.__dict__.get(_STATE)
+    if state is None or attention_mask is not None:  # a mask over the image tokens would not fit fewer tokens
+        return None
+    if block.norm_type != "layer_norm" or block.pos_embed is not None:
+        return None
+    unet_state = state.unet_state
+    if not unet_state.active or unet_state.latent_hw is None:
+        return None
+    return unet_state.reducer.start_block(hidden_states, unet_state.latent_hw, state.block_key)
+
+
+def _reduced_forward(
+    self,
+    hidden_states,
+    attention_mask=None,
+    encoder_hidden_states=None,
+    encoder_attention_mask=None,
+    timestep=None,
+    cross_attention_kwargs=None,
+    class_labels=None,
+    added_cond_kwargs=None,
+):
+    """``forward`` of a patched block: the block's sub-layers with the engine's reductions around each."""
+    reduction = _start(self, hidden_states, attention_mask)
+    if reduction is None:
+        parent = getattr(type(self), _PARENT)
+        return parent.forward(
+            self,
+            hidden_states,
+            attention_mask,
+            encoder_hidden_states,
+            encoder_attention_mask,
+            timestep,
+            cross_attention_kwargs,
+            class_labels,
+            added_cond_kwargs,
+        )
+    kwargs = dict(cross_attention_kwargs) if cross_attention_kwargs else {}
+    gligen = kwargs.pop("gligen", None)
+    x = hidden_states
+
+    # Self-attention: fewer queries (ToMe) or fewer keys/values (ToDo), whichever processor attn1 has.
+    query, keys_values = reduction.self_attn_inputs(self.norm1(x))
+    if self.only_cross_attention:  # attn1 attends to the prompt: only its queries can be reduced
+        context = encoder_hidden_states
+    else:
+        context = None if keys_values is query else keys_values
+    out = self.attn1(query, encoder_hidden_states=context, attention_mask=None, **kwargs)
+    x = reduction.self_attn_output(out) + x
+    if x.ndim == 4:
+        x = x.squeeze(1)
+    if gligen is not None:
+        x = self.fuser(x, gligen["objs"])
+
+    if self.attn2 is not None:
+        n = self.norm2(x)
+        # IP-Adapter masks are resized to the query count as if it were the image grid: merged queries break that.
+        reduce_queries = kwargs.get("ip_adapter_masks") is None
+        query = reduction.cross_attn_query(n) if reduce_queries else n
+        out = self.attn2(
+            query, encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask, **kwargs
+        )
+        x = (reduction.cross_attn_output(out) if reduce_queries else out) + x
+
+    x = reduction.mlp_output(_feed_forward(self, reduction.mlp_input(self.norm3(x)))) + x
+    if x.ndim == 4:
+        x = x.squeeze(1)
+    return x
+
+
+def _reduced_class(cls: type) -> type:
+    """One subclass per original block class, made once, so patching twice never stacks subclasses."""
+    sub = _subclasses.get(cls)
+    if sub is None:
+        sub = type("TomePatchDiffusersBlock", (cls,), {"forward": _reduced_forward, _PARENT: cls})
+        sub.__module__ = __name__
+        _subclasses[cls] = sub
+    return sub
+
+
+def _original_class(module) -> type:
+    cls = type(module)
+    return getattr(cls, _PARENT) if _PARENT in cls.__dict__ else cls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Install and remove
+
+
+def find_conflict(unet) -> str | None:
+    """Name another patch on the blocks that would make ours wrong or bypass it, or None."""
+    if any(type(block).__name__ == "ToMeBlock" for _, block in transformer_blocks(unet)):
+        return "tomesd's patch is applied to this UNet: call tomesd.remove_patch on it first"
+    for name, block in transformer_blocks(unet):
+        if "forward" in block.__dict__:  # an instance-level forward (a wrapping hook) would bypass the class swap
+            return f"the transformer block {name} has its forward replaced on the instance (a hook wrapping it)"
+    return None
+
+
+def is_patched(pipe_or_unet) -> bool:
+    unet = _unet_or_none(pipe_or_unet)
+    if unet is None:
+        return False
+    return _STATE in unet.__dict__ or any(_PARENT in type(m).__dict__ for m in unet.modules())
+
+
+def _unet_or_none(pipe_or_unet):
+    try:
+        return find_unet(pipe_or_unet)[0]
+    except UnsupportedModelError:
+        return None
+
+
+def remove_patch(pipe_or_unet):
+    """Undo ``apply_patch``; a no-op on anything not patched. Returns what it was given."""
+    unet = _unet_or_none(pipe_or_unet)
+    if unet is None:
+        return pipe_or_unet
+    handle = unet.__dict__.pop(_HOOK, None)
+    if handle is not None:
+        handle.remove()
+    unet.__dict__.pop(_STATE, None)
+    for module in unet.modules():
+        module.__dict__.pop(_STATE, None)
+        cls = type(module)
+        if _PARENT in cls.__dict__:
+            module.__class__ = getattr(cls, _PARENT)
+            continue
+        # tomesd wraps whatever class a block has and remembers it in ``_parent`` for its own removal. If that is
+        # ours, point it past ours, so that tomesd's removal later restores the original class.
+        parent = cls.__dict__.get("_parent")
+        if isinstance(parent, type) and _PARENT in parent.__dict__:
+            cls._parent = getattr(parent, _PARENT)
+    return pipe_or_unet
+
+
+def apply_patch(pipe_or_unet, **settings):
+    """Patch a diffusers pipeline (its ``.unet``) or a ``UNet2DConditionModel`` in place; returns what it was given.
+
+    ``settings`` are those of the engine's settings table (``tome_core.SPECS``: method, ratio,
+    downsample_factor, max_downsample, start_percent, end_percent, ...), validated by
+    ``PatchSettings.from_values``: a bad value raises ValueError naming the setting and its range, an
+    unsupported model UnsupportedModelError (a TypeError) naming what is supported; in both cases, and for a
+    conflicting patch (PatchConflictError, a ValueError), the model is left as it was. Applying again replaces
+    the earlier patch; settings that can never change the output leave the UNet unpatched.
+    """
+    validated = PatchSettings.from_values(**settings)
+    unet, pipeline = find_unet(pipe_or_unet)
+    levels = attention_levels(unet)
+    blocks = transformer_blocks(unet)
+    if not levels or not blocks:
+        raise UnsupportedModelError(
+            f"tome_core.apply_patch supports {SUPPORTED}; this {type(unet).__name__} has no transformer blocks "
+            "to reduce (pixel-space UNets such as DeepFloyd IF use another attention block)"
+        )
+    conflict = find_conflict(unet)
+    if conflict is not None:
+        raise PatchConflictError(conflict)
+    remove_patch(unet)
+    reducer = Reducer(validated, levels)
+    if reducer.does_nothing:
+        return pipe_or_unet
+    unet_state = _UNetState(reducer, _StepRange(validated, pipeline))
+    for name, block in blocks:
+        block.__dict__[_STATE] = _BlockState(unet_state, name)
+        block.__class__ = _reduced_class(_original_class(block))
+    unet.__dict__[_STATE] = unet_state
+    unet.__dict__[_HOOK] = unet.register_forward_pre_hook(unet_state.before_unet_call, with_kwargs=True)
+    return pipe_or_unet

@@ -1,0 +1,384 @@
+"""The fidelity benchmark: do I get the same picture, sooner? Measured on the trained reference models.
+
+``bash tools/bench.sh --fidelity`` (= ``python -m tools.fidelity``) samples a fixed set of prompts x seeds with
+each row (unpatched; this project's methods and settings through the ComfyUI node; ComfyUI's built-in
+TomePatchModel; tomesd 0.1.3 and a ToDo reference-style patch on the same weights) with ComfyUI's own KSampler
+(Euler, CFG), at the models' training size and at twice that size, and reports for every row:
+- same-seed similarity of each final image to the unpatched one: SSIM and PSNR (torchmetrics), on the colour
+  channels mapped to [0, 1];
+- the attribute accuracy of the reference classifier (kind, colour, position, background), mean over the
+  four and all four right at once;
+- the Frechet distance between the samples and real scenes in the classifier's feature space (torchmetrics'
+  FrechetInceptionDistance with the classifier as feature extractor);
+- the speed of the same sampling run: wall time and process CPU time, and the speed-up over unpatched.
+Output: ``results/fidelity-<model>.md`` and ``.json``, a speed-versus-fidelity chart
+``results/fidelity-<model>.png``, and an image grid (same prompts and seeds side by side per row)
+``results/fidelity-grid-<model>.png``; ``--docs`` copies grid and chart into ``docs/``.
+
+Our rows force the reduction at every size (``skip_when_slower`` off): the reference models' token grids are
+smaller than the sizes where the shipped defaults switch the reduction on, and the question here is what the
+reduction does to the picture. Speed at real sizes is the speed benchmark's job (``bash tools/bench.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tome_core.settings import SPECS
+from tools.bench_host import LdmHolder, build_ldm_unet, setup_comfy
+from tools.bench_report import machine, versions
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_SEED = 1234
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.fidelity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default="ref-sd1,ref-sdxl", help="reference models (ref-sd1, ref-sdxl)")
+    parser.add_argument("--scales", default="1,2", help="image sizes as multiples of the training size")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per seed (one sampling batch)")
+    parser.add_argument("--seeds", type=int, default=4, help="seeds: images = prompts x seeds")
+    parser.add_argument("--steps", type=int, default=12, help="Euler steps")
+    parser.add_argument("--cfg", type=float, default=4.0)
+    parser.add_argument("--only", default="", help="comma-separated words: keep rows whose name contains one")
+    parser.add_argument("--broken", action="store_true", help="add a deliberately broken patch (plumbing check)")
+    parser.add_argument("--real", type=int, default=1024, help="real scenes for the Frechet distance")
+    parser.add_argument("--grid", type=int, default=8, help="images per row in the grid")
+    parser.add_argument("--out", default=str(ROOT / "results"))
+    parser.add_argument("--docs", action="store_true", help="copy grid and chart to docs/")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's choice)")
+    return parser.parse_args(argv)
+
+
+@dataclass
+class FidelityRow:
+    """One way of sampling: ``patch(model)`` returns the ModelPatcher to sample with."""
+
+    name: str
+    group: str  # "unpatched", "ours", "peer" or "broken"
+    patch: Callable
+    enter: Callable[[], None] = lambda: None
+    leave: Callable[[], None] = lambda: None
+    settings: dict = field(default_factory=dict)
+
+
+def node_patch(node_cls, **inputs) -> Callable:
+    """This project's patch applied by running the ComfyUI node class, as a graph would."""
+
+    def patch(model):
+        if hasattr(node_cls, "GET_SCHEMA"):  # V3 node
+            return node_cls.execute(model=model, **inputs).result[0]
+        return getattr(node_cls(), node_cls.FUNCTION)(model=model, **inputs)[0]
+
+    return patch
+
+
+def load_our_nodes() -> dict:
+    """Load this repository with ComfyUI's custom node loader; returns its node classes by id."""
+    import asyncio
+
+    import nodes as comfy_nodes
+
+    if "ToMePatchAdvanced" not in comfy_nodes.NODE_CLASS_MAPPINGS:
+        if not asyncio.run(comfy_nodes.load_custom_node(str(ROOT), module_parent="custom_nodes")):
+            raise RuntimeError("ComfyUI did not load this repository as a custom node package")
+    return comfy_nodes.NODE_CLASS_MAPPINGS
+
+
+def ours(nodes: dict, name: str, **values) -> FidelityRow:
+    inputs = {"max_downsample": "auto", "skip_when_slower": False, **values}
+    inputs["max_downsample"] = str(inputs["max_downsample"])
+    return FidelityRow(name, "ours", node_patch(nodes["ToMePatchAdvanced"], **inputs), settings=inputs)
+
+
+def comfy_builtin(ratio: float) -> FidelityRow:
+    from comfy_extras.nodes_tomesd import TomePatchModel
+
+    return FidelityRow(
+        f"ComfyUI TomePatchModel {ratio}",
+        "peer",
+        lambda model: TomePatchModel.execute(model, ratio).result[0],
+        settings={"ratio": ratio},
+    )
+
+
+def todo_reference(factor: float, level: int) -> FidelityRow:
+    from tools.bench_rows import todo_reference_patch
+
+    def patch(model):
+        clone = model.clone()
+        clone.set_model_attn1_patch(todo_reference_patch(factor, level))
+        return clone
+
+    return FidelityRow(f"ToDo reference {factor:g}", "peer", patch, settings={"factor": factor, "level": level})
+
+
+def tomesd_row(family, state_dict: dict, ratio: float, level: int, everywhere: bool) -> FidelityRow | None:
+    """tomesd 0.1.3 on the WebUI's ldm UNet with the same weights, swapped in for ComfyUI's UNet by an object
+    patch, so the same ComfyUI sampler drives it. None where ldm cannot build the layout (SDXL needs sgm)."""
+    unet = build_ldm_unet(family, state_dict, torch.float32, torch.device("cpu"))
+    if unet is None:
+        return None
+    import tomesd
+
+    holder = LdmHolder(unet)
+    extra = {"merge_crossattn": True, "merge_mlp": True} if everywhere else {}
+
+    def patch(model):
+        clone = model.clone()
+        clone.add_object_patch("diffusion_model", unet)
+        return clone
+
+    name = f"tomesd {ratio}" + (" +cross-attn +MLP" if everywhere else "")
+    return FidelityRow(
+        name,
+        "peer",
+        patch,
+        enter=lambda: tomesd.apply_patch(holder, ratio=ratio, max_downsample=level, use_rand=False, **extra),
+        leave=lambda: tomesd.remove_patch(holder),
+        settings={"ratio": ratio, "max_downsample": level, "use_rand": False, **extra},
+    )
+
+
+def broken_patch(model):
+    """A deliberately wrong merge: self-attention's output shifted by one token at every level."""
+    clone = model.clone()
+    clone.set_model_attn1_output_patch(lambda out, extra_options: out.roll(1, dims=1))
+    return clone
+
+
+def rows_for(name: str, base_model, args) -> list[FidelityRow]:
+    from tools.reference import models
+
+    nodes = load_our_nodes()
+    family = models.FAMILIES[name]
+    finest = 1 if family.depth[0] else 2  # the finest level that has attention
+    rows = [
+        FidelityRow("unpatched", "unpatched", lambda model: model),
+        ours(nodes, "ours ToMe 0.5", method="tome", ratio=0.5),
+        ours(nodes, "ours ToDo 2", method="todo", downsample_factor=2.0),
+    ]
+    if "scope" in SPECS:  # the whole transformer block on merged tokens, at the two finest attention levels
+        for ratio in (0.5, 0.3):
+            rows.append(
+                ours(nodes, f"ours block {ratio}", method="tome", ratio=ratio, scope="block", max_downsample=finest * 2)
+            )
+    rows += [comfy_builtin(0.5), todo_reference(2.0, finest)]
+    state_dict = base_model.diffusion_model.state_dict()
+    for everywhere in (False, True):
+        row = tomesd_row(family, state_dict, 0.5, finest, everywhere)
+        if row is not None:
+            rows.append(row)
+    if args.broken:
+        rows.append(FidelityRow("broken (shifted tokens)", "broken", broken_patch))
+    if args.only:
+        words = [w.strip() for w in args.only.split(",") if w.strip()]
+        rows = [r for r in rows if r.group == "unpatched" or any(w in r.name for w in words)]
+    return rows
+
+
+def conditioning(name: str, base_model, encoder, prompt_indices: torch.Tensor, size: int) -> list:
+    """ComfyUI CONDITIONING for a batch of prompts (SDXL: pooled vector and size conditioning too)."""
+    from tools.reference import models
+
+    with torch.no_grad():
+        context, pooled = encoder(prompt_indices)
+    extra = {}
+    if models.FAMILIES[name].adm_channels:
+        pixels = models.TRAIN_SIZE * 8  # the size conditioning the model was trained with
+        extra = {"pooled_output": pooled, "width": pixels, "height": pixels, "crop_w": 0, "crop_h": 0}
+        extra.update(target_width=pixels, target_height=pixels)
+    return [[context, extra]]
+
+
+def sample_row(row: FidelityRow, patcher, positive, negative, size: int, args, n_prompts: int):
+    """All images of one row: (seeds * prompts, 4, size, size) in data space, with wall and CPU seconds."""
+    import nodes as comfy_nodes
+
+    model = row.patch(patcher)
+    row.enter()
+    try:
+        wall, cpu = time.perf_counter(), time.process_time()
+        images = []
+        for seed in range(args.seeds):
+            latent = {"samples": torch.zeros(n_prompts, 4, size, size)}
+            (out,) = comfy_nodes.common_ksampler(
+                model, seed, args.steps, args.cfg, "euler", "normal", positive, negative, latent
+            )
+            images.append(patcher.model.process_latent_in(out["samples"]))  # undo the latent scale factor
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        row.leave()
+    return torch.cat(images), wall, cpu
+
+
+def image_metrics(images: torch.Tensor, reference: torch.Tensor) -> dict:
+    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+
+    from tools.reference.data import to_rgb
+
+    a, b = to_rgb(images), to_rgb(reference)
+    ssim = structural_similarity_index_measure(a, b, data_range=1.0, reduction="none")
+    psnr = peak_signal_noise_ratio(a, b, data_range=1.0, reduction="none", dim=(1, 2, 3))
+    identical = bool(torch.equal(images, reference))
+    return {
+        "ssim": float(ssim.mean()),
+        "ssim_min": float(ssim.min()),
+        "psnr": None if identical else float(psnr[torch.isfinite(psnr)].mean()),
+        "identical_to_unpatched": identical,
+    }
+
+
+def attribute_accuracy(classifier, images: torch.Tensor, prompts: torch.Tensor) -> dict:
+    from tools.reference.data import ATTRIBUTES
+
+    with torch.no_grad():
+        predicted = torch.stack([logits.argmax(1) for logits in classifier(images)], dim=1)
+    correct = predicted == prompts
+    result = {name: float(correct[:, i].float().mean()) for i, name in enumerate(ATTRIBUTES)}
+    result["mean"] = float(correct.float().mean())
+    result["all_four"] = float(correct.all(dim=1).float().mean())
+    return result
+
+
+class FrechetDistance:
+    """Frechet distance to real scenes in the classifier's feature space (torchmetrics keeps the real side)."""
+
+    def __init__(self, classifier, real: torch.Tensor):
+        from torchmetrics.image.fid import FrechetInceptionDistance
+
+        from tools.reference.models import ClassifierFeatures
+
+        self.metric = FrechetInceptionDistance(
+            feature=ClassifierFeatures(classifier), normalize=True, reset_real_features=False
+        )
+        with torch.no_grad():
+            self.metric.update(real, real=True)
+
+    def __call__(self, images: torch.Tensor) -> float:
+        self.metric.reset()
+        with torch.no_grad():
+            self.metric.update(images, real=False)
+            return float(self.metric.compute())
+
+
+def evaluate_model(name: str, args, log) -> dict:
+    import comfy.model_patcher
+
+    from tools.reference import data, models
+
+    base, encoder = models.load_reference(name)
+    classifier = models.load_classifier()
+    cpu = torch.device("cpu")
+    patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
+    generator = torch.Generator().manual_seed(PROMPT_SEED)
+    every = data.all_prompts().as_tensor()
+    prompts = every[torch.randperm(len(every), generator=generator)[: args.prompts]]
+    labels = prompts.repeat(args.seeds, 1)  # image i of seed s is prompt i
+    real, _ = data.batch(args.real, models.TRAIN_SIZE, torch.Generator().manual_seed(PROMPT_SEED + 1))
+    fresh, fresh_prompts = data.batch(len(labels), models.TRAIN_SIZE, torch.Generator().manual_seed(PROMPT_SEED + 2))
+    frechet = FrechetDistance(classifier, real)
+    reference_rows = {
+        "real scenes": {
+            "frechet": frechet(fresh),
+            "accuracy": attribute_accuracy(classifier, fresh, fresh_prompts.as_tensor()),
+        }
+    }
+    negative = conditioning(name, base, encoder, models.PromptEncoder.empty(1), models.TRAIN_SIZE)
+    rows = rows_for(name, base, args)
+    records, grids = [], {}
+    for scale in [int(s) for s in args.scales.split(",")]:
+        size = models.TRAIN_SIZE * scale
+        positive = conditioning(name, base, encoder, prompts, size)
+        # Warm-up (untimed): the first sampling call at a size pays for allocations and caches.
+        warm = argparse.Namespace(**{**vars(args), "seeds": 1, "steps": 1})
+        sample_row(rows[0], patcher, positive, negative, size, warm, len(prompts))
+        baseline = None
+        for row in rows:
+            log(f"{name} {size}x{size}: {row.name} ...")
+            images, wall, cpu_s = sample_row(row, patcher, positive, negative, size, args, len(prompts))
+            if baseline is None:
+                baseline = {"images": images, "wall": wall, "cpu": cpu_s}
+            record = {
+                "model": name,
+                "size": size,
+                "row": row.name,
+                "group": row.group,
+                "settings": row.settings,
+                "wall_s": wall,
+                "cpu_s": cpu_s,
+                "speedup": baseline["wall"] / wall,
+                "speedup_cpu": baseline["cpu"] / cpu_s,
+                **image_metrics(images, baseline["images"]),
+                "accuracy": attribute_accuracy(classifier, images, labels),
+                "frechet": frechet(images),
+            }
+            records.append(record)
+            grids[(size, row.name)] = images[: args.grid]
+            log(
+                f"  ssim {record['ssim']:.3f}, accuracy {record['accuracy']['mean']:.3f}, "
+                f"FD {record['frechet']:.2f}, {wall:.1f} s ({record['speedup']:.2f}x)"
+            )
+    from tools.fidelity_report import pareto_fronts
+
+    return {
+        "model": name,
+        "prompts": [data.describe(data.Prompts.from_tensor(prompts), i) for i in range(len(prompts))],
+        "reference": reference_rows,
+        "records": records,
+        "pareto_front": pareto_fronts(records),
+        "grids": grids,
+    }
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    setup_comfy("cpu")
+    import comfy.utils
+
+    from tools import fidelity_report
+
+    comfy.utils.PROGRESS_BAR_ENABLED = False  # one log line per row instead
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+
+    def log(message):
+        print(f"[{time.time() - started:6.0f} s] {message}", flush=True)
+
+    reports = {}
+    for name in args.models.split(","):
+        result = evaluate_model(name, args, log)
+        report = {
+            "machine": machine(torch.device("cpu")),
+            "versions": versions(),
+            "settings": {k: v for k, v in vars(args).items() if k not in ("out", "docs")},
+            "date": time.strftime("%Y-%m-%d"),
+            "minutes": round((time.time() - started) / 60, 1),
+            **{k: v for k, v in result.items() if k != "grids"},
+        }
+        paths = fidelity_report.write(report, result["grids"], out)
+        print(fidelity_report.table(report))
+        if args.docs:
+            for path in paths:
+                shutil.copy(path, ROOT / "docs" / path.name)
+        (out / f"fidelity-{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        reports[name] = report
+    return reports
+
+
+if __name__ == "__main__":
+    main()

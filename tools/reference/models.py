@@ -1,0 +1,156 @@
+"""The reference models: two small UNets of ComfyUI's own classes, their prompt encoder, and a classifier.
+
+- ``ref-sd1``: SD1.x layout (attention at levels 1, 2 and 4, one transformer block each, conv projections).
+- ``ref-sdxl``: SDXL layout (no attention at level 1; two blocks per transformer at levels 2 and 4, linear
+  projections, a pooled vector input through ComfyUI's SDXL ``encode_adm``).
+Both are trained at 32x32 latents (``TRAIN_SIZE``) as v-prediction models on ComfyUI's discrete SD schedule (as
+SD 2.x 768-v and the v-prediction SDXL fine-tunes are), so any ComfyUI sampler samples them as it samples
+Stable Diffusion. v-prediction, not eps: a small model trained for an hour predicts the noise only roughly, and
+an eps model's error at the highest noise levels is multiplied by sigma (14.6) and stays in the image, while a
+v model's error there is an error in the predicted image, which later steps correct.
+
+The "prompt" is a sequence of four tokens (kind, colour, position, background), each an embedding of its
+attribute value plus a slot embedding; index ``len(values)`` of each attribute is the empty prompt used for
+classifier-free guidance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tools.bench_host import Family, comfy_unet_config
+
+from . import data
+
+WEIGHTS = Path(__file__).resolve().parent / "weights"
+TRAIN_SIZE = 32
+CONTEXT_DIM = 64
+POOLED_DIM = 1280  # what ComfyUI's SDXL encode_adm expects as pooled text
+
+FAMILIES = {
+    "ref-sd1": Family("ref-sd1", 32, (1, 2, 2), 1, (1, 1, 1), 1, CONTEXT_DIM, head_channels=32),
+    "ref-sdxl": Family(
+        "ref-sdxl", 32, (1, 2, 2), 1, (0, 2, 2), 2, CONTEXT_DIM, head_channels=32, linear=True, adm_channels=2816
+    ),
+}
+
+
+class PromptEncoder(nn.Module):
+    """Attribute tokens -> cross-attention context (N, 4, CONTEXT_DIM) and a pooled vector (N, POOLED_DIM)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables = nn.ModuleList(nn.Embedding(len(values) + 1, CONTEXT_DIM) for values in data.ATTRIBUTES.values())
+        self.slots = nn.Parameter(torch.randn(len(data.ATTRIBUTES), CONTEXT_DIM) * 0.1)
+        self.norm = nn.LayerNorm(CONTEXT_DIM)
+        self.pool = nn.Linear(len(data.ATTRIBUTES) * CONTEXT_DIM, POOLED_DIM)
+
+    def forward(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.stack([table(indices[:, i]) for i, table in enumerate(self.tables)], dim=1) + self.slots
+        context = self.norm(tokens)
+        return context, self.pool(context.flatten(1))
+
+    @staticmethod
+    def empty(n: int) -> torch.Tensor:
+        """Indices of the empty prompt (the unconditional branch of classifier-free guidance)."""
+        return torch.tensor([len(values) for values in data.ATTRIBUTES.values()]).expand(n, -1).clone()
+
+
+def build_base_model(name: str):
+    """ComfyUI's BaseModel (SD15 or SDXL config) with the reference layout, weights uninitialised."""
+    import comfy.supported_models
+
+    family = FAMILIES[name]
+    config_class = comfy.supported_models.SDXL if family.adm_channels else comfy.supported_models.SD15
+    config = config_class(comfy_unet_config(family))
+    # ComfyUI's SD15 config forces 8 heads (SD1.5's 320 channels); at 32 channels that would be 4-wide heads.
+    # One head per 32 channels keeps the heads' width sensible and the CPU training affordable.
+    config.unet_config.update(num_heads=family.num_heads, num_head_channels=family.head_channels)
+    config.set_inference_dtype(torch.float32, None)
+    from comfy.model_base import ModelType
+
+    config.model_type = lambda state_dict, prefix="": ModelType.V_PREDICTION
+    return config.get_model({}, device="cpu")
+
+
+def adm_vector(name: str, base_model, pooled: torch.Tensor, size: int) -> torch.Tensor | None:
+    """SDXL's ``y`` input as ComfyUI computes it at sampling time (pooled text + size embeddings); None for SD1."""
+    if FAMILIES[name].adm_channels is None:
+        return None
+    pixels = size * 8
+    return base_model.encode_adm(
+        pooled_output=pooled, width=pixels, height=pixels, crop_w=0, crop_h=0, target_width=pixels, target_height=pixels
+    )
+
+
+def save_reference(name: str, unet_state: dict, encoder_state: dict, info: dict) -> Path:
+    WEIGHTS.mkdir(parents=True, exist_ok=True)
+    tensors = {f"diffusion_model.{k}": v.detach().contiguous() for k, v in unet_state.items()}
+    tensors.update({f"prompt_encoder.{k}": v.detach().contiguous() for k, v in encoder_state.items()})
+    path = WEIGHTS / f"{name}.safetensors"
+    save_file(tensors, str(path), metadata={k: str(v) for k, v in info.items()})
+    return path
+
+
+def load_reference(name: str):
+    """(ComfyUI BaseModel with trained weights, PromptEncoder) of a committed reference model."""
+    tensors = load_file(str(WEIGHTS / f"{name}.safetensors"))
+    base = build_base_model(name)
+    unet_sd = {k[len("diffusion_model.") :]: v for k, v in tensors.items() if k.startswith("diffusion_model.")}
+    base.diffusion_model.load_state_dict(unet_sd, strict=True)
+    encoder = PromptEncoder()
+    prefix = "prompt_encoder."
+    encoder.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+    base.eval()
+    encoder.eval()
+    return base, encoder
+
+
+class AttributeClassifier(nn.Module):
+    """A small CNN that names each attribute of a 4-channel scene; its pooled features serve the Frechet distance."""
+
+    num_features = 128  # read by torchmetrics' FrechetInceptionDistance for a custom feature extractor
+
+    def __init__(self):
+        super().__init__()
+
+        def stage(cin, cout, stride):
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1), nn.GroupNorm(8, cout), nn.SiLU())
+
+        self.body = nn.Sequential(
+            stage(data.CHANNELS, 32, 1), stage(32, 32, 1), stage(32, 64, 2), stage(64, 64, 1), stage(64, 128, 2),
+            stage(128, 128, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        )  # fmt: skip
+        self.heads = nn.ModuleList(nn.Linear(128, len(values)) for values in data.ATTRIBUTES.values())
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        if images.shape[-1] != TRAIN_SIZE:  # larger samples are judged at the size the classifier knows
+            images = nn.functional.interpolate(images, size=(TRAIN_SIZE, TRAIN_SIZE), mode="area")
+        return self.body(images)
+
+    def forward(self, images: torch.Tensor) -> list[torch.Tensor]:
+        feats = self.features(images)
+        return [head(feats) for head in self.heads]
+
+
+class ClassifierFeatures(nn.Module):
+    """The classifier's pooled features as a module, the form torchmetrics takes a feature extractor in."""
+
+    num_features = AttributeClassifier.num_features
+
+    def __init__(self, classifier: AttributeClassifier):
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.classifier.features(images)
+
+
+def load_classifier() -> AttributeClassifier:
+    classifier = AttributeClassifier()
+    classifier.load_state_dict(load_file(str(WEIGHTS / "classifier.safetensors")))
+    return classifier.eval()

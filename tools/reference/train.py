@@ -1,0 +1,209 @@
+"""Train the reference models: ``python -m tools.reference.train`` (about 1.5 hours on a 2-core CPU).
+
+The classifier and the two UNets are independent: ``--models`` and ``--no-classifier`` split the work into
+processes that run in parallel (each gives the same weights as the whole command).
+
+Deterministic from ``--seed`` on a given machine and thread count: the data stream, the initial weights and
+the noise all come from seeded generators, and PyTorch is put in deterministic mode. The trained weights go to
+``tools/reference/weights/`` (safetensors, with the recipe and final losses in their metadata) and a summary
+to ``tools/reference/weights/training.json``.
+
+What is trained, in order:
+1. the attribute classifier, on freshly generated scenes (it judges the samples later);
+2. each UNet (``ref-sd1``, ``ref-sdxl``) with its prompt encoder, as a v-prediction diffusion model on
+   ComfyUI's discrete schedule (the UNet input is ``(x0 + sigma * eps) / sqrt(sigma^2 + 1)`` at a uniformly
+   drawn timestep, exactly what ComfyUI feeds the UNet while sampling; the target is
+   ``v = (eps - sigma * x0) / sqrt(sigma^2 + 1)``, what ComfyUI's V_PREDICTION turns back into the image), with
+   10% of prompts replaced by the
+   empty prompt (classifier-free guidance), AdamW, warm-up then cosine decay, and an exponential moving
+   average of the weights, which is what is saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from tools.bench_host import initialise, setup_comfy
+
+from . import data, models
+
+CFG_DROPOUT = 0.1
+EMA_DECAY = 0.998
+MIN_SNR_GAMMA = 5.0  # min-SNR loss weighting for v (arXiv 2303.09556): faster convergence on a small budget
+SAVE_EVERY = 250
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=1500, help="optimiser steps per UNet")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--classifier-steps", type=int, default=800)
+    parser.add_argument("--models", default="ref-sd1,ref-sdxl")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it)")
+    parser.add_argument("--no-classifier", action="store_true", help="keep the committed classifier")
+    return parser.parse_args(argv)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int = 200) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def debiased_ema(ema_state: dict, init_state: dict, updates: int) -> dict:
+    """The moving average without its start: the first average is the first weights, which then keep a share
+    ``EMA_DECAY ** (updates - 1)`` of the average (18% after 1000 steps at 0.998). Their output layer is zero,
+    so that share shrinks every predicted noise and leaves noise in the samples; it is removed as Adam removes
+    the bias of its moments: (average - share * first) / (1 - share), with the initial weights as the first."""
+    share = EMA_DECAY ** (updates - 1)
+    return {
+        key: (value - share * init_state[key]) / (1.0 - share) if value.is_floating_point() else value
+        for key, value in ema_state.items()
+    }
+
+
+def initial_weights(name: str, seed: int):
+    """The UNet (ComfyUI BaseModel) and prompt encoder with the initial weights of a training run."""
+    torch.manual_seed(seed)
+    base = models.build_base_model(name)
+    initialise(base.diffusion_model, seed)
+    with torch.no_grad():  # start the output at zero: the usual diffusion-UNet init, and faster to train
+        last = base.diffusion_model.out[-1]
+        last.weight.zero_()
+        last.bias.zero_()
+    return base, models.PromptEncoder()
+
+
+def save_average(name: str, ema, init_state: dict, updates: int, info: dict) -> None:
+    state = debiased_ema(ema.module.state_dict(), init_state, updates)
+    unet_state = {k[len("unet.") :]: v for k, v in state.items() if k.startswith("unet.")}
+    encoder_state = {k[len("encoder.") :]: v for k, v in state.items() if k.startswith("encoder.")}
+    models.save_reference(name, unet_state, encoder_state, info)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def train_classifier(args) -> dict:
+    torch.manual_seed(args.seed)
+    classifier = models.AttributeClassifier()
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    optimiser = torch.optim.AdamW(classifier.parameters(), lr=2e-3, weight_decay=1e-4)
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(args.classifier_steps):
+        for group in optimiser.param_groups:
+            group["lr"] = lr_at(step, args.classifier_steps, 2e-3, warmup=50)
+        images, prompts = data.batch(64, models.TRAIN_SIZE, generator)
+        # Robust to what a sampler leaves behind: a little noise and blur.
+        images = images + torch.randn(images.shape, generator=generator) * 0.08 * torch.rand(1, generator=generator)
+        if torch.rand(1, generator=generator) < 0.3:
+            images = nn.functional.avg_pool2d(images, 3, 1, 1, count_include_pad=False)
+        logits = classifier(images)
+        loss = sum(loss_fn(out, target) for out, target in zip(logits, prompts.as_tensor().T, strict=True))
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        optimiser.step()
+        if step % 100 == 0 or step == args.classifier_steps - 1:
+            log(f"classifier step {step}: loss {loss.item():.4f}")
+    classifier.eval()
+    test_gen = torch.Generator().manual_seed(args.seed + 2)
+    with torch.no_grad():
+        images, prompts = data.batch(1024, models.TRAIN_SIZE, test_gen)
+        predicted = torch.stack([out.argmax(1) for out in classifier(images)], dim=1)
+    correct = predicted == prompts.as_tensor()
+    accuracy = {name: correct[:, i].float().mean().item() for i, name in enumerate(data.ATTRIBUTES)}
+    log(f"classifier accuracy on 1024 fresh scenes: {accuracy}")
+    models.WEIGHTS.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.contiguous() for k, v in classifier.state_dict().items()}
+    save_file(weights, str(models.WEIGHTS / "classifier.safetensors"))
+    return {"steps": args.classifier_steps, "final_loss": loss.item(), "accuracy_on_real": accuracy}
+
+
+def train_unet(name: str, args) -> dict:
+    base, encoder = initial_weights(name, args.seed)
+    net = nn.ModuleDict({"unet": base.diffusion_model, "encoder": encoder}).train()
+    init_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY))
+    optimiser = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
+    sigmas_table = base.model_sampling.sigmas.float()
+    generator = torch.Generator().manual_seed(args.seed + 10)
+    size = models.TRAIN_SIZE
+    losses = []
+    started = time.time()
+    for step in range(args.steps):
+        for group in optimiser.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr)
+        x0, prompts = data.batch(args.batch, size, generator)
+        indices = prompts.as_tensor()
+        drop = torch.rand(args.batch, generator=generator) < CFG_DROPOUT
+        indices = torch.where(drop.view(-1, 1), models.PromptEncoder.empty(args.batch), indices)
+        t = torch.randint(0, len(sigmas_table), (args.batch,), generator=generator)
+        sigma = sigmas_table[t].view(-1, 1, 1, 1)
+        eps = torch.randn(x0.shape, generator=generator)
+        scale = torch.rsqrt(sigma * sigma + 1.0)
+        x_in = (x0 + sigma * eps) * scale
+        target = (eps - sigma * x0) * scale
+        context, pooled = encoder(indices)
+        y = models.adm_vector(name, base, pooled, size)
+        predicted = base.diffusion_model(x_in, timesteps=t.float(), context=context, y=y)
+        snr = 1.0 / (sigma.view(-1) ** 2)
+        weight = torch.clamp(snr, max=MIN_SNR_GAMMA) / (snr + 1.0)
+        loss = (weight * (predicted - target).square().mean(dim=(1, 2, 3))).mean()
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimiser.step()
+        ema.update_parameters(net)
+        losses.append(loss.item())
+        if (step + 1) % SAVE_EVERY == 0 and step + 1 < args.steps:  # a usable checkpoint if stopped early
+            save_average(name, ema, init_state, step + 1, {"model": name, "steps": step + 1})
+        if step % 200 == 0 or step == args.steps - 1:
+            recent = sum(losses[-200:]) / len(losses[-200:])
+            rate = (time.time() - started) / (step + 1)
+            left = rate * (args.steps - step - 1) / 60
+            log(f"{name} step {step}: loss {recent:.4f} ({rate:.2f} s/step, {left:.0f} min left)")
+    final = sum(losses[-500:]) / len(losses[-500:])
+    info = {
+        "model": name,
+        "steps": args.steps,
+        "batch": args.batch,
+        "lr": args.lr,
+        "seed": args.seed,
+        "train_size": size,
+        "final_loss_last_500": round(final, 5),
+        "minutes": round((time.time() - started) / 60, 1),
+    }
+    save_average(name, ema, init_state, args.steps, info)
+    log(f"{name}: saved, final loss {final:.4f}")
+    return info
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    setup_comfy("cpu")
+    summary = {"command": "python -m tools.reference.train", "args": vars(args), "torch": torch.__version__}
+    if not args.no_classifier:
+        summary["classifier"] = train_classifier(args)
+    for name in args.models.split(","):
+        summary[name] = train_unet(name, args)
+    out = models.WEIGHTS / f"training-{args.models.replace(',', '+')}.json"
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
