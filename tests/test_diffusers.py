@@ -463,12 +463,14 @@ def test_ip_adapter_processors_with_and_without_masks():
 
 
 def test_chunked_feed_forward_with_merged_mlp():
-    """``enable_forward_chunking`` splits the MLP's tokens; merged token counts need not divide the chunk."""
+    """``set_chunk_feed_forward`` (what a pipeline's ``enable_forward_chunking`` calls on every transformer block)
+    splits the MLP's tokens; merged token counts need not divide the chunk."""
     unet = H.sd1_unet()
     sample, kwargs = unet_inputs(unet)
     tome_core.apply_patch(unet, ratio=0.3, merge_mlp=True, **FORCE)  # 256 -> 180 tokens, not a multiple of 8
     whole = call(unet, sample, kwargs)
-    unet.enable_forward_chunking(chunk_size=8, dim=1)
+    for _, block in diffusers_blocks.transformer_blocks(unet):
+        block.set_chunk_feed_forward(chunk_size=8, dim=1)
     chunked = call(unet, sample, kwargs)
     tome_core.remove_patch(unet)
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5 * float(whole.abs().max()))

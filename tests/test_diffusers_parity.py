@@ -34,6 +34,9 @@ from tome_core.adapters.patcher_hooks import patched_clone
 
 FORCE = {"skip_when_slower": False}
 BOUND = 2e-5  # of the output's scale, see the module docstring
+# Attention heads per level as ComfyUI builds them whatever the config says (its unet_extra_config): 8 heads in
+# SD1.x, 64 channels per head in SDXL (one head at these widths; the converter would divide 32 channels by 64).
+HEADS = {"sd15": None, "sdxl": [1, 1, 1]}
 
 # The ldm parameters of comfy_host's tiny models (ComfyUI's detected configs written as an ldm model config).
 LDM_PARAMS = {
@@ -45,7 +48,7 @@ LDM_PARAMS = {
         "num_res_blocks": 1,
         "attention_resolutions": [1, 2, 4],
         "transformer_depth": 1,
-        "num_heads": 4,
+        "num_heads": 8,  # ComfyUI sets 8 heads for SD1.x whatever the config says (unet_extra_config)
         "context_dim": 64,
         "use_linear_in_transformer": False,
     },
@@ -57,7 +60,7 @@ LDM_PARAMS = {
         "num_res_blocks": 1,
         "attention_resolutions": [2, 4],
         "transformer_depth": [0, 2, 2],
-        "num_head_channels": 16,
+        "num_head_channels": 16,  # for the converter only: ComfyUI uses 64 channels per head (see HEADS)
         "context_dim": 64,
         "use_linear_in_transformer": True,
         "num_classes": "sequential",
@@ -86,6 +89,8 @@ class Hosts:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # image_size given (it cannot be inferred for tiny UNets)
             config = create_unet_diffusers_config_from_ldm(original_config, checkpoint, image_size=32)
+        if HEADS[family] is not None:
+            config["attention_head_dim"] = HEADS[family]
         self.diffusers = UNet2DConditionModel(**config).eval()
         self.diffusers.load_state_dict(convert_ldm_unet_checkpoint(checkpoint, config), strict=True)
         self.ldm = None

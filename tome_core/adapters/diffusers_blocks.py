@@ -42,6 +42,10 @@ UNET_CLASS_NAME = "UNet2DConditionModel"
 _STATE = "_tome_patch_diffusers_state"  # on each patched block and on the UNet
 _HOOK = "_tome_patch_diffusers_hook"  # the UNet's forward pre-hook handle
 _PARENT = "_tome_patch_diffusers_parent"  # on our block subclasses: the class they replace
+# On our block subclasses: the replaced class's forward as a plain function. diffusers marks BasicTransformerBlock
+# "allowed in graph" for torch.compile, so Dynamo cannot trace ``BasicTransformerBlock.forward`` looked up through
+# the class; the function itself traces like any other.
+_PARENT_FORWARD = "_tome_patch_diffusers_parent_forward"
 
 SUPPORTED = (
     "a diffusers pipeline whose denoiser is a UNet2DConditionModel (Stable Diffusion 1.x/2.x, SDXL and their "
@@ -208,9 +212,15 @@ class _UNetState:
             self.active = True
         else:
             timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
-            # One host read per UNet call, not per block; no timestep means "inside the range".
-            self.active = timestep is None or self.step_range.contains(float(torch.as_tensor(timestep).max()))
+            self.active = _in_step_range(self.step_range, timestep)
         return None
+
+
+@torch.compiler.disable
+def _in_step_range(step_range: _StepRange, timestep) -> bool:
+    """One host read per UNet call, not per block; no timestep means "inside the range". Kept out of
+    torch.compile's graph: the read is the one graph break a step range costs, before any block runs."""
+    return timestep is None or step_range.contains(float(torch.as_tensor(timestep).max()))
 
 
 class _BlockState:
@@ -254,8 +264,8 @@ def _reduced_forward(
     """``forward`` of a patched block: the block's sub-layers with the engine's reductions around each."""
     reduction = _start(self, hidden_states, attention_mask)
     if reduction is None:
-        parent = getattr(type(self), _PARENT)
-        return parent.forward(
+        parent_forward = getattr(type(self), _PARENT_FORWARD)
+        return parent_forward(
             self,
             hidden_states,
             attention_mask,
@@ -303,7 +313,7 @@ def _reduced_class(cls: type) -> type:
     """One subclass per original block class, made once, so patching twice never stacks subclasses."""
     sub = _subclasses.get(cls)
     if sub is None:
-        sub = type("TomePatchDiffusersBlock", (cls,), {"forward": _reduced_forward, _PARENT: cls})
+        sub = type("TomePatchDiffusersBlock", (cls,), {"forward": _reduced_forward, _PARENT: cls, _PARENT_FORWARD: staticmethod(cls.forward)})
         sub.__module__ = __name__
         _subclasses[cls] = sub
     return sub

@@ -13,8 +13,13 @@ _BLOCK_CLASS_NAME = "BasicTransformerBlock"
 _BLOCK_PARTS = ("attn1", "attn2", "ff", "norm1")
 
 
+def _is_transformer(layer) -> bool:
+    """A spatial transformer, or a subclass of one (hosts and other extensions subclass it)."""
+    return any(c.__name__ in _TRANSFORMER_NAMES for c in type(layer).__mro__)
+
+
 def _has_transformer(block) -> bool:
-    return any(type(layer).__name__ in _TRANSFORMER_NAMES for layer in block.modules())
+    return any(_is_transformer(layer) for layer in block.modules())
 
 
 def attention_levels(unet) -> tuple[int, ...] | None:
