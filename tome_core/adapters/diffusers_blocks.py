@@ -313,7 +313,8 @@ def _reduced_class(cls: type) -> type:
     """One subclass per original block class, made once, so patching twice never stacks subclasses."""
     sub = _subclasses.get(cls)
     if sub is None:
-        sub = type("TomePatchDiffusersBlock", (cls,), {"forward": _reduced_forward, _PARENT: cls, _PARENT_FORWARD: staticmethod(cls.forward)})
+        members = {"forward": _reduced_forward, _PARENT: cls, _PARENT_FORWARD: staticmethod(cls.forward)}
+        sub = type("TomePatchDiffusersBlock", (cls,), members)
         sub.__module__ = __name__
         _subclasses[cls] = sub
     return sub
