@@ -35,6 +35,7 @@ args.disable_all_custom_nodes = False
 
 import comfy.model_management  # noqa: E402,F401
 import comfy.model_patcher  # noqa: E402
+import comfy.patcher_extension  # noqa: E402
 import comfy.sample  # noqa: E402
 import comfy.samplers  # noqa: E402
 import comfy.supported_models  # noqa: E402
@@ -158,14 +159,13 @@ def unet_output(model, latent: torch.Tensor, sigma: float = 5.0, family: str = "
             latent.shape[0], SDXL_TINY["adm_in_channels"], generator=torch.Generator().manual_seed(3)
         )
     sigmas = torch.full((latent.shape[0],), sigma)
+    options = dict(model.model_options["transformer_options"])
+    # The patcher's wrappers join the options as the sampler puts them there (comfy/sampler_helpers.py 160-161).
+    options["wrappers"] = comfy.patcher_extension.merge_nested_dicts(
+        options.get("wrappers", {}), model.wrappers, copy_dict1=True
+    )
     with torch.no_grad():
-        return model.model.apply_model(
-            latent,
-            sigmas,
-            c_crossattn=context,
-            transformer_options=dict(model.model_options["transformer_options"]),
-            **kwargs,
-        )
+        return model.model.apply_model(latent, sigmas, c_crossattn=context, transformer_options=options, **kwargs)
 
 
 def load_our_package():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import comfy_host as host  # noqa: I001  (first: puts ComfyUI on sys.path and sets CPU mode)
 import pytest
@@ -132,8 +133,9 @@ def test_a_forward_left_on_the_blocks_does_nothing_for_another_patcher(node_clas
 
 
 def test_one_plan_per_level_and_model_call(node_classes, models, monkeypatch):
-    from tome_core import matching
-
+    # The engine as ComfyUI loaded it: a submodule of the custom node package, not the top-level tome_core.
+    package = node_classes["ToMePatch"].__module__.rpartition(".")[0]
+    matching = sys.modules[f"{package}.tome_core.matching"]
     made = []
     real = matching.make_plan
     monkeypatch.setattr(matching, "make_plan", lambda *args: made.append(args[0].shape) or real(*args))
