@@ -109,7 +109,8 @@ _SPEC_LIST = (
         minimum=0.0,
         maximum=1.0,
         step=0.01,
-        tooltip="ToMe and ToDo: start reducing at this fraction of the sampling schedule (0 = first step; sigma based).",
+        tooltip="ToMe and ToDo: start reducing at this fraction of the sampling schedule (0 = first step; sigma "
+        "based).",
     ),
     Spec(
         "end_percent",

@@ -133,7 +133,9 @@ def controls_shown(*choices: Any) -> dict[str, bool]:
     """For each control of ``CONDITIONAL``: does its value act with these choices, the values of
     ``VISIBILITY_INPUTS`` as the UI holds them (a method label, the "same as first pass" box, a scope)? The WebUI
     shows a control only where it acts. A value that does not read counts as that control's default."""
-    method, hr_same, scope = (_read_or_default(name, value) for name, value in zip(VISIBILITY_INPUTS, choices))
+    method, hr_same, scope = (
+        _read_or_default(name, value) for name, value in zip(VISIBILITY_INPUTS, choices, strict=True)
+    )
     shown = {}
     for name in CONDITIONAL:
         arg = _BY_NAME[name]
