@@ -48,6 +48,15 @@ OTHER_VALUE = dict(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny models here run faster on one thread than on two that other work keeps waiting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def host():
     return Host()
@@ -118,6 +127,20 @@ def test_hidden_controls_change_nothing_and_shown_ones_reach_the_engine(host, sd
 
     for name in (name for name, visible in shown.items() if visible):
         assert settings(**{name: other[name]}) != settings(), name
+
+
+@pytest.mark.parametrize(
+    "choices", [("ToMe", False, "self-attention"), ("ToMe", False, "block"), ("ToDo", False, "block")]
+)
+def test_each_shown_control_changes_the_picture(host, sd1, choices):
+    method, hr_same, scope = choices
+    base = dict(method=method, hr_same=hr_same, scope=scope)
+    other = {**OTHER_VALUE, "scope": "block" if scope == "self-attention" else "self-attention"}
+    reference, _ = run_job(host, sd1, script_args(**base), enable_hr=True)
+    for name, visible in webui_args.controls_shown(*choices).items():
+        if visible:
+            changed, _ = run_job(host, sd1, script_args(**{**base, name: other[name]}), enable_hr=True)
+            assert not torch.equal(changed, reference), name
 
 
 def test_ui_builds_each_control_once_showing_what_acts_with_the_defaults(host):
