@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.machinery
 import importlib.util
 import re
 import sys
@@ -64,7 +65,7 @@ def _module(name, **attrs):
     return module
 
 
-def load_script(with_input_accordion):
+def load_script(with_input_accordion, forge=False):
     scripts = _module("modules.scripts", Script=Script, AlwaysVisible=object(), scripts_data=[])
     register = lambda callback: None  # noqa: E731
     callbacks = _module(
@@ -74,6 +75,10 @@ def load_script(with_input_accordion):
     if with_input_accordion:
         modules["modules.ui_components"] = _module("modules.ui_components", InputAccordion=InputAccordion)
     modules["modules"] = _module("modules", **{name.split(".")[1]: m for name, m in modules.items()})
+    if forge:  # Forge's own package, which the WebUI does not have
+        modules["modules_forge"] = _module(
+            "modules_forge", __spec__=importlib.machinery.ModuleSpec("modules_forge", None)
+        )
     saved = {name: sys.modules.get(name) for name in modules}
     sys.modules.update(modules)
     try:
@@ -239,3 +244,12 @@ def test_pasting_parameters_without_ours_changes_only_the_enable_box(page):
         i: p for i, p in before.items() if i != page.components["enabled"]._id
     }
     assert page.shown() == webui_args.controls_shown("ToDo", True, "self-attention")
+
+
+def test_on_forge_merge_mlp_stays_hidden():
+    """Forge's patcher has no hook around the MLP: there the switch never acts."""
+    page = load_script(with_input_accordion=True, forge=True)
+    for choices in COMBINATIONS:
+        for name, value in zip(webui_args.VISIBILITY_INPUTS, choices, strict=True):
+            page.set_value(name, value)
+        assert page.shown() == {**webui_args.controls_shown(*choices), "merge_mlp": False}

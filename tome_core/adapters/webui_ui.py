@@ -5,15 +5,17 @@ anywhere. The returned list is in ``ARGS`` order, which is the API's positional 
 
 The accordion shows only the controls that act for the current choices (``webui_args.controls_shown``): the
 method's own values, the highres values while "same as first pass" is unticked, the merge switches with scope
-self-attention. A hidden control keeps its value and its position: the API's argument list and the infotext do
-not depend on what is shown. The visibility follows the choices through their ``change`` events, which gradio
-fires for a user's change and for a value set by another event alike (the WebUI's paste-back of generation
-parameters), and once when the page loads (the WebUI may start the controls on values saved in ui-config.json).
-``gr.update(visible=...)``, ``change``, the page's ``load`` and every constructor argument used here exist in
-gradio 3.41 (WebUI v1.10.1) and gradio 4 (Forge) alike.
+self-attention ("Merge MLP" never on Forge, which has no hook for it). A hidden control keeps its value and its
+position: the API's argument list and the infotext do not depend on what is shown. The visibility follows the
+choices through their ``change`` events, which gradio fires for a user's change and for a value set by another
+event alike (the WebUI's paste-back of generation parameters), and once when the page loads (the WebUI may start
+the controls on values saved in ui-config.json). ``gr.update(visible=...)``, ``change``, the page's ``load`` and
+every constructor argument used here exist in gradio 3.41 (WebUI v1.10.1) and gradio 4 (Forge) alike.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 from .webui_args import ARGS, CONDITIONAL, VISIBILITY_INPUTS, controls_shown
 
@@ -66,10 +68,14 @@ def _enable_accordion(gr, script, label):
     return enabled, enabled
 
 
-def visibility_updates(gr, *choices):
-    """The updates for the controls of ``CONDITIONAL``, in that order, for the values of ``VISIBILITY_INPUTS``."""
-    shown = controls_shown(*choices)
-    return [gr.update(visible=shown[name]) for name in CONDITIONAL]
+def never_acting():
+    """Controls that never act on this host: Forge and reForge patch the UNet through their patcher's hooks, which
+    have none around the MLP, so "Merge MLP" does nothing there."""
+    try:
+        on_forge = importlib.util.find_spec("modules_forge") is not None
+    except ValueError:  # imported without a spec: there all the same
+        on_forge = True
+    return {"merge_mlp"} if on_forge else set()
 
 
 def _page_being_built():
@@ -81,12 +87,14 @@ def _page_being_built():
     return getattr(Context, "root_block", None)
 
 
-def _follow_choices(gr, controls):
+def _follow_choices(gr, controls, hidden_for_good):
+    names = [name for name in CONDITIONAL if name not in hidden_for_good]
     inputs = [controls[name] for name in VISIBILITY_INPUTS]
-    outputs = [controls[name] for name in CONDITIONAL]
+    outputs = [controls[name] for name in names]
 
     def show_what_acts(*choices):
-        return visibility_updates(gr, *choices)
+        shown = controls_shown(*choices)
+        return [gr.update(visible=shown[name]) for name in names]
 
     # queue=False: a visibility change must not wait behind a running generation. api_name=False: not part of the
     # WebUI's API.
@@ -103,6 +111,8 @@ def build_ui(script, is_img2img):
 
     by_name = {arg.name: arg for arg in ARGS}
     shown = controls_shown(*(by_name[name].default for name in VISIBILITY_INPUTS))
+    hidden_for_good = never_acting()
+    shown.update(dict.fromkeys(hidden_for_good, False))
     container, enabled = _enable_accordion(gr, script, script.title())
     controls = {"enabled": enabled}
 
@@ -116,5 +126,5 @@ def build_ui(script, is_img2img):
         with gr.Accordion("Advanced", open=False):
             for name in ADVANCED:
                 add(name, with_info=True)
-    _follow_choices(gr, controls)
+    _follow_choices(gr, controls, hidden_for_good)
     return [controls[arg.name] for arg in ARGS]
