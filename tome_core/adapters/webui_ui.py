@@ -68,7 +68,7 @@ def _enable_accordion(gr, script, label):
     return enabled, enabled
 
 
-def never_acting():
+def _never_acting_here():
     """Controls that never act on this host: Forge and reForge patch the UNet through their patcher's hooks, which
     have none around the MLP, so "Merge MLP" does nothing there."""
     try:
@@ -111,7 +111,7 @@ def build_ui(script, is_img2img):
 
     by_name = {arg.name: arg for arg in ARGS}
     shown = controls_shown(*(by_name[name].default for name in VISIBILITY_INPUTS))
-    hidden_for_good = never_acting()
+    hidden_for_good = _never_acting_here()
     shown.update(dict.fromkeys(hidden_for_good, False))
     container, enabled = _enable_accordion(gr, script, script.title())
     controls = {"enabled": enabled}
