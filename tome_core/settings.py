@@ -35,7 +35,7 @@ class Spec:
     step: float | None = None
     choices: tuple = ()
     # Who reads the setting: the one method (None: both), and within ToMe the one scope (None: every scope). The
-    # tooltip starts with the same words (see ``applies_to``); the WebUI shows a control only where it acts.
+    # tooltip starts with the same words (see ``applies_to``); the WebUI shows its control only for them.
     method: str | None = None
     scope: str | None = None
 
@@ -47,12 +47,6 @@ class Spec:
             return "ToMe and ToDo"
         label = METHOD_LABELS[self.method]
         return f"{label}, scope {self.scope}" if self.scope else label
-
-    def acts(self, method: str, scope: str) -> bool:
-        """Whether the setting changes anything with this method and scope (engine names)."""
-        if self.method is not None and self.method != method:
-            return False
-        return self.scope is None or (method == "tome" and self.scope == scope)
 
     def describe_range(self) -> str:
         if self.kind == "choice":
