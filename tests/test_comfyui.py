@@ -67,6 +67,30 @@ def test_package_registers_both_nodes(node_classes):
     ]
 
 
+def test_each_input_says_which_method_it_belongs_to(node_classes):
+    """The nodes keep every input (saved workflows), so each tooltip says which method (and scope) reads it."""
+    words = {
+        "method": "tome: ",  # the choice itself: says what each method does
+        "ratio": "ToMe: ",
+        "downsample_factor": "ToDo: ",
+        "max_downsample": "ToMe and ToDo: ",
+        "start_percent": "ToMe and ToDo: ",
+        "end_percent": "ToMe and ToDo: ",
+        "skip_when_slower": "ToMe and ToDo: ",
+        "scope": "ToMe: ",
+        "sx": "ToMe: ",
+        "sy": "ToMe: ",
+        "use_rand": "ToMe: ",
+        "seed": "ToMe: ",
+        "merge_attn": "ToMe, scope self-attention: ",
+        "merge_crossattn": "ToMe, scope self-attention: ",
+        "downsample_method": "ToDo: ",
+    }
+    for node_id in ("ToMePatch", "ToMePatchAdvanced"):
+        for spec in node_classes[node_id].GET_SCHEMA().inputs[1:]:
+            assert spec.tooltip.startswith(words[spec.id]), (node_id, spec.id, spec.tooltip)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("method", ["tome", "todo"])
 @pytest.mark.parametrize("batch", [1, 2, 3])

@@ -111,7 +111,7 @@ def _module(name, **attrs):
 
 
 class FakeComponent:
-    """Enough of a gradio component for ui(): its constructor arguments and ``value``."""
+    """Enough of a gradio component for ui(): its constructor arguments, ``value`` and the ``change`` events."""
 
     def __init__(self, *args, **kwargs):
         if args:
@@ -120,6 +120,10 @@ class FakeComponent:
         self.kwargs = kwargs
         self.value = kwargs.get("value")
         self.label = kwargs.get("label")
+        self.changes = []  # (fn, keyword arguments) of each change event
+
+    def change(self, fn, **kwargs):
+        self.changes.append((fn, kwargs))
 
     def __enter__(self):
         return self
@@ -130,7 +134,8 @@ class FakeComponent:
 
 def fake_gradio():
     kinds = ("Checkbox", "Slider", "Radio", "Dropdown", "Accordion", "Row", "Group", "Column")
-    return _module("gradio", **{kind: type(kind, (FakeComponent,), {}) for kind in kinds})
+    components = {kind: type(kind, (FakeComponent,), {}) for kind in kinds}
+    return _module("gradio", update=lambda **kwargs: {"__type__": "update", **kwargs}, **components)
 
 
 class Host:

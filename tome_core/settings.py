@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("tome", "todo")
+METHOD_LABELS = {"tome": "ToMe", "todo": "ToDo"}
 DOWNSAMPLE_METHODS = ("nearest-exact", "avg_pool", "bilinear")
 # What of a transformer block ToMe runs on merged tokens (see reducer.py): only self-attention, or the whole block.
 SCOPES = ("self-attention", "block")
@@ -33,6 +34,19 @@ class Spec:
     maximum: float | None = None
     step: float | None = None
     choices: tuple = ()
+    # Who reads the setting: the one method (None: both), and within ToMe the one scope (None: every scope). The
+    # tooltip starts with the same words (see ``applies_to``); the WebUI shows its control only for them.
+    method: str | None = None
+    scope: str | None = None
+
+    @property
+    def applies_to(self) -> str:
+        """Who reads the setting, in the words its tooltip starts with: "ToMe", "ToDo", "ToMe, scope
+        self-attention" or "ToMe and ToDo"."""
+        if self.method is None:
+            return "ToMe and ToDo"
+        label = METHOD_LABELS[self.method]
+        return f"{label}, scope {self.scope}" if self.scope else label
 
     def describe_range(self) -> str:
         if self.kind == "choice":
@@ -59,6 +73,7 @@ _SPEC_LIST = (
         minimum=0.0,
         maximum=0.75,
         step=0.01,
+        method="tome",
         tooltip="ToMe: fraction of the tokens merged away at each reduced level. 0 turns merging off. "
         "The stride limits it: at most 1 - 1/(sx*sy), 0.75 for the default 2x2.",
     ),
@@ -69,6 +84,7 @@ _SPEC_LIST = (
         minimum=1.0,
         maximum=8.0,
         step=0.5,
+        method="todo",
         tooltip="ToDo: keys and values are downsampled by this factor along each side of the token grid "
         "(2 keeps a quarter of them). 1 turns downsampling off.",
     ),
@@ -77,7 +93,7 @@ _SPEC_LIST = (
         "choice",
         0,
         choices=MAX_DOWNSAMPLE_CHOICES,
-        tooltip="Reduce the UNet levels at this downsampling or finer (1 = only the full-size level). "
+        tooltip="ToMe and ToDo: reduce the UNet levels at this downsampling or finer (1 = only the full-size level). "
         "0 = automatic: the finest level that has attention (1 on SD1/SD2, 2 on SDXL).",
     ),
     Spec(
@@ -87,7 +103,8 @@ _SPEC_LIST = (
         minimum=0.0,
         maximum=1.0,
         step=0.01,
-        tooltip="Start reducing at this fraction of the sampling schedule (0 = first step; sigma based).",
+        tooltip="ToMe and ToDo: start reducing at this fraction of the sampling schedule (0 = first step; sigma "
+        "based).",
     ),
     Spec(
         "end_percent",
@@ -96,13 +113,13 @@ _SPEC_LIST = (
         minimum=0.0,
         maximum=1.0,
         step=0.01,
-        tooltip="Stop reducing at this fraction of the sampling schedule (1 = last step).",
+        tooltip="ToMe and ToDo: stop reducing at this fraction of the sampling schedule (1 = last step).",
     ),
     Spec(
         "skip_when_slower",
         "bool",
         True,
-        tooltip="Leave a level unreduced where its token grid is too small for the reduction to pay for "
+        tooltip="ToMe and ToDo: leave a level unreduced where its token grid is too small for the reduction to pay for "
         "itself, so the patch is never slower than off. Turn off to force the reduction everywhere.",
     ),
     Spec(
@@ -112,6 +129,7 @@ _SPEC_LIST = (
         minimum=1,
         maximum=8,
         step=1,
+        method="tome",
         tooltip="ToMe: width of the cell that keeps one destination token.",
     ),
     Spec(
@@ -121,12 +139,14 @@ _SPEC_LIST = (
         minimum=1,
         maximum=8,
         step=1,
+        method="tome",
         tooltip="ToMe: height of the cell that keeps one destination token.",
     ),
     Spec(
         "use_rand",
         "bool",
         False,
+        method="tome",
         tooltip="ToMe: pick the destination token of each cell at random (from the seed below) "
         "instead of the top-left one. Never touches the sampler's random numbers.",
     ),
@@ -137,18 +157,23 @@ _SPEC_LIST = (
         minimum=0,
         maximum=2**63 - 1,
         step=1,
+        method="tome",
         tooltip="ToMe: seed of the destination pattern when use_rand is on. Same seed, same picture.",
     ),
     Spec(
         "merge_attn",
         "bool",
         True,
+        method="tome",
+        scope="self-attention",
         tooltip="ToMe, scope self-attention: merge the tokens that self-attention sees (queries, keys and values).",
     ),
     Spec(
         "merge_crossattn",
         "bool",
         False,
+        method="tome",
+        scope="self-attention",
         tooltip="ToMe, scope self-attention: also merge the queries of cross-attention (the text prompt is never "
         "merged).",
     ),
@@ -156,6 +181,8 @@ _SPEC_LIST = (
         "merge_mlp",
         "bool",
         False,
+        method="tome",
+        scope="self-attention",
         tooltip="ToMe, scope self-attention: also merge the tokens of the feed-forward layer (WebUI only; ComfyUI "
         "has no hook there). Scope block merges it anyway.",
     ),
@@ -164,6 +191,7 @@ _SPEC_LIST = (
         "choice",
         "nearest-exact",
         choices=DOWNSAMPLE_METHODS,
+        method="todo",
         tooltip="ToDo: how keys and values are downsampled. nearest-exact is the fastest.",
     ),
     Spec(
@@ -171,6 +199,7 @@ _SPEC_LIST = (
         "choice",
         "self-attention",
         choices=SCOPES,
+        method="tome",
         tooltip="ToMe: what runs on the merged tokens. self-attention: only self-attention, each block with its "
         "own merge. block: the whole transformer block (self-attention, cross-attention and feed-forward) runs "
         "on the merged tokens and only its update is copied back, with one merge shared by all blocks of a "

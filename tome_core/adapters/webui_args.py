@@ -16,9 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..settings import SPECS, PatchSettings
+from ..settings import METHOD_LABELS, SPECS, PatchSettings
 
-METHOD_LABELS = {"tome": "ToMe", "todo": "ToDo"}
 MAX_DOWNSAMPLE_LABELS = ("auto", "1", "2", "4", "8")  # "auto" is the engine's 0
 
 
@@ -33,9 +32,17 @@ class Arg:
     maximum: float | None = None
     step: float | None = None
     choices: tuple = ()
+    # When the value acts (the WebUI shows the control only then, see ``controls_shown``): only with this method
+    # (engine name; None: both), only with this ToMe scope (None: every scope), and for a highres pass value only
+    # while "same as first pass" is unticked.
+    method: str | None = None
+    scope: str | None = None
+    own_hr: bool = False
 
 
-def _from_spec(name: str, label: str, spec_name: str | None = None, tooltip: str | None = None) -> Arg:
+def _from_spec(
+    name: str, label: str, spec_name: str | None = None, tooltip: str | None = None, own_hr: bool = False
+) -> Arg:
     spec = SPECS[spec_name or name]
     kind = "choice" if spec.kind == "choice" else spec.kind
     return Arg(
@@ -48,6 +55,9 @@ def _from_spec(name: str, label: str, spec_name: str | None = None, tooltip: str
         spec.maximum,
         spec.step,
         tuple(spec.choices),
+        spec.method,
+        spec.scope,
+        own_hr,
     )
 
 
@@ -64,12 +74,15 @@ ARGS: tuple[Arg, ...] = (
         True,
         "With highres fix, use the values above for the second pass too. Untick to give it its own value.",
     ),
-    _from_spec("hr_ratio", "Highres pass ratio (ToMe)", "ratio", "ToMe ratio for the highres (second) pass."),
+    _from_spec(
+        "hr_ratio", "Highres pass ratio (ToMe)", "ratio", "ToMe ratio for the highres (second) pass.", own_hr=True
+    ),
     _from_spec(
         "hr_downsample_factor",
         "Highres pass downsample factor (ToDo)",
         "downsample_factor",
         "ToDo downsample factor for the highres (second) pass.",
+        own_hr=True,
     ),
     Arg(
         "hr_only",
@@ -110,6 +123,28 @@ ARGS: tuple[Arg, ...] = (
 )
 ARG_NAMES = tuple(arg.name for arg in ARGS)
 _BY_NAME = {arg.name: arg for arg in ARGS}
+
+# The controls whose values decide which other controls act, and those others (in ARGS order).
+VISIBILITY_INPUTS = ("method", "hr_same", "scope")
+CONDITIONAL = tuple(arg.name for arg in ARGS if arg.method or arg.scope or arg.own_hr)
+
+
+def controls_shown(*choices: Any) -> dict[str, bool]:
+    """For each control of ``CONDITIONAL``: does its value act with these choices, the values of
+    ``VISIBILITY_INPUTS`` as the UI holds them (a method label, the "same as first pass" box, a scope)? The WebUI
+    shows a control only where it acts. A value that does not read counts as that control's default."""
+    method, hr_same, scope = (
+        _read_or_default(name, value) for name, value in zip(VISIBILITY_INPUTS, choices, strict=True)
+    )
+    shown = {}
+    for name in CONDITIONAL:
+        arg = _BY_NAME[name]
+        shown[name] = (
+            (arg.method is None or arg.method == method)
+            and (arg.scope is None or (method == "tome" and arg.scope == scope))
+            and not (arg.own_hr and hr_same)
+        )
+    return shown
 
 
 @dataclass(frozen=True)
@@ -378,6 +413,11 @@ def ui_values_from_infotext(params: dict) -> dict[str, Any]:
     values["skip_when_slower"] = read(KEY_SKIP, "skip_when_slower", d.skip_when_slower)
     values["scope"] = read(KEY_SCOPE, "scope", d.scope)
     return values
+
+
+def _read_or_default(name: str, text: Any) -> Any:
+    value = _read_value(name, text)
+    return _read_value(name, _BY_NAME[name].default) if value is None else value
 
 
 def _max_downsample_label(value: int) -> str:

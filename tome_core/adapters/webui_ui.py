@@ -2,18 +2,44 @@
 
 gradio and the WebUI's ``modules.ui_components`` are imported inside ``build_ui`` only, so this module imports
 anywhere. The returned list is in ``ARGS`` order, which is the API's positional order.
+
+The accordion shows only the controls that act for the current choices (``webui_args.controls_shown``): the
+method's own values, the highres values while "same as first pass" is unticked, the merge switches with scope
+self-attention ("Merge MLP" never on Forge, which has no hook for it). A hidden control keeps its value and its
+position: the API's argument list and the infotext do not depend on what is shown. The visibility follows the
+choices through their ``change`` events, which gradio fires for a user's change and for a value set by another
+event alike (the WebUI's paste-back of generation parameters), and once when the page loads (the WebUI may start
+the controls on values saved in ui-config.json). ``gr.update(visible=...)``, ``change``, the page's ``load`` and
+every constructor argument used here exist in gradio 3.41 (WebUI v1.10.1) and gradio 4 (Forge) alike.
 """
 
 from __future__ import annotations
 
-from .webui_args import ARGS
+import importlib.util
 
-# Controls shown outside the "Advanced" accordion, in ARGS order; the rest go inside it.
-_MAIN = ("method", "ratio", "downsample_factor", "hr_same", "hr_ratio", "hr_downsample_factor", "hr_only")
+from .webui_args import ARGS, CONDITIONAL, VISIBILITY_INPUTS, controls_shown
+
+# Controls shown outside the "Advanced" accordion, in ARGS order.
+MAIN = ("method", "ratio", "downsample_factor", "hr_same", "hr_ratio", "hr_downsample_factor", "hr_only")
+# The rest, in the order shown: those of both methods, then ToMe's (its scope first: it decides whether the merge
+# switches act), then ToDo's. Each method sees only its own.
+ADVANCED = (
+    "max_downsample",
+    "end_percent",
+    "skip_when_slower",
+    "scope",
+    "sx",
+    "sy",
+    "use_rand",
+    "merge_attn",
+    "merge_crossattn",
+    "merge_mlp",
+    "downsample_method",
+)
 
 
-def _control(gr, arg, elem_id, with_info):
-    common = {"label": arg.label, "value": arg.default, "elem_id": elem_id}
+def _control(gr, arg, elem_id, with_info, visible):
+    common = {"label": arg.label, "value": arg.default, "elem_id": elem_id, "visible": visible}
     if with_info:
         common["info"] = arg.tooltip
     if arg.kind == "bool":
@@ -22,8 +48,9 @@ def _control(gr, arg, elem_id, with_info):
         return gr.Radio(choices=list(arg.choices), **common)
     if arg.kind in ("choice", "max_downsample"):
         return gr.Dropdown(choices=list(arg.choices), **common)
-    precision = {"precision": 0} if arg.kind == "int" else {}
-    return gr.Slider(minimum=arg.minimum, maximum=arg.maximum, step=arg.step, **common, **precision)
+    # No ``precision`` for the whole-number sliders: gradio 3.41 ignores it with a warning and gradio 4 has none
+    # (Forge logs it). Their integer step keeps the value whole, and the script casts it to int.
+    return gr.Slider(minimum=arg.minimum, maximum=arg.maximum, step=arg.step, **common)
 
 
 def _enable_accordion(gr, script, label):
@@ -41,17 +68,63 @@ def _enable_accordion(gr, script, label):
     return enabled, enabled
 
 
+def _never_acting_here():
+    """Controls that never act on this host: Forge and reForge patch the UNet through their patcher's hooks, which
+    have none around the MLP, so "Merge MLP" does nothing there."""
+    try:
+        on_forge = importlib.util.find_spec("modules_forge") is not None
+    except ValueError:  # imported without a spec: there all the same
+        on_forge = True
+    return {"merge_mlp"} if on_forge else set()
+
+
+def _page_being_built():
+    """The gradio page (Blocks) the controls are being added to, or None outside one."""
+    try:
+        from gradio.context import Context
+    except ImportError:
+        return None
+    return getattr(Context, "root_block", None)
+
+
+def _follow_choices(gr, controls, hidden_for_good):
+    names = [name for name in CONDITIONAL if name not in hidden_for_good]
+    inputs = [controls[name] for name in VISIBILITY_INPUTS]
+    outputs = [controls[name] for name in names]
+
+    def show_what_acts(*choices):
+        shown = controls_shown(*choices)
+        return [gr.update(visible=shown[name]) for name in names]
+
+    # queue=False: a visibility change must not wait behind a running generation. api_name=False: not part of the
+    # WebUI's API.
+    options = {"inputs": inputs, "outputs": outputs, "queue": False, "show_progress": "hidden", "api_name": False}
+    for control in inputs:
+        control.change(show_what_acts, **options)
+    page = _page_being_built()
+    if page is not None:
+        page.load(show_what_acts, **options)
+
+
 def build_ui(script, is_img2img):
     import gradio as gr
 
+    by_name = {arg.name: arg for arg in ARGS}
+    shown = controls_shown(*(by_name[name].default for name in VISIBILITY_INPUTS))
+    hidden_for_good = _never_acting_here()
+    shown.update(dict.fromkeys(hidden_for_good, False))
     container, enabled = _enable_accordion(gr, script, script.title())
     controls = {"enabled": enabled}
+
+    def add(name, with_info):
+        arg = by_name[name]
+        controls[name] = _control(gr, arg, script.elem_id(name), with_info, shown.get(name, True))
+
     with container:
-        for arg in ARGS[1:]:
-            if arg.name in _MAIN:
-                controls[arg.name] = _control(gr, arg, script.elem_id(arg.name), with_info=False)
+        for name in MAIN:
+            add(name, with_info=False)
         with gr.Accordion("Advanced", open=False):
-            for arg in ARGS[1:]:
-                if arg.name not in _MAIN:
-                    controls[arg.name] = _control(gr, arg, script.elem_id(arg.name), with_info=True)
+            for name in ADVANCED:
+                add(name, with_info=True)
+    _follow_choices(gr, controls, hidden_for_good)
     return [controls[arg.name] for arg in ARGS]

@@ -1,0 +1,176 @@
+"""Which WebUI controls are shown: exactly those whose value acts for the chosen method, highres box and scope.
+
+The page itself (real gradio 3.41) is tested in tests/webui_gradio/; here the rule, the engine's view of it and the
+controls as ui() builds them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from webui_host import Host, SDModel, make_unet, run_job, script_args
+
+from tome_core.adapters import webui_args, webui_ui
+from tome_core.settings import SPECS
+
+COMBINATIONS = list(itertools.product(("ToMe", "ToDo"), (True, False), ("self-attention", "block")))
+
+# What each combination shows of the controls that are not always shown (written out, not derived).
+TOME_ALWAYS = {"ratio", "sx", "sy", "use_rand", "scope"}
+MERGE = {"merge_attn", "merge_crossattn", "merge_mlp"}
+EXPECTED_SHOWN = {
+    ("ToMe", True, "self-attention"): TOME_ALWAYS | MERGE,
+    ("ToMe", True, "block"): TOME_ALWAYS,
+    ("ToMe", False, "self-attention"): TOME_ALWAYS | MERGE | {"hr_ratio"},
+    ("ToMe", False, "block"): TOME_ALWAYS | {"hr_ratio"},
+    ("ToDo", True, "self-attention"): {"downsample_factor", "downsample_method"},
+    ("ToDo", True, "block"): {"downsample_factor", "downsample_method"},
+    ("ToDo", False, "self-attention"): {"downsample_factor", "downsample_method", "hr_downsample_factor"},
+    ("ToDo", False, "block"): {"downsample_factor", "downsample_method", "hr_downsample_factor"},
+}
+ALWAYS_SHOWN = {"enabled", "method", "hr_same", "hr_only", "max_downsample", "end_percent", "skip_when_slower"}
+
+# A valid value other than the default for each control that may be hidden.
+OTHER_VALUE = dict(
+    ratio=0.3,
+    downsample_factor=3.0,
+    hr_ratio=0.6,
+    hr_downsample_factor=4.0,
+    sx=3,
+    sy=3,
+    use_rand=True,
+    merge_attn=False,
+    merge_crossattn=True,
+    merge_mlp=True,
+    downsample_method="avg_pool",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny models here run faster on one thread than on two that other work keeps waiting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def host():
+    return Host()
+
+
+@pytest.fixture(scope="module")
+def sd1():
+    return SDModel(make_unet("sd1"))
+
+
+@pytest.fixture(scope="module")
+def unpatched(host, sd1):
+    return run_job(host, sd1, script_args(enabled=False), enable_hr=True)[0]
+
+
+def test_every_setting_says_which_method_reads_it():
+    expected = {
+        "ratio": "ToMe",
+        "downsample_factor": "ToDo",
+        "max_downsample": "ToMe and ToDo",
+        "start_percent": "ToMe and ToDo",
+        "end_percent": "ToMe and ToDo",
+        "skip_when_slower": "ToMe and ToDo",
+        "sx": "ToMe",
+        "sy": "ToMe",
+        "use_rand": "ToMe",
+        "seed": "ToMe",
+        "merge_attn": "ToMe, scope self-attention",
+        "merge_crossattn": "ToMe, scope self-attention",
+        "merge_mlp": "ToMe, scope self-attention",
+        "downsample_method": "ToDo",
+        "scope": "ToMe",
+    }
+    assert set(expected) == set(SPECS) - {"method"}
+    for name, words in expected.items():
+        assert SPECS[name].applies_to == words
+        assert SPECS[name].tooltip.startswith(words + ": "), name
+
+
+@pytest.mark.parametrize("choices", COMBINATIONS)
+def test_controls_shown_for_each_choice(choices):
+    shown = webui_args.controls_shown(*choices)
+    assert set(shown) | ALWAYS_SHOWN == set(webui_args.ARG_NAMES)
+    assert {name for name, visible in shown.items() if visible} == EXPECTED_SHOWN[choices]
+
+
+def test_unreadable_choices_count_as_the_defaults():
+    assert webui_args.controls_shown(None, "maybe", 3) == webui_args.controls_shown("ToMe", True, "self-attention")
+
+
+@pytest.mark.parametrize("choices", COMBINATIONS)
+def test_hidden_controls_change_nothing_and_shown_ones_reach_the_engine(host, sd1, unpatched, choices):
+    """Hidden: the picture (both passes of a highres job) is bit-identical whatever their values. Shown: each one
+    changes the settings of a pass."""
+    method, hr_same, scope = choices
+    base = dict(method=method, hr_same=hr_same, scope=scope)
+    other = {**OTHER_VALUE, "scope": "block" if scope == "self-attention" else "self-attention"}
+    shown = webui_args.controls_shown(*choices)
+    hidden = {name: other[name] for name, visible in shown.items() if not visible}
+    reference, _ = run_job(host, sd1, script_args(**base), enable_hr=True)
+    assert not torch.equal(reference, unpatched)  # the patch acts: the comparison below means something
+    changed, _ = run_job(host, sd1, script_args(**{**base, **hidden}), enable_hr=True)
+    assert torch.equal(changed, reference), sorted(hidden)
+
+    def settings(**values):
+        parsed = webui_args.parse_args(script_args(**{**base, **values}))
+        return [parsed.settings_for_pass(is_hr_pass) for is_hr_pass in (False, True)]
+
+    for name in (name for name, visible in shown.items() if visible):
+        assert settings(**{name: other[name]}) != settings(), name
+
+
+@pytest.mark.parametrize(
+    "choices", [("ToMe", False, "self-attention"), ("ToMe", False, "block"), ("ToDo", False, "block")]
+)
+def test_each_shown_control_changes_the_picture(host, sd1, choices):
+    method, hr_same, scope = choices
+    base = dict(method=method, hr_same=hr_same, scope=scope)
+    other = {**OTHER_VALUE, "scope": "block" if scope == "self-attention" else "self-attention"}
+    reference, _ = run_job(host, sd1, script_args(**base), enable_hr=True)
+    for name, visible in webui_args.controls_shown(*choices).items():
+        if visible:
+            changed, _ = run_job(host, sd1, script_args(**{**base, name: other[name]}), enable_hr=True)
+            assert not torch.equal(changed, reference), name
+
+
+def test_ui_builds_each_control_once_showing_what_acts_with_the_defaults(host):
+    assert sorted(webui_ui.MAIN + webui_ui.ADVANCED) == sorted(webui_args.ARG_NAMES[1:])
+    components = host.ui()
+    by_name = dict(zip(webui_args.ARG_NAMES, components, strict=True))
+    hidden = {name for name, c in by_name.items() if c.kwargs.get("visible", True) is False}
+    assert hidden == {"downsample_factor", "hr_ratio", "hr_downsample_factor", "downsample_method"}
+    for name in ("sx", "sy"):
+        kwargs = by_name[name].kwargs
+        assert "precision" not in kwargs
+        assert all(type(kwargs[key]) is int for key in ("minimum", "maximum", "step", "value"))
+    # Everything passed to a component exists in gradio 4.40 (Forge), whose constructors take no other keywords.
+    gradio4 = {"label", "value", "elem_id", "visible", "info", "choices", "minimum", "maximum", "step"}
+    for name, component in by_name.items():
+        if name != "enabled":
+            assert set(component.kwargs) <= gradio4, name
+
+
+def test_the_choices_drive_the_visibility_through_change_events(host):
+    components = dict(zip(webui_args.ARG_NAMES, host.ui(), strict=True))
+    outputs = [components[name] for name in webui_args.CONDITIONAL]
+    for name, control in components.items():
+        if name not in webui_args.VISIBILITY_INPUTS:
+            assert control.changes == [], name
+            continue
+        ((fn, options),) = control.changes
+        assert options["inputs"] == [components[n] for n in ("method", "hr_same", "scope")]
+        assert options["outputs"] == outputs and options["queue"] is False and options["api_name"] is False
+        for choices in COMBINATIONS:
+            updates = fn(*choices)
+            shown = {n for n, update in zip(webui_args.CONDITIONAL, updates, strict=True) if update["visible"]}
+            assert shown == EXPECTED_SHOWN[choices]
