@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -64,11 +65,18 @@ def new_page(browser, width=1600, height=1000, init_script=None):
     return context.new_page()
 
 
-def screenshot(page, out_dir: Path, name: str, clip: dict | None = None) -> Path:
-    """Save ``name``.png of the page (or of ``clip``) to ``out_dir``; also to docs/ when updating screenshots."""
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def screenshot(page, out_dir: Path, name: str, clip: dict | None = None, for_docs: bool = False) -> Path:
+    """Save ``name``.png of the page (or of ``clip``) to ``out_dir``; a picture ``for_docs`` also goes to docs/
+    when updating screenshots."""
     path = out_dir / f"{name}.png"
     page.screenshot(path=str(path), clip=clip)
-    if UPDATE_SCREENSHOTS:
+    if for_docs and UPDATE_SCREENSHOTS:
         save_small(path, DOCS / path.name)
     return path
 

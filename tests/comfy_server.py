@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import comfy_host as host  # noqa: I001  (first: puts ComfyUI on sys.path)
 import safetensors.torch
 import torch
+from browser import free_port
 
 UNET_FILE = "tome_patch_tiny_sd15.safetensors"
 START_TIMEOUT_S = 120  # imports of torch and ComfyUI's nodes on a busy 2-core machine
@@ -70,12 +70,6 @@ def write_models(models: Path) -> None:
         module = getattr(taesd, f"taesd_{part}")
         host.initialise(module, seed=seed)
         safetensors.torch.save_file(module.state_dict(), str(models / "vae_approx" / f"taesd_{part}.safetensors"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ComfyServer:

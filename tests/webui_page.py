@@ -10,7 +10,7 @@ Run with the WebUI's own gradio (3.41.2, environment ``.venv-webui``):
   ``p.script_args[args_from:args_to]`` (``before_process``, ``process_before_every_sampling`` for the first pass,
   ``postprocess``), on a small UNet of the real ``ldm`` code. The page then shows, as JSON in the textbox
   ``#tome_patch_received``, the args that ``process_before_every_sampling`` received, the generation parameters
-  the script wrote and the console lines; ``#html_info_txt2img`` shows the infotext line as the WebUI writes it;
+  the script wrote, the console lines and the warnings gradio gave while ``ui()`` built the controls; ``#html_info_txt2img`` shows the infotext line as the WebUI writes it;
 - a paste box (``#txt2img_prompt``) and button (``#paste``) that set the controls from an infotext line the way
   modules/infotext_utils.py ``connect_paste`` does with the script's ``infotext_fields``: each field's value is
   the callable's result for the parsed parameters, None leaves the control unchanged, other values are
@@ -33,6 +33,7 @@ import re
 import sys
 import traceback
 import types
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -230,7 +231,12 @@ def build_page(script):
                 except Exception:
                     console.append(traceback.format_exc())
         console.extend(line for line in out.getvalue().splitlines() if line)
-        report = {"args": received[0] if received else None, "params": p.extra_generation_params, "console": console}
+        report = {
+            "args": received[0] if received else None,
+            "params": p.extra_generation_params,
+            "console": console,
+            "ui_warnings": [str(w.message) for w in ui_warnings],
+        }
         return json.dumps(report), infotext_line(p.extra_generation_params)
 
     def paste(text):
@@ -255,7 +261,8 @@ def build_page(script):
             paste_button = gr.Button("Read generation parameters", elem_id="paste", scale=1)
             generate_button = gr.Button("Generate", elem_id="txt2img_generate", variant="primary", scale=1)
         with gr.Row():
-            with gr.Column(elem_id="txt2img_settings"):
+            with gr.Column(elem_id="txt2img_settings"), warnings.catch_warnings(record=True) as ui_warnings:
+                warnings.simplefilter("always")
                 components = script.ui(False)
             with gr.Column(elem_id="txt2img_results"):
                 info = gr.Textbox(label="Generation parameters", elem_id="html_info_txt2img", lines=3)

@@ -22,8 +22,9 @@ def _control(gr, arg, elem_id, with_info):
         return gr.Radio(choices=list(arg.choices), **common)
     if arg.kind in ("choice", "max_downsample"):
         return gr.Dropdown(choices=list(arg.choices), **common)
-    precision = {"precision": 0} if arg.kind == "int" else {}
-    return gr.Slider(minimum=arg.minimum, maximum=arg.maximum, step=arg.step, **common, **precision)
+    # A step of 1 keeps whole-number sliders whole. gradio's Slider has no ``precision`` argument: the WebUI's
+    # gradio 3.41 warns about it in the console at every start.
+    return gr.Slider(minimum=arg.minimum, maximum=arg.maximum, step=arg.step, **common)
 
 
 def _enable_accordion(gr, script, label):
