@@ -10,7 +10,8 @@ Run with the WebUI's own gradio (3.41.2, environment ``.venv-webui``):
   ``p.script_args[args_from:args_to]`` (``before_process``, ``process_before_every_sampling`` for the first pass,
   ``postprocess``), on a small UNet of the real ``ldm`` code. The page then shows, as JSON in the textbox
   ``#tome_patch_received``, the args that ``process_before_every_sampling`` received, the generation parameters
-  the script wrote, the console lines and the warnings gradio gave while ``ui()`` built the controls; ``#html_info_txt2img`` shows the infotext line as the WebUI writes it;
+  the script wrote, the console lines and the warnings gradio gave while ``ui()`` built the controls;
+  ``#html_info_txt2img`` shows the infotext line as the WebUI writes it;
 - a paste box (``#txt2img_prompt``) and button (``#paste``) that set the controls from an infotext line the way
   modules/infotext_utils.py ``connect_paste`` does with the script's ``infotext_fields``: each field's value is
   the callable's result for the parsed parameters, None leaves the control unchanged, other values are
