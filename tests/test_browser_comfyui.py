@@ -286,6 +286,7 @@ def test_values_out_of_range_are_clamped_by_the_page_or_stopped_with_the_node_er
     # Each value is in range but the pair is not: the node refuses it before sampling, and the page shows why.
     type_value(page, "ToMePatch", "start_percent", "0.8")
     type_value(page, "ToMePatch", "end_percent", "0.5")
+    before = len(server.get_json("/api/history"))
     page.get_by_role("button", name="Run", exact=True).click()
     dialog = page.locator(".p-dialog", has_text="start_percent must not be above end_percent")
     dialog.wait_for(timeout=RUN_TIMEOUT_MS)
@@ -293,10 +294,14 @@ def test_values_out_of_range_are_clamped_by_the_page_or_stopped_with_the_node_er
     page.keyboard.press("Escape")
     dialog.wait_for(state="detached")
 
-    # The server is still there, and the corrected graph runs.
-    type_value(page, "ToMePatch", "start_percent", "0")
-    entry = run_and_wait_for_image(page, server)
-    assert entry["status"]["status_str"] == "success", entry["status"]
+    # ComfyUI recorded an error of our node (no crash: the server answers), and nothing was sampled.
+    history = server.get_json("/api/history")
+    assert len(history) == before + 1
+    entry = list(history.values())[-1]
+    assert entry["status"]["status_str"] == "error"
+    (error,) = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
+    assert error["node_type"] == "ToMePatch" and "start_percent" in error["exception_message"]
+    assert not entry["outputs"]
 
 
 def test_example_workflow_opens_from_the_template_browser(page, tmp_path):
