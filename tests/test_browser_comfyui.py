@@ -172,7 +172,7 @@ def type_value(page, node, widget, text):
 def choose(page, node, widget, option):
     """Click a combo widget and pick ``option`` from its menu."""
     page.mouse.click(*page.evaluate("([n, w]) => window.__tome.widgetAt(n, w, 0.5)", [node, widget]))
-    page.locator(".litecontextmenu .litemenu-entry", has_text=option).filter(has_text=option).first.click()
+    page.locator(".litecontextmenu .litemenu-entry").get_by_text(option, exact=True).click()
 
 
 def widget_values(page, node):
@@ -187,6 +187,11 @@ def run_and_wait_for_image(page, server):
         arg="tome_patch_browser",
         timeout=RUN_TIMEOUT_MS,
     )
+    return next_history_entry(server, before)
+
+
+def next_history_entry(server, before):
+    """The history entry of the prompt after the ``before`` first ones (ComfyUI writes it as the prompt ends)."""
     deadline = time.monotonic() + RUN_TIMEOUT_MS / 1000
     while len(server.get_json("/api/history")) == before and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -295,9 +300,7 @@ def test_values_out_of_range_are_clamped_by_the_page_or_stopped_with_the_node_er
     dialog.wait_for(state="detached")
 
     # ComfyUI recorded an error of our node (no crash: the server answers), and nothing was sampled.
-    history = server.get_json("/api/history")
-    assert len(history) == before + 1
-    entry = list(history.values())[-1]
+    entry = next_history_entry(server, before)
     assert entry["status"]["status_str"] == "error"
     (error,) = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
     assert error["node_type"] == "ToMePatch" and "start_percent" in error["exception_message"]
