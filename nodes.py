@@ -48,6 +48,11 @@ ADVANCED_INPUTS = _FIRST_INPUTS + (
 # validates, and they take their default.
 OPTIONAL_INPUTS = frozenset({"scope"})
 
+# Integer inputs are settings that stay as the user set them: ComfyUI's front end would otherwise add its
+# "control after generate" widget to an input named "seed" and draw a new seed after every run (by default),
+# so ``use_rand`` would give a different picture each time for the same prompt.
+INT_OPTIONS = {"control_after_generate": False}
+
 # max_downsample is shown as a dropdown of strings; "auto" is the engine's 0.
 MAX_DOWNSAMPLE_OPTIONS = ("auto", "1", "2", "4", "8")
 
@@ -94,9 +99,12 @@ def classic_input_types(names):
             group[name] = (list(choices), options)
         elif spec.kind == "bool":
             group[name] = ("BOOLEAN", options)
+        elif spec.kind == "int":
+            options.update(min=spec.minimum, max=spec.maximum, step=spec.step, **INT_OPTIONS)
+            group[name] = ("INT", options)
         else:
             options.update(min=spec.minimum, max=spec.maximum, step=spec.step)
-            group[name] = ("INT" if spec.kind == "int" else "FLOAT", options)
+            group[name] = ("FLOAT", options)
     return {"required": required, "optional": optional} if optional else {"required": required}
 
 
@@ -152,6 +160,7 @@ def v3_nodes():
                         max=int(spec.maximum),
                         step=int(spec.step),
                         tooltip=spec.tooltip,
+                        **INT_OPTIONS,
                     )
                 )
             else:

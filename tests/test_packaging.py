@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_wheel_holds_only_tome_core_and_requires_nothing(tmp_path):
     source = tmp_path / "checkout"
-    ignore = shutil.ignore_patterns(".venv", ".git", "__pycache__", "results", "build", "*.egg-info")
+    ignore = shutil.ignore_patterns(".venv*", ".git", "__pycache__", "results", "build", "*.egg-info")
     shutil.copytree(ROOT, source, ignore=ignore)
     out = tmp_path / "wheel"
     out.mkdir()
