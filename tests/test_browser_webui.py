@@ -115,16 +115,21 @@ def assert_same_args(received, expected):
 
 def test_ticking_the_accordion_and_moving_the_controls_reaches_the_script_as_its_arguments(page, tmp_path):
     ratio = page.locator(f"#{eid('ratio')}")
-    assert not ratio.is_visible()  # the accordion starts closed, the patch off
+    factor = page.locator(f"#{eid('downsample_factor')}")
+    assert not factor.is_visible()  # the accordion starts closed, the patch off
     page.locator(f"#{eid('enabled')}-checkbox input").check()
-    ratio.wait_for(state="visible")  # ticking opened it
+    factor.wait_for(state="visible")  # ticking opened it, with the default method's slider
+    assert not ratio.is_visible()  # ToDo is the default: ToMe's ratio is hidden
 
+    page.locator(f"#{eid('method')}").get_by_label("ToMe", exact=True).check()
+    ratio.wait_for(state="visible")
     page.locator(f"#{eid('ratio')} input[type=range]").focus()  # the slider, moved with the keyboard
     for _ in range(10):
         page.keyboard.press("ArrowRight")
     assert slider_value(page, "ratio") == pytest.approx(0.6)
 
     page.locator(f"#{eid('method')}").get_by_label("ToDo", exact=True).check()
+    ratio.wait_for(state="hidden")  # hidden again, its value still sent (below)
     set_number(page, "downsample_factor", "3")
     page.locator(f"#{eid('hr_same')} input").uncheck()
     set_number(page, "hr_downsample_factor", "4")
@@ -162,6 +167,7 @@ def test_infotext_paste_sets_every_control_and_a_picture_without_the_patch_turns
     pasted = webui_args.parse_args(
         expected_args(
             enabled=True,
+            method="ToMe",
             ratio=0.4,
             hr_same=False,
             hr_ratio=0.3,

@@ -11,7 +11,7 @@ import torch
 
 FAMILIES = ("sd15", "sdxl")
 HW = (15, 23)
-BLOCK = {"scope": "block", "skip_when_slower": False, "max_downsample": "4"}
+BLOCK = {"method": "tome", "scope": "block", "skip_when_slower": False, "max_downsample": "4"}
 
 
 @pytest.fixture(scope="module")

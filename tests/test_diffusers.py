@@ -68,7 +68,7 @@ def module_snapshot(unet):
 def test_every_pipeline_is_reduced_and_restored_exactly(pipes, kind):
     pipe = pipeline(pipes, kind)
     plain = H.run(pipe, kind)
-    assert tome_core.apply_patch(pipe, ratio=0.5, **FORCE) is pipe
+    assert tome_core.apply_patch(pipe, method="tome", ratio=0.5, **FORCE) is pipe
     tome = H.run(pipe, kind)
     tome_core.apply_patch(pipe, method="todo", downsample_factor=2, **FORCE)
     todo = H.run(pipe, kind)
@@ -80,11 +80,30 @@ def test_every_pipeline_is_reduced_and_restored_exactly(pipes, kind):
         assert not np.array_equal(reduced, plain)
 
 
+def test_a_ratio_without_a_method_is_tome_as_in_tomesd():
+    """tomesd's ``apply_patch(pipe, ratio=0.5)`` keeps its meaning; with neither ratio nor method: ToDo factor 2."""
+    unet = H.sd1_unet()
+    sample, kwargs = unet_inputs(unet)
+    outputs = {}
+    for name, settings in {
+        "ratio only": {"ratio": 0.5},
+        "tome": {"method": "tome", "ratio": 0.5},
+        "nothing": {},
+        "todo 2": {"method": "todo", "downsample_factor": 2.0},
+    }.items():
+        tome_core.apply_patch(unet, **settings, **FORCE)
+        outputs[name] = call(unet, sample, kwargs)
+    tome_core.remove_patch(unet)
+    assert torch.equal(outputs["ratio only"], outputs["tome"])
+    assert torch.equal(outputs["nothing"], outputs["todo 2"])
+    assert not torch.equal(outputs["tome"], outputs["todo 2"])
+
+
 def test_default_settings_leave_small_images_alone(pipes):
     """``apply_patch(pipe, ratio=0.5)`` as documented: at 256 tokens the skip_when_slower rule reduces nothing."""
     pipe = pipeline(pipes, "txt2img")
     plain = H.run(pipe, "txt2img")
-    tome_core.apply_patch(pipe, ratio=0.5)
+    tome_core.apply_patch(pipe, method="tome", ratio=0.5)
     try:
         assert np.array_equal(H.run(pipe, "txt2img"), plain)
     finally:
@@ -107,7 +126,7 @@ def test_levels_follow_the_layout():
     for unet, reduced_tokens in ((sd1, 256), (sdxl, 64)):
         seen.clear()
         sample, kwargs = unet_inputs(unet)
-        tome_core.apply_patch(unet, ratio=0.5, **FORCE)
+        tome_core.apply_patch(unet, method="tome", ratio=0.5, **FORCE)
         Reducer.start_block = spy
         try:
             call(unet, sample, kwargs)
@@ -214,7 +233,7 @@ def test_models_without_a_unet_are_refused_by_name():
     for model, named in cases:
         before = module_snapshot(model) if isinstance(model, torch.nn.Module) else None
         with pytest.raises(TypeError) as refused:
-            tome_core.apply_patch(model, ratio=0.5)
+            tome_core.apply_patch(model, method="tome", ratio=0.5)
         assert named in str(refused.value)
         assert "UNet2DConditionModel" in str(refused.value)  # names what is supported
         if before is not None:
@@ -230,7 +249,7 @@ def test_tomesd_on_the_unet_is_a_conflict(pipes):
     try:
         before = module_snapshot(pipe.unet)
         with pytest.raises(ValueError, match="tomesd.remove_patch"):
-            tome_core.apply_patch(pipe, ratio=0.5)
+            tome_core.apply_patch(pipe, method="tome", ratio=0.5)
         assert module_snapshot(pipe.unet) == before
     finally:
         tomesd.remove_patch(pipe)
@@ -244,7 +263,7 @@ def test_tomesd_on_top_of_ours_unwinds_in_either_order():
     original = module_snapshot(unet)
     sample, kwargs = unet_inputs(unet)
     plain = call(unet, sample, kwargs)
-    tome_core.apply_patch(unet, ratio=0.5, **FORCE)
+    tome_core.apply_patch(unet, method="tome", ratio=0.5, **FORCE)
     tomesd.apply_patch(unet, ratio=0.5)
     tome_core.remove_patch(unet)  # ours first: tomesd's record of the class it replaced now skips ours
     tomesd.remove_patch(unet)
@@ -262,7 +281,7 @@ def test_patching_twice_equals_once_and_removal_leaves_nothing(make):
     sample, kwargs = unet_inputs(unet)
     plain = call(unet, sample, kwargs)
     tome_core.apply_patch(unet, method="todo", **FORCE)
-    tome_core.apply_patch(unet, ratio=0.4, merge_crossattn=True, **FORCE)
+    tome_core.apply_patch(unet, method="tome", ratio=0.4, merge_crossattn=True, **FORCE)
     twice = call(unet, sample, kwargs)
     for _, block in diffusers_blocks.transformer_blocks(unet):
         assert [c.__name__ for c in type(block).__mro__].count("TomePatchDiffusersBlock") == 1
@@ -270,7 +289,7 @@ def test_patching_twice_equals_once_and_removal_leaves_nothing(make):
     tome_core.remove_patch(unet)
     assert module_snapshot(unet) == before
     assert torch.equal(call(unet, sample, kwargs), plain)
-    tome_core.apply_patch(unet, ratio=0.4, merge_crossattn=True, **FORCE)
+    tome_core.apply_patch(unet, method="tome", ratio=0.4, merge_crossattn=True, **FORCE)
     assert torch.equal(call(unet, sample, kwargs), twice)
     tome_core.remove_patch(unet)
     tome_core.remove_patch(unet)  # twice is harmless
@@ -281,7 +300,7 @@ def test_settings_that_change_nothing_install_nothing():
     unet = H.sd1_unet()
     before = module_snapshot(unet)
     for values in (
-        {"ratio": 0.0},
+        {"method": "tome", "ratio": 0.0},
         {"method": "todo", "downsample_factor": 1.0},
         {"start_percent": 0.5, "end_percent": 0.5},
     ):
@@ -293,7 +312,7 @@ def test_random_destinations_are_seeded_and_never_touch_the_global_rng(pipes):
     pipe = pipeline(pipes, "txt2img")
     runs = {}
     for seed in (7, 7, 8):
-        tome_core.apply_patch(pipe, ratio=0.5, use_rand=True, seed=seed, **FORCE)
+        tome_core.apply_patch(pipe, method="tome", ratio=0.5, use_rand=True, seed=seed, **FORCE)
         state = torch.random.get_rng_state()
         sample, kwargs = unet_inputs(pipe.unet)
         call(pipe.unet, sample, kwargs)
@@ -316,7 +335,7 @@ def _reduced_timesteps(pipe, kind, **settings):
         calls[-1][1] = True
         return original(self, *args, **kwargs)
 
-    tome_core.apply_patch(pipe, ratio=0.5, **FORCE, **settings)
+    tome_core.apply_patch(pipe, method="tome", ratio=0.5, **FORCE, **settings)
     handle = pipe.unet.register_forward_pre_hook(record_call, with_kwargs=True)
     Reducer.start_block = spy
     try:
@@ -358,7 +377,7 @@ def test_a_scheduler_swapped_after_patching_is_followed(pipes):
 
     pipe = pipeline(pipes, "txt2img")
     original = pipe.scheduler
-    tome_core.apply_patch(pipe, ratio=0.5, end_percent=0.5, **FORCE)
+    tome_core.apply_patch(pipe, method="tome", ratio=0.5, end_percent=0.5, **FORCE)
     try:
         step_range = pipe.unet.__dict__[diffusers_blocks._STATE].step_range
         assert step_range.contains(600.0) and not step_range.contains(400.0)
@@ -451,9 +470,9 @@ def test_ip_adapter_processors_with_and_without_masks():
     masked = {"ip_adapter_masks": [masks.reshape(1, 1, H.IMAGE_PX, H.IMAGE_PX)]}
     for extra in ({}, {"cross_attention_kwargs": masked}):
         plain = H.run(pipe, "txt2img", ip_adapter_image_embeds=embeds, **extra)
-        tome_core.apply_patch(pipe, ratio=0.5, merge_crossattn=True, **FORCE)
+        tome_core.apply_patch(pipe, method="tome", ratio=0.5, merge_crossattn=True, **FORCE)
         merged = H.run(pipe, "txt2img", ip_adapter_image_embeds=embeds, **extra)
-        tome_core.apply_patch(pipe, ratio=0.5, **FORCE)
+        tome_core.apply_patch(pipe, method="tome", ratio=0.5, **FORCE)
         self_only = H.run(pipe, "txt2img", ip_adapter_image_embeds=embeds, **extra)
         tome_core.remove_patch(pipe)
         assert np.array_equal(H.run(pipe, "txt2img", ip_adapter_image_embeds=embeds, **extra), plain)
@@ -467,7 +486,7 @@ def test_chunked_feed_forward_with_merged_mlp():
     splits the MLP's tokens; merged token counts need not divide the chunk."""
     unet = H.sd1_unet()
     sample, kwargs = unet_inputs(unet)
-    tome_core.apply_patch(unet, ratio=0.3, merge_mlp=True, **FORCE)  # 256 -> 180 tokens, not a multiple of 8
+    tome_core.apply_patch(unet, method="tome", ratio=0.3, merge_mlp=True, **FORCE)  # 256 -> 180 tokens, not a multiple of 8
     whole = call(unet, sample, kwargs)
     for _, block in diffusers_blocks.transformer_blocks(unet):
         block.set_chunk_feed_forward(chunk_size=8, dim=1)
@@ -483,7 +502,7 @@ def test_patched_unet_compiles(step_range):
     without inductor's long compile; its outputs are bit-identical to eager mode."""
     unet = H.sdxl_unet()
     sample, kwargs = unet_inputs(unet)
-    settings = {"ratio": 0.5, "use_rand": True, "merge_crossattn": True, "merge_mlp": True, **FORCE}
+    settings = {"method": "tome", "ratio": 0.5, "use_rand": True, "merge_crossattn": True, "merge_mlp": True, **FORCE}
     if step_range:
         settings["end_percent"] = 0.7
     tome_core.apply_patch(unet, **settings)

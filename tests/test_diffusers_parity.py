@@ -188,7 +188,7 @@ def test_tome_agrees_with_webui_and_tomesd(values):
     tomesd 0.1.3 (randomness off) on both UNets. Ours averages with index_add and a multiply, tomesd with
     scatter_reduce(mean): a few ulp per merged token."""
     hosts = Hosts("sd15")
-    settings = {"ratio": 0.5, **values, **FORCE}
+    settings = {"method": "tome", "ratio": 0.5, **values, **FORCE}
     tomesd_args = {
         "ratio": settings["ratio"],
         "max_downsample": settings.get("max_downsample", 1),
@@ -220,7 +220,7 @@ def test_tomesd_as_a_peer_on_the_same_pipelines():
     tomesd.apply_patch(pipe, ratio=0.5, use_rand=False)
     theirs = H.run(pipe, "txt2img")
     tomesd.remove_patch(pipe)
-    tome_core.apply_patch(pipe, ratio=0.5, max_downsample=1, **FORCE)
+    tome_core.apply_patch(pipe, method="tome", ratio=0.5, max_downsample=1, **FORCE)
     ours = H.run(pipe, "txt2img")
     tome_core.remove_patch(pipe)
     assert not np.array_equal(ours, plain)
@@ -234,7 +234,7 @@ def test_tomesd_as_a_peer_on_the_same_pipelines():
     tomesd.apply_patch(sdxl, ratio=0.5, use_rand=False, max_downsample=2)
     theirs = H.run(sdxl, "sdxl")
     tomesd.remove_patch(sdxl)
-    tome_core.apply_patch(sdxl, ratio=0.5, **FORCE)  # automatic level: 2
+    tome_core.apply_patch(sdxl, method="tome", ratio=0.5, **FORCE)  # automatic level: 2
     ours = H.run(sdxl, "sdxl")
     tome_core.remove_patch(sdxl)
     assert not np.array_equal(ours, plain)

@@ -172,7 +172,7 @@ def test_settings_accept_integer_choices_from_json():
 
 def test_scope_block_is_tome_only_and_ignores_the_sub_layer_switches():
     n = torch.randn(2, 16 * 16, 8)
-    block = PatchSettings(scope="block", skip_when_slower=False)
+    block = PatchSettings(method="tome", scope="block", skip_when_slower=False)
     assert block.merges_whole_block and not block.is_noop
     # The merge_* switches choose sub-layers for scope self-attention; scope block merges the whole block anyway.
     no_switches = block.replace(merge_attn=False, merge_crossattn=False, merge_mlp=False)
@@ -192,7 +192,7 @@ def test_scope_block_is_tome_only_and_ignores_the_sub_layer_switches():
 def test_skip_when_slower_has_its_own_threshold_for_scope_block():
     from tome_core.cost import MIN_TOKENS
 
-    reducer = Reducer(PatchSettings(scope="block"), (1, 2, 4))
+    reducer = Reducer(PatchSettings(method="tome", scope="block"), (1, 2, 4))
     side = math.isqrt(MIN_TOKENS["tome block"] - 1) + 1  # the smallest square grid at the threshold
     assert MIN_TOKENS["tome block"] < MIN_TOKENS["tome"]
     assert reducer.start_block(torch.randn(1, side * side, 8), (side, side)) is not None

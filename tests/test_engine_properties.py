@@ -193,7 +193,7 @@ def test_block_scope_shares_one_plan_per_level_and_call(latent_h, latent_w, batc
     """Every block of a level in one UNet call gets the plan of the first; a new call (a new plans dict) or another
     batch size gets a new one. Chaining the blocks of a level equals merging once before the first and
     unmerging once after the last (merge(x + unmerge(a)) == merge(x) + a)."""
-    s = PatchSettings(ratio=ratio, scope="block", skip_when_slower=False, use_rand=use_rand)
+    s = PatchSettings(method="tome", ratio=ratio, scope="block", skip_when_slower=False, use_rand=use_rand)
     reducer = Reducer(s, (1, 2, 4))
     h, w = latent_h, latent_w
     x = torch.randn(batch, h * w, CHANNELS, generator=torch.Generator().manual_seed(h + 7 * w))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import torch
 from webui_host import REPO, Host, SDModel, make_unet, run_job, script_args
 
 from tome_core.adapters import webui_args
-from tome_core.settings import SPECS
+from tome_core.settings import SPECS, PatchSettings
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,9 @@ def test_ui_returns_the_documented_order_with_engine_defaults_and_ranges(host):
     assert webui_args.ARG_NAMES[:4] == ("enabled", "method", "ratio", "downsample_factor")  # API positions
     assert webui_args.ARG_NAMES[18] == "scope" and by_name["scope"].kwargs["choices"] == ["self-attention", "block"]
     assert by_name["scope"].kwargs["value"] == "self-attention" and by_name["scope"].kind == "Dropdown"
+    # The shipped default keeps the picture: ToDo, factor 2 (README "Which setting to use").
+    assert by_name["method"].kwargs["value"] == "ToDo" and webui_args.defaults().method == "todo"
+    assert dataclasses.replace(webui_args.defaults(), enabled=True).settings_for_pass(False, 0) == PatchSettings()
 
 
 def test_api_args_from_json_are_cast(host, sd1):

@@ -11,7 +11,7 @@ from tome_core.adapters import ldm_blocks
 
 
 def _settings(**values):
-    return PatchSettings.from_values(skip_when_slower=False, **values)
+    return PatchSettings.from_values(**{"method": "tome", "skip_when_slower": False, **values})
 
 
 def _inputs(size=8):

@@ -385,7 +385,12 @@ def apply_patch(pipe_or_unet, **settings):
     unsupported model UnsupportedModelError (a TypeError) naming what is supported; in both cases, and for a
     conflicting patch (PatchConflictError, a ValueError), the model is left as it was. Applying again replaces
     the earlier patch; settings that can never change the output leave the UNet unpatched.
+
+    A ``ratio`` without a ``method`` means ToMe, as in tomesd's ``apply_patch`` (code written for tomesd keeps
+    its meaning); with neither, the default method (ToDo) applies.
     """
+    if "ratio" in settings and "method" not in settings:
+        settings = {"method": "tome", **settings}
     validated = PatchSettings.from_values(**settings)
     unet, pipeline = find_unet(pipe_or_unet)
     levels = attention_levels(unet)

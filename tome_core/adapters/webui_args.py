@@ -64,7 +64,14 @@ def _from_spec(
 # The positional order of ui() and of the API's args. Append only.
 ARGS: tuple[Arg, ...] = (
     Arg("enabled", "Enable", "bool", False, "Turn ToMe Patch on for this generation."),
-    Arg("method", "Method", "method", "ToMe", SPECS["method"].tooltip, choices=tuple(METHOD_LABELS.values())),
+    Arg(
+        "method",
+        "Method",
+        "method",
+        METHOD_LABELS[SPECS["method"].default],
+        SPECS["method"].tooltip,
+        choices=tuple(METHOD_LABELS.values()),
+    ),
     _from_spec("ratio", "Ratio (ToMe)"),
     _from_spec("downsample_factor", "Downsample factor (ToDo)"),
     Arg(
