@@ -486,7 +486,8 @@ def test_chunked_feed_forward_with_merged_mlp():
     splits the MLP's tokens; merged token counts need not divide the chunk."""
     unet = H.sd1_unet()
     sample, kwargs = unet_inputs(unet)
-    tome_core.apply_patch(unet, method="tome", ratio=0.3, merge_mlp=True, **FORCE)  # 256 -> 180 tokens, not a multiple of 8
+    # 256 -> 180 tokens, not a multiple of 8
+    tome_core.apply_patch(unet, method="tome", ratio=0.3, merge_mlp=True, **FORCE)
     whole = call(unet, sample, kwargs)
     for _, block in diffusers_blocks.transformer_blocks(unet):
         block.set_chunk_feed_forward(chunk_size=8, dim=1)

@@ -55,7 +55,8 @@ def test_plans_are_shared_per_level_within_a_call_and_dropped_after_it(monkeypat
     unet = make_unet("sd1")  # attention at levels 1 and 2, two transformers per level on the way up
     x, context = _inputs(16)
     t = torch.full((2,), 700.0)
-    assert ldm_blocks.install_patch(unet, PatchSettings(method="tome", scope="block", max_downsample=2, skip_when_slower=False))
+    settings = PatchSettings(method="tome", scope="block", max_downsample=2, skip_when_slower=False)
+    assert ldm_blocks.install_patch(unet, settings)
     state = unet.__dict__["_tome_patch_state"]
     blocks_seen = []
     with torch.no_grad():
