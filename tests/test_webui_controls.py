@@ -104,7 +104,7 @@ def test_controls_shown_for_each_choice(choices):
 
 
 def test_unreadable_choices_count_as_the_defaults():
-    assert webui_args.controls_shown(None, "maybe", 3) == webui_args.controls_shown("ToMe", True, "self-attention")
+    assert webui_args.controls_shown(None, "maybe", 3) == webui_args.controls_shown("ToDo", True, "self-attention")
 
 
 @pytest.mark.parametrize("choices", COMBINATIONS)
@@ -148,7 +148,9 @@ def test_ui_builds_each_control_once_showing_what_acts_with_the_defaults(host):
     components = host.ui()
     by_name = dict(zip(webui_args.ARG_NAMES, components, strict=True))
     hidden = {name for name, c in by_name.items() if c.kwargs.get("visible", True) is False}
-    assert hidden == {"downsample_factor", "hr_ratio", "hr_downsample_factor", "downsample_method"}
+    # The default method is ToDo: ToMe's controls and both highres values (same as first pass) start hidden.
+    tome_only = {"ratio", "scope", "sx", "sy", "use_rand", "merge_attn", "merge_crossattn", "merge_mlp"}
+    assert hidden == tome_only | {"hr_ratio", "hr_downsample_factor"}
     for name in ("sx", "sy"):
         kwargs = by_name[name].kwargs
         assert "precision" not in kwargs
