@@ -36,6 +36,7 @@ import torch
 from ..reducer import Reducer
 from ..schedule import NoiseRange, timestep_of_percent
 from ..settings import PatchSettings
+from .class_swap import restore_classes
 
 BLOCK_CLASS_NAME = "BasicTransformerBlock"
 UNET_CLASS_NAME = "UNet2DConditionModel"
@@ -361,18 +362,7 @@ def remove_patch(pipe_or_unet):
     handle = unet.__dict__.pop(_HOOK, None)
     if handle is not None:
         handle.remove()
-    unet.__dict__.pop(_STATE, None)
-    for module in unet.modules():
-        module.__dict__.pop(_STATE, None)
-        cls = type(module)
-        if _PARENT in cls.__dict__:
-            module.__class__ = getattr(cls, _PARENT)
-            continue
-        # tomesd wraps whatever class a block has and remembers it in ``_parent`` for its own removal. If that is
-        # ours, point it past ours, so that tomesd's removal later restores the original class.
-        parent = cls.__dict__.get("_parent")
-        if isinstance(parent, type) and _PARENT in parent.__dict__:
-            cls._parent = getattr(parent, _PARENT)
+    restore_classes(unet, _STATE, _PARENT)
     return pipe_or_unet
 
 

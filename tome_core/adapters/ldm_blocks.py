@@ -25,6 +25,7 @@ import torch
 from ..reducer import Reducer
 from ..schedule import NoiseRange, timestep_of_percent
 from ..settings import PatchSettings
+from .class_swap import restore_classes
 from .unet_layout import attention_levels
 
 BLOCK_CLASS_NAME = "BasicTransformerBlock"
@@ -169,19 +170,7 @@ def remove_patch(unet) -> None:
         handle = unet.__dict__.pop(key, None)
         if handle is not None:
             handle.remove()
-    unet.__dict__.pop(_STATE, None)
-    for module in unet.modules():
-        module.__dict__.pop(_STATE, None)
-        cls = type(module)
-        if _PARENT in cls.__dict__:
-            module.__class__ = getattr(cls, _PARENT)
-            continue
-        # tomesd (the WebUI's built-in token merging) wraps whatever class a block has, one new class per block,
-        # and remembers it in ``_parent`` for its own removal. If that was ours, point it past ours, so that its
-        # removal later restores the original class and the built-in keeps working until then.
-        parent = cls.__dict__.get("_parent")
-        if isinstance(parent, type) and _PARENT in parent.__dict__:
-            cls._parent = getattr(parent, _PARENT)
+    restore_classes(unet, _STATE, _PARENT)
     _patched_unets.discard(unet)
 
 
