@@ -192,3 +192,14 @@ def run_node(node_cls, **inputs):
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def patch_with_node(node_classes, model, advanced=False, **values):
+    """Run "ToMe Patch" (or the Advanced node) with its defaults for everything not given, as a fresh node in a
+    workflow would; returns the patched model."""
+    node = node_classes["ToMePatchAdvanced" if advanced else "ToMePatch"]
+    inputs = {"model": model}
+    for spec in node.GET_SCHEMA().inputs[1:]:
+        inputs[spec.id] = spec.default
+    inputs.update(values)
+    return run_node(node, **inputs)

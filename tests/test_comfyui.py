@@ -23,14 +23,7 @@ def models():
     return {family: host.tiny_model(family) for family in FAMILIES}
 
 
-def patch(node_classes, model, advanced=False, **values):
-    """Run the node with its defaults for everything not given (as a fresh node in a workflow would)."""
-    node = node_classes["ToMePatchAdvanced" if advanced else "ToMePatch"]
-    inputs = {"model": model}
-    for spec in node.GET_SCHEMA().inputs[1:]:
-        inputs[spec.id] = spec.default
-    inputs.update(values)
-    return host.run_node(node, **inputs)
+patch = host.patch_with_node
 
 
 def test_package_registers_both_nodes(node_classes):

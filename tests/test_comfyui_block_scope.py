@@ -24,13 +24,7 @@ def models():
     return {family: host.tiny_model(family) for family in FAMILIES}
 
 
-def patch(node_classes, model, advanced=False, **values):
-    node = node_classes["ToMePatchAdvanced" if advanced else "ToMePatch"]
-    inputs = {"model": model}
-    for spec in node.GET_SCHEMA().inputs[1:]:
-        inputs[spec.id] = spec.default
-    inputs.update(values)
-    return host.run_node(node, **inputs)
+patch = host.patch_with_node
 
 
 def run(model, family="sd15", **kwargs):
