@@ -2,7 +2,8 @@
 
 Both run the real benchmark on the tiny model in a subprocess (as the smoke test does). Nothing here asserts a
 time: the disturbed run must be marked ``UNRELIABLE:`` or keep its figures within the spread limit; the quiet
-run must be marked reliable. A machine already busy is measured the way the benchmark measures it (CPU time
+run must not be marked busy, and its verdict must follow its own figures (how wide a quiet machine's spreads
+end is that machine's noise). A machine already busy is measured the way the benchmark measures it (CPU time
 other processes take, ``tools.bench_load``), and then the quiet test is skipped with that figure as its reason,
 since there is no quiet run to check on such a machine.
 """
@@ -71,7 +72,10 @@ def test_a_run_beside_a_cpu_burning_process_is_marked_unreliable_or_stays_within
         assert f"(!) {', '.join(row['unreliable'])}" in done.stdout
 
 
-def test_a_quiet_run_is_marked_reliable(tmp_path):
+def test_a_quiet_run_is_not_marked_busy_and_its_verdict_matches_its_figures(tmp_path):
+    # How wide a quiet machine's spreads end is the machine's noise, not the benchmark's behaviour (a CI VM
+    # left ±8% in a minute), so it is not asserted: the verdict must follow the run's own figures instead.
+    # A spread reason is allowed only for rows whose measured spread is above the limit; busy never.
     before = bench_load.sample(1.0)
     if before.busy():
         pytest.skip(f"machine busy before the test ({before.describe()}): no quiet run can be checked here")
@@ -84,9 +88,20 @@ def test_a_quiet_run_is_marked_reliable(tmp_path):
     ]
     if disturbed:  # others started during the run: the verdict did its job, but there is no quiet run to check
         pytest.skip(f"machine became busy ({', '.join(disturbed)}): {report['unreliable_reasons']}")
-    assert report["unreliable_reasons"] == []
-    assert report["reliable"] is True
-    assert "UNRELIABLE" not in done.stdout and "(!)" not in done.stdout
+    reasons = report["unreliable_reasons"]
+    assert not any("busy" in reason for reason in reasons)
     rows = rows_of(report)
-    assert not any(row.get("unreliable") for row in rows)
     assert all(row["pairs"] >= 3 for row in rows)
+    assert not any("busy" in row.get("unreliable", []) for row in rows)
+    timed = [row for row in rows if row["group"] != "unpatched"]
+    wide = [row for row in timed if row["speedup_spread_pct"] > LIMIT]
+    assert [row for row in timed if "spread" in row.get("unreliable", [])] == wide
+    spread_reasons = [reason for reason in reasons if reason.startswith("speed-up spread above")]
+    assert len(spread_reasons) == (1 if wide else 0)
+    for row in wide[:4]:  # the reason names four rows, then a count
+        assert f"{row['row']} ±{row['speedup_spread_pct']:.0f}%" in spread_reasons[0]
+    assert report["reliable"] is (not reasons)
+    if reasons:
+        assert done.stdout.splitlines()[0] == "UNRELIABLE: " + "; ".join(reasons) + "."
+    else:
+        assert "UNRELIABLE" not in done.stdout and "(!)" not in done.stdout
