@@ -41,6 +41,8 @@ import comfy.samplers  # noqa: E402
 import comfy.supported_models  # noqa: E402
 import nodes as comfy_nodes  # noqa: E402  (ComfyUI's own nodes.py, first on sys.path)
 
+from tools.bench_host import initialise  # noqa: E402  (seeded weights: ComfyUI skips init)
+
 CPU = torch.device("cpu")
 
 # Small UNets of each family. The keys mirror ComfyUI's detected configs (comfy/model_detection.py).
@@ -87,20 +89,6 @@ SDXL_TINY = {
     "use_temporal_attention": False,
     "use_temporal_resblock": False,
 }
-
-
-def initialise(module: torch.nn.Module, seed: int = 0) -> None:
-    """ComfyUI builds its layers without initialising them: give every parameter seeded random values."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            if name.endswith("bias"):
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-            elif param.dim() == 1:  # norm weights
-                param.copy_(1.0 + torch.randn(param.shape, generator=generator) * 0.02)
-            else:
-                fan_in = param[0].numel()
-                param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
 
 
 def tiny_model(family: str = "sd15", seed: int = 0) -> comfy.model_patcher.ModelPatcher:

@@ -31,6 +31,8 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
+from tools.bench_host import initialise
+
 IMAGE_PX = 32
 TEXT_DIM = 32
 PROMPT = "a cat on a red chair"
@@ -38,19 +40,9 @@ _BOS, _EOS = "<|startoftext|>", "<|endoftext|>"
 
 
 def seeded(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Redraw every weight from a seeded generator, scaled by fan-in (the zero-initialised output convs included,
-    so that every layer contributes), and put the module in eval mode."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            values = torch.randn(param.shape, generator=generator)
-            if name.endswith("bias"):
-                values *= 0.02
-            elif param.dim() == 1:  # norm scales
-                values = 1.0 + values * 0.02
-            else:
-                values /= param[0].numel() ** 0.5
-            param.copy_(values)
+    """The benchmark's seeded fan-in-scaled weights (the zero-initialised output convs included, so that every
+    layer contributes), in eval mode."""
+    initialise(module, seed)
     return module.eval()
 
 
