@@ -4,7 +4,7 @@ Both run the real benchmark on the tiny model in a subprocess (as the smoke test
 time: the disturbed run must be marked ``UNRELIABLE:`` or keep its figures within the spread limit; the quiet
 run must not be marked busy, and its verdict must follow its own figures (how wide a quiet machine's spreads
 end is that machine's noise). A machine already busy is measured the way the benchmark measures it (CPU time
-other processes take, ``tools.bench_load``), and then the quiet test is skipped with that figure as its reason,
+other processes take, ``tools.bench.load``), and then the quiet test is skipped with that figure as its reason,
 since there is no quiet run to check on such a machine.
 """
 
@@ -18,7 +18,7 @@ import sys
 import pytest
 from test_benchmark_smoke import ROOT, run_benchmark
 
-from tools import bench_load
+from tools.bench import load as bench_load
 
 # One size where attention is a real share of the tiny UNet's work (latent 32x32, 1024 tokens at level 1),
 # this project's rows and the ceiling; a minute of pairs at most.

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_benchmark(out: Path, *flags: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "tools.benchmark", "--out", str(out), *flags]
+    command = [sys.executable, "-m", "tools.bench.speed", "--out", str(out), *flags]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

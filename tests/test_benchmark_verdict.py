@@ -10,8 +10,9 @@ import random
 
 import pytest
 
-from tools import bench_load, bench_verdict
-from tools.bench_measure import median_interval, spread_pct
+from tools.bench import load as bench_load
+from tools.bench import verdict as bench_verdict
+from tools.bench.measure import median_interval, spread_pct
 
 LIMIT, BUSY = 5.0, 0.2
 

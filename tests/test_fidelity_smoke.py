@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from tools import fidelity
-from tools.reference import models
+from tools.fidelity import run as fidelity
+from tools.fidelity.reference import models
 
 pytestmark = pytest.mark.skipif(
     not (models.WEIGHTS / "ref-sd1.safetensors").exists(), reason="reference weights missing from the checkout"

@@ -5,13 +5,13 @@ cost time linear in it plus a fixed cost per call (ToMe's plan also has a quadra
 the attention it shrinks). Below some token count the saving is smaller than the cost and the patched UNet
 is slower than the unpatched one.
 
-How the minimum token counts were derived (``python -m tools.bench_breakeven``, README "The skip_when_slower
+How the minimum token counts were derived (``python -m tools.bench.breakeven``, README "The skip_when_slower
 rule"): only the blocks of the reduced level change, so the whole UNet's gain is those blocks' gain. One real
 ComfyUI transformer block of SD1.5's level 1 (320 channels, 8 heads) and of SDXL's level 2 (640 channels,
 10 heads) was timed unpatched and with each method forced on, on square grids from 16x16 to 72x72 tokens
 (2-core CPU, fp32, SDPA). ToDo (factor 2) was faster from 256 tokens on, ToMe (ratio 0.3 and 0.5) from 1600
 tokens on with SD1.5 and SDXL alike; each threshold below is that measurement with a safety margin, and the
-whole-UNet rows of ``python -m tools.benchmark`` confirm it at 512 and 768 px.
+whole-UNet rows of ``python -m tools.bench.speed`` confirm it at 512 and 768 px.
 """
 
 from __future__ import annotations

@@ -1,1 +1,5 @@
-"""Setup, test and benchmark commands; ``python -m tools.benchmark`` runs the benchmark."""
+"""Setup, test and benchmark commands.
+
+``python -m tools.bench`` runs the speed benchmark (``tools/bench/``); ``python -m tools.fidelity`` the fidelity
+benchmark on the trained reference models (``tools/fidelity/``, with the models in ``tools/fidelity/reference/``).
+"""

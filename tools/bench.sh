@@ -1,13 +1,10 @@
 #!/usr/bin/env bash
 # The README's main command: sets up .venv if needed, then benchmarks the patch on this machine.
-# Flags pass through to tools/benchmark.py (see --help); results go to results/.
-# With --fidelity first, runs the fidelity benchmark on the trained reference models instead
-# (tools/fidelity.py, see --fidelity --help).
+#   bash tools/bench.sh              the quick run: speed and picture in about five minutes (tools/bench/quick.py)
+#   bash tools/bench.sh --full ...   the whole speed benchmark (tools/bench/speed.py, see --full --help)
+#   bash tools/bench.sh --fidelity   the fidelity benchmark on the reference models (tools/fidelity/run.py)
+# Results go to results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
-if [ "${1:-}" = "--fidelity" ]; then
-  shift
-  exec .venv/bin/python -m tools.fidelity "$@"
-fi
-exec .venv/bin/python -m tools.benchmark "$@"
+exec .venv/bin/python -m tools.bench "$@"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .bench_load import describe
-from .bench_measure import median_interval, spread_pct, summary
+from .load import describe
+from .measure import median_interval, spread_pct, summary
 
 CLOCKS = {
     "wall": "wall clock (time.perf_counter), the device synchronised",
@@ -97,7 +97,7 @@ def level_shapes(bench) -> dict[int, dict]:
     """Channels, heads and number of transformer blocks at each level, from one small forward pass."""
     from tome_core import find_level
 
-    from . import bench_rows
+    from . import rows as bench_rows
 
     seen: dict[int, dict] = {}
 

@@ -1,13 +1,13 @@
 """Break-even of each method per token count, on one real transformer block: where does a reduction pay?
 
-    python -m tools.bench_breakeven [--model sd15|sdxl] [--sides 32,40,48,...] [--repeats 7]
+    python -m tools.bench.breakeven [--model sd15|sdxl] [--sides 32,40,48,...] [--repeats 7]
 
 Only the blocks of the reduced level change when the patch is on, so the whole UNet's time difference is the
 number of those blocks times one block's difference. One ComfyUI ``BasicTransformerBlock`` with the shape of
 the model's reduced level (SD1.5: 320 channels, 8 heads at level 1; SDXL: 640 channels, 10 heads at level 2)
 is timed unpatched and with this project's hooks forced on (``skip_when_slower`` off) on square token grids
 of growing side; the smallest side from which every larger side is faster gives the method's MIN_TOKENS
-(``tome_core/cost.py``). The whole-UNet rows of ``tools.benchmark --force`` confirm it at full size.
+(``tome_core/cost.py``). The whole-UNet rows of ``tools.bench.speed --force`` confirm it at full size.
 
 Scope block (the whole block on merged tokens) makes one plan per level and UNet call, shared by the level's
 blocks (SD1.5: 5 per level, SDXL: 10 at level 2, 60 at level 4): "block 0.5" times a block that makes the plan
@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from . import bench_host
-from .bench_measure import timed
+from . import host as bench_host
+from .measure import timed
 
 SHAPES = {
     "sd15": (320, 8, 40, 768, 1),  # channels, heads, head width, context, level

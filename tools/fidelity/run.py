@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from tome_core.settings import SPECS
-from tools.bench_host import LdmHolder, build_ldm_unet, setup_comfy
-from tools.bench_report import machine, versions
+from tools.bench.host import LdmHolder, build_ldm_unet, setup_comfy
+from tools.bench.report import machine, versions
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT_SEED = 1234
 
 
@@ -113,7 +113,7 @@ def comfy_builtin(ratio: float) -> FidelityRow:
 
 
 def todo_reference(factor: float, level: int) -> FidelityRow:
-    from tools.bench_rows import todo_reference_patch
+    from tools.bench.rows import todo_reference_patch
 
     def patch(model):
         clone = model.clone()
@@ -158,7 +158,7 @@ def broken_patch(model):
 
 
 def rows_for(name: str, base_model, args) -> list[FidelityRow]:
-    from tools.reference import models
+    from tools.fidelity.reference import models
 
     nodes = load_our_nodes()
     family = models.FAMILIES[name]
@@ -189,7 +189,7 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
 
 def conditioning(name: str, base_model, encoder, prompt_indices: torch.Tensor, size: int) -> list:
     """ComfyUI CONDITIONING for a batch of prompts (SDXL: pooled vector and size conditioning too)."""
-    from tools.reference import models
+    from tools.fidelity.reference import models
 
     with torch.no_grad():
         context, pooled = encoder(prompt_indices)
@@ -225,7 +225,7 @@ def sample_row(row: FidelityRow, patcher, positive, negative, size: int, args, n
 def image_metrics(images: torch.Tensor, reference: torch.Tensor) -> dict:
     from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-    from tools.reference.data import to_rgb
+    from tools.fidelity.reference.data import to_rgb
 
     a, b = to_rgb(images), to_rgb(reference)
     ssim = structural_similarity_index_measure(a, b, data_range=1.0, reduction="none")
@@ -240,7 +240,7 @@ def image_metrics(images: torch.Tensor, reference: torch.Tensor) -> dict:
 
 
 def attribute_accuracy(classifier, images: torch.Tensor, prompts: torch.Tensor) -> dict:
-    from tools.reference.data import ATTRIBUTES
+    from tools.fidelity.reference.data import ATTRIBUTES
 
     with torch.no_grad():
         predicted = torch.stack([logits.argmax(1) for logits in classifier(images)], dim=1)
@@ -257,7 +257,7 @@ class FrechetDistance:
     def __init__(self, classifier, real: torch.Tensor):
         from torchmetrics.image.fid import FrechetInceptionDistance
 
-        from tools.reference.models import ClassifierFeatures
+        from tools.fidelity.reference.models import ClassifierFeatures
 
         self.metric = FrechetInceptionDistance(
             feature=ClassifierFeatures(classifier), normalize=True, reset_real_features=False
@@ -275,7 +275,7 @@ class FrechetDistance:
 def evaluate_model(name: str, args, log) -> dict:
     import comfy.model_patcher
 
-    from tools.reference import data, models
+    from tools.fidelity.reference import data, models
 
     base, encoder = models.load_reference(name)
     classifier = models.load_classifier()
@@ -329,7 +329,7 @@ def evaluate_model(name: str, args, log) -> dict:
                 f"  ssim {record['ssim']:.3f}, accuracy {record['accuracy']['mean']:.3f}, "
                 f"FD {record['frechet']:.2f}, {wall:.1f} s ({record['speedup']:.2f}x)"
             )
-    from tools.fidelity_report import pareto_fronts
+    from tools.fidelity.report import pareto_fronts
 
     return {
         "model": name,
@@ -348,7 +348,7 @@ def main(argv=None) -> dict:
     setup_comfy("cpu")
     import comfy.utils
 
-    from tools import fidelity_report
+    from tools.fidelity import report as fidelity_report
 
     comfy.utils.PROGRESS_BAR_ENABLED = False  # one log line per row instead
 

@@ -1,12 +1,12 @@
-"""Train the reference models: ``python -m tools.reference.train`` (about 1.5 hours on a 2-core CPU).
+"""Train the reference models: ``python -m tools.fidelity.reference.train`` (about 1.5 hours on a 2-core CPU).
 
 The classifier and the two UNets are independent: ``--models`` and ``--no-classifier`` split the work into
 processes that run in parallel (each gives the same weights as the whole command).
 
 Deterministic from ``--seed`` on a given machine and thread count: the data stream, the initial weights and
 the noise all come from seeded generators, and PyTorch is put in deterministic mode. The trained weights go to
-``tools/reference/weights/`` (safetensors, with the recipe and final losses in their metadata) and a summary
-to ``tools/reference/weights/training.json``.
+``tools/fidelity/reference/weights/`` (safetensors, with the recipe and final losses in their metadata) and a summary
+to ``tools/fidelity/reference/weights/training.json``.
 
 What is trained, in order:
 1. the attribute classifier, on freshly generated scenes (it judges the samples later);
@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from tools.bench_host import initialise, setup_comfy
+from tools.bench.host import initialise, setup_comfy
 
 from . import data, models
 
@@ -195,7 +195,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     setup_comfy("cpu")
-    summary = {"command": "python -m tools.reference.train", "args": vars(args), "torch": torch.__version__}
+    summary = {"command": "python -m tools.fidelity.reference.train", "args": vars(args), "torch": torch.__version__}
     if not args.no_classifier:
         summary["classifier"] = train_classifier(args)
     for name in args.models.split(","):

@@ -99,7 +99,7 @@ def grid(report: dict, grids: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     import torch.nn.functional as F
 
-    from tools.reference.data import to_rgb
+    from tools.fidelity.reference.data import to_rgb
 
     sizes = sorted({size for size, _ in grids})
     names = list(dict.fromkeys(name for _, name in grids))

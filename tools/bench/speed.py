@@ -1,7 +1,7 @@
 """Benchmark of the patch against the unpatched UNet, its peers and the ceiling, on this machine.
 
-    python -m tools.benchmark [--model sd15|sdxl] [--resolutions 512,768] [--repeats 2] [--max-minutes 20] ...
-    python -m tools.benchmark --host diffusers ...   (diffusers' UNet2DConditionModel: tools/bench_diffusers.py)
+    python -m tools.bench.speed [--model sd15|sdxl] [--resolutions 512,768] [--repeats 2] [--max-minutes 20] ...
+    python -m tools.bench.speed --host diffusers ...   (diffusers' UNet2DConditionModel: tools/bench/diffusers_path.py)
 
 Every row runs in this one process on the same random-weight UNet and the same inputs. First every row is
 called once, untimed, at every size (warm-up; it gives the output deviation, the peak memory and a first cost
@@ -22,10 +22,24 @@ from pathlib import Path
 
 import torch
 
-from . import bench_host, bench_load, bench_pairs, bench_report, bench_verdict
-from .bench_measure import PeakMemory, clocked, relative_l2
+from . import (
+    host as bench_host,
+)
+from . import (
+    load as bench_load,
+)
+from . import (
+    pairs as bench_pairs,
+)
+from . import (
+    report as bench_report,
+)
+from . import (
+    verdict as bench_verdict,
+)
+from .measure import PeakMemory, clocked, relative_l2
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--force", action="store_true", help="our rows with skip_when_slower off (break-even)")
     parser.add_argument("--only", default="", help="keep only rows whose name contains one of these (comma list)")
+    parser.add_argument("--exact", action="store_true", help="--only names whole row names")
     parser.add_argument("--no-peers", action="store_true", help="skip ComfyUI's node, tomesd and ToDo reference")
     parser.add_argument("--engine-repeats", type=int, default=5, help="repeats of the engine sub-benchmark (0: none)")
     parser.add_argument("--seed", type=int, default=0)
@@ -139,7 +154,7 @@ class Bench:
         }
 
     def rows(self, size: tuple[int, int]) -> list:
-        from . import bench_rows as R
+        from . import rows as R
 
         args, patcher, sigma_of = self.args, self.patcher, self.sigma_of
         unpatched = R.comfy_runner(patcher, sigma_of)
@@ -173,7 +188,8 @@ class Bench:
         rows.append(R.Row("ceiling", "ceiling", "comfy", R.ceiling(patcher, sigma_of, self.levels)))
         if args.only:
             keep = [part.strip() for part in args.only.split(",") if part.strip()]
-            rows = [row for row in rows if row.group == "unpatched" or any(k in row.name for k in keep)]
+            wanted = (lambda name: name in keep) if args.exact else (lambda name: any(k in name for k in keep))
+            rows = [row for row in rows if row.group == "unpatched" or wanted(row.name)]
         return rows
 
 
@@ -239,7 +255,7 @@ def sampling_deviation(bench: Bench, size: tuple[int, int], steps: int, log) -> 
 
 def engine_benchmark(bench: Bench, sizes, log) -> list[dict]:
     """Engine work versus attention at each reduced level, and its share of one UNet evaluation."""
-    from . import bench_engine
+    from . import engine as bench_engine
 
     shapes = bench_report.level_shapes(bench)
     results = []
@@ -295,7 +311,7 @@ def main(argv=None) -> dict:
     sizes = [parse_size(part) for part in args.resolutions.split(",") if part.strip()]
     log(f"building {args.model} ({dtype}, {device}) ...")
     if args.host == "diffusers":
-        from . import bench_diffusers
+        from . import diffusers_path as bench_diffusers
 
         bench = bench_diffusers.DiffusersBench(args, device, dtype)
     else:

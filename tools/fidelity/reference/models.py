@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tools.bench_host import Family, comfy_unet_config
+from tools.bench.host import Family, comfy_unet_config
 
 from . import data
 

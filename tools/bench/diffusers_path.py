@@ -1,4 +1,4 @@
-"""The benchmark's diffusers path: ``python -m tools.benchmark --host diffusers [--model sd15|sdxl] ...``.
+"""The benchmark's diffusers path: ``python -m tools.bench.speed --host diffusers [--model sd15|sdxl] ...``.
 
 The setup of the ToMe documents' speed tables: diffusers' ``UNet2DConditionModel`` at full size (SD1.5 or SDXL)
 with seeded random weights, PyTorch's SDPA attention (``AttnProcessor2_0``), fp16 on a GPU (fp32 on the CPU),
@@ -8,7 +8,7 @@ unpatched against this project and tomesd 0.1.3, each through its public entry p
 Every patched row gets its own copy of the UNet's module tree that shares the very same weight tensors (a deep copy
 with the parameters and buffers pre-seeded in the memo), patched once when the row is made: no weights are
 duplicated, and nothing is patched or unpatched inside the timed calls. Rows look like those of
-``tools.bench_rows`` (``run(x, timesteps, context, y)``), so ``tools.benchmark`` measures them the same way.
+``tools.bench.rows`` (``run(x, timesteps, context, y)``), so ``tools.bench.speed`` measures them the same way.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import copy
 
 import torch
 
-from . import bench_host
-from .bench_measure import relative_l2
-from .bench_rows import Row
+from . import host as bench_host
+from .measure import relative_l2
+from .rows import Row
 
 HOST = "diffusers"
 
@@ -80,7 +80,7 @@ def _runner(unet):
 
 
 class DiffusersBench:
-    """The diffusers UNet, its patched copies and the inputs of one resolution (``tools.benchmark``'s interface)."""
+    """The diffusers UNet, its patched copies and the inputs of one resolution (``tools.bench.speed``'s interface)."""
 
     def __init__(self, args, device: torch.device, dtype: torch.dtype):
         from tome_core import reduced_levels

@@ -18,7 +18,7 @@ from tome_core import matching
 from tome_core.downsample import NearestIndexCache, downsample_tokens
 from tome_core.patterns import PatternCache
 
-from .bench_measure import synchronize
+from .measure import synchronize
 
 
 def _median_time(call, device: torch.device, repeats: int) -> float:

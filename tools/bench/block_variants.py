@@ -1,6 +1,6 @@
 """Two ways to run a whole transformer block on merged tokens, compared on one real block: cost and deviation.
 
-    python -m tools.bench_block_variants [--model sd15|sdxl] [--sides 32,64] [--ratio 0.5] [--repeats 7]
+    python -m tools.bench.block_variants [--model sd15|sdxl] [--sides 32,64] [--ratio 0.5] [--repeats 7]
 
 - **per sub-layer** (ToMe for SD with merge_attn, merge_crossattn and merge_mlp on): each sub-layer's input is
   normalised at full size, merged, run, and its output unmerged and added to the full-size residual. Three merges
@@ -28,9 +28,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from . import bench_host
-from .bench_breakeven import SHAPES, cpu_timed
-from .bench_measure import relative_l2, timed
+from . import host as bench_host
+from .breakeven import SHAPES, cpu_timed
+from .measure import relative_l2, timed
 
 
 def smooth_tokens(batch: int, side: int, channels: int, generator: torch.Generator) -> torch.Tensor:

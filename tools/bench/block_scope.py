@@ -1,15 +1,15 @@
 """Scope block at the two finest attention levels: speed of whole UNet evaluations, and the plans' share of them.
 
-    python -m tools.bench_block_scope [--model sd15|sdxl] [--resolutions 512] [--ratio 0.5] [--repeats 2]
+    python -m tools.bench.block_scope [--model sd15|sdxl] [--resolutions 512] [--ratio 0.5] [--repeats 2]
 
-The rows are those ``tools.benchmark`` adds for this (``bench_rows.block_scope_rows``): the unpatched UNet,
+The rows are those ``tools.bench.speed`` adds for this (``bench_rows.block_scope_rows``): the unpatched UNet,
 ToMe scope block and ToMe scope self-attention, both at the two finest attention levels (SD1.x: 1 and 2, SDXL:
 2 and 4, i.e. ``max_downsample`` 2 and 4) and the same ratio, each through the ``patched_clone`` the ComfyUI
 node calls, on the full-size ComfyUI UNet with random weights. Rows are interleaved as in the benchmark, the
 first call of each untimed. During every call the time spent making merge plans is summed (a timer around
 ``tome_core.matching.make_plan``), which gives the plans per evaluation and their share of it: scope block
 makes one plan per level and call, scope self-attention one per block. This is the quick way to the issue's
-figures; ``tools.benchmark`` runs the same rows among all the others.
+figures; ``tools.bench.speed`` runs the same rows among all the others.
 
 Each call is timed twice: wall time, and the CPU time of this process (``time.process_time``, all threads).
 On a machine shared with other jobs the wall time mostly measures waiting for a core; the CPU time still
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from . import bench_host
+from . import host as bench_host
 
 
 class PlanTimer:
@@ -62,7 +62,7 @@ class PlanTimer:
 
 
 def inputs(family, size: tuple[int, int], seed: int) -> dict:
-    """One random latent, timestep 500, 77 random text tokens (and SDXL's vector), as ``tools.benchmark``."""
+    """One random latent, timestep 500, 77 random text tokens (and SDXL's vector), as ``tools.bench.speed``."""
     generator = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(1, 4, (size[0] + 7) // 8, (size[1] + 7) // 8, generator=generator)
     context = torch.randn(1, 77, family.context_dim, generator=generator)
@@ -107,7 +107,7 @@ def main(argv=None) -> list[dict]:
     bench_host.setup_comfy("cpu")
     from tome_core.adapters.unet_layout import attention_levels
 
-    from . import bench_rows as R
+    from . import rows as R
 
     def log(message):
         print(message, file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ A run is unreliable when
 
 from __future__ import annotations
 
-from . import bench_load
+from . import load as bench_load
 
 # Settings under which a row reduces more than self-attention: the ceiling does not bound it.
 _BEYOND_SELF_ATTENTION = {"merge_crossattn", "merge_mlp"}

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from . import bench_load
-from .bench_measure import clocked, spread_pct
+from . import load as bench_load
+from .measure import clocked, spread_pct
 
 
 @dataclass

@@ -1,0 +1,18 @@
+"""``python -m tools.bench``: the quick run (default), ``--full`` the whole speed benchmark, ``--fidelity`` the
+fidelity benchmark. Further flags go to the chosen one (``--full --help``, ``--fidelity --help``)."""
+
+import sys
+
+argv = sys.argv[1:]
+if argv[:1] == ["--full"]:
+    from tools.bench.speed import main
+
+    main(argv[1:])
+elif argv[:1] == ["--fidelity"]:
+    from tools.fidelity.run import main
+
+    main(argv[1:])
+else:
+    from tools.bench.quick import main
+
+    main(argv)

@@ -1,0 +1,2 @@
+"""The fidelity benchmark (``run``, ``python -m tools.fidelity``), its charts and grids (``report``) and the small
+trained reference models it samples (``reference``)."""
