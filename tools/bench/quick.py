@@ -25,15 +25,17 @@ PICTURE_ROWS = ("ours ToDo 2", "ours block 0.5")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bash tools/bench.sh", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="sd15", help="UNet of the speed part (tiny: a plumbing check)")
     parser.add_argument("--resolution", default="768", help="image size of the speed part in px")
     parser.add_argument("--max-minutes", type=float, default=3.0, help="time for the speed part's timed pairs")
+    parser.add_argument("--steps", type=int, default=12, help="Euler steps of the picture")
     parser.add_argument("--out", default=str(ROOT / "results" / "quick"))
     return parser.parse_args(argv)
 
 
 def speed_argv(args) -> list[str]:
     return [
-        "--model", "sd15", "--resolutions", args.resolution,
+        "--model", args.model, "--resolutions", args.resolution,
         "--ratios", "", "--block-ratios", "0.5", "--peer-ratios", "0.5",
         "--only", ",".join(SPEED_ROWS), "--exact",
         "--repeats", "2", "--max-minutes", str(args.max_minutes),
@@ -44,7 +46,7 @@ def speed_argv(args) -> list[str]:
 def picture_argv(args) -> list[str]:
     return [
         "--models", "ref-sd1", "--scales", "2", "--prompts", "4", "--seeds", "1", "--grid", "4",
-        "--real", "256", "--only", ",".join(PICTURE_ROWS), "--out", args.out,
+        "--steps", str(args.steps), "--real", "256", "--only", ",".join(PICTURE_ROWS), "--out", args.out,
     ]  # fmt: skip
 
 
@@ -54,18 +56,19 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     started = time.perf_counter()
-    print("1/2 speed: SD1.5 UNet (full size, random weights) ...", file=sys.stderr, flush=True)
+    print(f"1/2 speed: {args.model} UNet (random weights) at {args.resolution} px ...", file=sys.stderr, flush=True)
     speed_report = speed.main(speed_argv(args))
     print("2/2 picture: reference model ref-sd1, the same seed with and without the patch ...", file=sys.stderr)
     picture = fidelity.main(picture_argv(args))["ref-sd1"]
     minutes = (time.perf_counter() - started) / 60
-    print(summary(speed_report, picture, Path(args.out), minutes))
+    print(summary(speed_report, picture, Path(args.out), minutes), flush=True)
     return {"speed": speed_report, "picture": picture}
 
 
 def summary(speed_report: dict, picture: dict, out: Path, minutes: float) -> str:
     entry = speed_report["resolutions"][0]
-    lines = [f"\nHow much faster (SD1.5 UNet, {entry['resolution']} px, {speed_report['machine']['cpu']}):"]
+    model, cpu = speed_report["config"]["model"], speed_report["machine"]["cpu"]
+    lines = [f"\nHow much faster ({model} UNet, {entry['resolution']} px, {cpu}):"]
     for row in entry["rows"]:
         if row["group"] != "unpatched" and "speedup" in row:
             spread = row.get("speedup_spread_pct", 0.0)
