@@ -6,11 +6,14 @@ missing and how to install it: the tests are never skipped.
 
 Screenshots go to the test's temporary folder; with ``TOME_PATCH_UPDATE_SCREENSHOTS=1`` they are also written,
 reduced to a small palette, to ``docs/`` (and the example workflow's thumbnail to ``example_workflows/``), which
-is how the pictures in the README are made.
+is how the pictures in the README are made (``bash tools/pictures.sh``). Next to each such picture a JSON file
+records what it shows (the visible controls); every other run compares the page with that record, so a picture
+that no longer shows today's page fails its test instead of going stale.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -79,6 +82,21 @@ def screenshot(page, out_dir: Path, name: str, clip: dict | None = None, for_doc
     if for_docs and UPDATE_SCREENSHOTS:
         save_small(path, DOCS / path.name)
     return path
+
+
+def check_picture_record(name: str, shown) -> None:
+    """``shown`` is what the picture docs/``name``.png shows (a JSON-able list of its visible controls). Updating
+    the pictures writes it to docs/``name``.json; any other run asserts that the page still shows the same."""
+    path = DOCS / f"{name}.json"
+    if UPDATE_SCREENSHOTS:
+        path.write_text("[\n" + ",\n".join(" " + json.dumps(item) for item in shown) + "\n]\n")  # one a line
+        return
+    assert path.is_file(), f"{path.name} is missing: make the pictures again with `bash tools/pictures.sh`"
+    committed = json.loads(path.read_text())
+    assert committed == shown, (
+        f"docs/{name}.png no longer shows today's page (its record {path.name}: {committed}; the page: {shown}): "
+        "make the pictures again with `bash tools/pictures.sh`"
+    )
 
 
 def save_small(source: Path, target: Path) -> None:

@@ -343,5 +343,7 @@ def test_example_workflow_opens_from_the_template_browser(page, tmp_path):
     (x0, y0), (x1, y1) = box
     clip = {"x": max(x0, 0), "y": max(y0, 0), "width": min(x1, 1600) - max(x0, 0), "height": min(y1, 1000) - max(y0, 0)}
     picture = web.screenshot(page, tmp_path, "comfyui-node", clip=clip, for_docs=True)
+    # What the picture shows of the node: its inputs and values (its record docs/comfyui-node.json).
+    web.check_picture_record("comfyui-node", [list(item) for item in widget_values(page, "ToMePatch").items()])
     if web.UPDATE_SCREENSHOTS:
         web.save_thumbnail(picture, thumbnail)

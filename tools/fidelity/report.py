@@ -1,6 +1,6 @@
 """Tables, the speed-versus-fidelity chart and the image grid of a fidelity run (``tools.fidelity``).
 
-``python -m tools.fidelity_report results/fidelity-<model>.json`` renders table and chart again from the JSON.
+``python -m tools.fidelity.report results/fidelity-<model>.json`` renders table and chart again from the JSON.
 
 Speed on these charts is the process CPU time's speed-up: unlike wall time it does not grow when other
 processes take the cores, so the front stays put on a shared machine (both clocks are in the table).
