@@ -197,7 +197,7 @@ def dit_conditioning(family: str, seed: int = 1, tokens: int = 9, **extra) -> li
     return [[cond, extra]]
 
 
-def sample_dit(model, family: str, latent_shape, steps: int = 2, cfg: float = 3.0, seed: int = 42, **cond_extra):
+def sample_dit(model, family: str, latent_shape, steps: int = 1, cfg: float = 3.0, seed: int = 42, **cond_extra):
     """Sample a DiT through ComfyUI's KSampler path (Euler); ``latent_shape`` without the channel axis:
     (batch, h, w) for images, (batch, frames, h, w) for Wan."""
     batch, *rest = latent_shape
