@@ -157,6 +157,26 @@ DIT_TINY = {
         "in_dim": 16,
         "text_dim": 64,
     },
+    # Chroma: Flux's blocks without guidance or vector inputs (a small network makes the modulations).
+    "chroma": {
+        "image_model": "chroma",
+        "in_channels": 64,
+        "out_channels": 64,
+        "context_in_dim": 64,
+        "hidden_size": 32,
+        "mlp_ratio": 2.0,
+        "num_heads": 2,
+        "depth": 1,
+        "depth_single_blocks": 1,
+        "axes_dim": [4, 6, 6],
+        "theta": 10000,
+        "patch_size": 2,
+        "qkv_bias": True,
+        "in_dim": 64,
+        "out_dim": 32,
+        "hidden_dim": 64,
+        "n_layers": 1,
+    },
     # A DiT family the patch does not support.
     "lumina2": {
         "image_model": "lumina2",
@@ -190,9 +210,9 @@ def tiny_dit(family: str, seed: int = 0) -> comfy.model_patcher.ModelPatcher:
 def dit_conditioning(family: str, seed: int = 1, tokens: int = 9, **extra) -> list:
     generator = torch.Generator().manual_seed(seed)
     cond = torch.randn(1, tokens, 64, generator=generator)
-    if family in ("flux", "sd3"):
+    if family in ("flux", "chroma", "sd3"):
         extra.setdefault("pooled_output", torch.randn(1, 32, generator=generator))
-    if family == "flux":
+    if family in ("flux", "chroma"):
         extra.setdefault("guidance", 3.5)
     return [[cond, extra]]
 

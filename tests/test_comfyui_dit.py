@@ -1,5 +1,5 @@
-"""The nodes on DiTs inside a real ComfyUI 0.3.75: Flux, SD3.5 and Wan 2.1 of ComfyUI's own classes (small,
-random weights), sampled through its KSampler at odd sizes."""
+"""The nodes on DiTs inside a real ComfyUI 0.3.75: Flux, Chroma, SD3.5 and Wan 2.1 of ComfyUI's own classes
+(small, random weights), sampled through its KSampler at odd sizes."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from tome_core.adapters import comfy_dit
 from tome_core.joint_attention import ImageTokens
 from tome_core.settings import PatchSettings
 
-FAMILIES = ("flux", "sd3", "wan")
+FAMILIES = ("flux", "chroma", "sd3", "wan")
 # Odd sizes: latents that do not divide by the patch size, and (Wan) an odd frame count; batch 2.
-SHAPES = {"flux": (2, 9, 13), "sd3": (2, 11, 7), "wan": (2, 3, 9, 11)}
+SHAPES = {"flux": (2, 9, 13), "chroma": (2, 7, 9), "sd3": (2, 11, 7), "wan": (2, 3, 9, 11)}
 
 
 @pytest.fixture(scope="module")
