@@ -107,7 +107,11 @@ def _patch_dit(model, settings, percent_to_sigma):
             "ToMe Patch: max_downsample does not apply to %s (a DiT has one token grid, always reduced); ignored.",
             family.name,
         )
-    return comfy_dit.patched_clone(model, settings, percent_to_sigma)
+    try:
+        return comfy_dit.patched_clone(model, settings, percent_to_sigma)
+    except comfy_dit.NotADitError as err:  # a patcher without model wrappers (an older ComfyUI)
+        log.warning("ToMe Patch: %s cannot be patched here (%s); it is passed through unchanged.", family.name, err)
+        return model
 
 
 def classic_input_types(names):
