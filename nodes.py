@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from .tome_core.adapters import comfy_dit
 from .tome_core.adapters.patcher_hooks import NotAUNetError, patched_clone
 from .tome_core.settings import SPECS, PatchSettings
 
@@ -21,6 +22,8 @@ DESCRIPTION = (
     "tokens (for self-attention only, or for the whole block), ToDo downsamples self-attention's keys and values. "
     "Returns a patched copy; the input model is not changed."
 )
+
+MODEL_TOOLTIP = "The diffusion model to patch: SD1.x, SD2.x, SDXL; Flux, SD3/SD3.5 and Wan 2.x with method todo."
 
 # Saved workflows store widget values by position: new inputs are only ever appended to each tuple.
 _FIRST_INPUTS = (
@@ -72,23 +75,48 @@ def _engine_values(values: dict) -> dict:
 
 
 def patch_model(model, **values):
-    """Validate the inputs and return a patched clone of ``model`` (or ``model`` itself if it is no UNet)."""
+    """Validate the inputs and return a patched clone of ``model`` (or ``model`` itself if it cannot be patched)."""
     settings = PatchSettings.from_values(**_engine_values(values))
     percent_to_sigma = model.get_model_object("model_sampling").percent_to_sigma
+    diffusion_model = getattr(getattr(model, "model", None), "diffusion_model", None)
+    if comfy_dit.family_of(diffusion_model) is not None:
+        return _patch_dit(model, settings, percent_to_sigma)
     try:
         return patched_clone(model, settings, percent_to_sigma)
     except NotAUNetError as err:
         log.warning(
-            "ToMe Patch: this model (%s) is not a UNet with attention blocks (Flux, SD3 and other "
-            "DiT models are not supported); it is passed through unchanged.",
+            "ToMe Patch: this model (%s) is neither a UNet with attention blocks (SD1.x, SD2.x, SDXL) nor a DiT "
+            "this patch supports (Flux, SD3/SD3.5, Wan 2.x); it is passed through unchanged.",
             err,
         )
         return model
 
 
+def _patch_dit(model, settings, percent_to_sigma):
+    """Flux, SD3 and Wan: ToDo on the image tokens' keys and values; ToMe is not offered on DiTs yet."""
+    family = comfy_dit.family_of(model.model.diffusion_model)
+    if settings.method == "tome":
+        log.warning(
+            "ToMe Patch: method tome is not available for %s (DiT) models; choose method todo. The model is "
+            "passed through unchanged.",
+            family.name,
+        )
+        return model
+    if settings.max_downsample != SPECS["max_downsample"].default:
+        log.warning(
+            "ToMe Patch: max_downsample does not apply to %s (a DiT has one token grid, always reduced); ignored.",
+            family.name,
+        )
+    try:
+        return comfy_dit.patched_clone(model, settings, percent_to_sigma)
+    except comfy_dit.NotADitError as err:  # a patcher without model wrappers (an older ComfyUI)
+        log.warning("ToMe Patch: %s cannot be patched here (%s); it is passed through unchanged.", family.name, err)
+        return model
+
+
 def classic_input_types(names):
     """INPUT_TYPES of the classic node API."""
-    required = {"model": ("MODEL", {"tooltip": "The diffusion model to patch (SD1.x, SD2.x, SDXL)."})}
+    required = {"model": ("MODEL", {"tooltip": MODEL_TOOLTIP})}
     optional = {}
     for name in names:
         spec = SPECS[name]
@@ -134,7 +162,7 @@ def v3_nodes():
     from comfy_api.latest import io
 
     def v3_inputs(names):
-        inputs = [io.Model.Input("model", tooltip="The diffusion model to patch (SD1.x, SD2.x, SDXL).")]
+        inputs = [io.Model.Input("model", tooltip=MODEL_TOOLTIP)]
         for name in names:
             spec = SPECS[name]
             default = _ui_value(name, spec.default)

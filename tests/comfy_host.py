@@ -106,6 +106,130 @@ def tiny_model(family: str = "sd15", seed: int = 0) -> comfy.model_patcher.Model
     return comfy.model_patcher.ModelPatcher(model, load_device=CPU, offload_device=CPU)
 
 
+# Small DiTs of each supported family, as ComfyUI detects them from a checkpoint (comfy/model_detection.py).
+DIT_TINY = {
+    "flux": {
+        "image_model": "flux",
+        "hidden_size": 32,
+        "num_heads": 2,
+        "axes_dim": [4, 6, 6],
+        "depth": 1,
+        "depth_single_blocks": 1,
+        "context_in_dim": 64,
+        "vec_in_dim": 32,
+        "in_channels": 16,
+        "out_channels": 16,
+        "patch_size": 2,
+        "mlp_ratio": 2.0,
+        "theta": 10000,
+        "qkv_bias": True,
+        "guidance_embed": True,
+    },
+    # SD3.5 layout: RMS q/k norms and an x-only self-attention in the first block.
+    "sd3": {
+        "in_channels": 16,
+        "patch_size": 2,
+        "out_channels": 16,
+        "depth": 2,
+        "input_size": None,
+        "adm_in_channels": 32,
+        "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 64, "out_features": 128}},
+        "num_patches": 64 * 64,
+        "pos_embed_max_size": 64,
+        "qk_norm": "rms",
+        "pos_embed_scaling_factor": None,
+        "x_block_self_attn_layers": [0],
+    },
+    "wan": {
+        "image_model": "wan2.1",
+        "model_type": "t2v",
+        "dim": 32,
+        "out_dim": 16,
+        "num_heads": 2,
+        "ffn_dim": 64,
+        "num_layers": 2,
+        "patch_size": (1, 2, 2),
+        "freq_dim": 256,
+        "window_size": (-1, -1),
+        "qk_norm": True,
+        "cross_attn_norm": True,
+        "eps": 1e-6,
+        "in_dim": 16,
+        "text_dim": 64,
+    },
+    # Chroma: Flux's blocks without guidance or vector inputs (a small network makes the modulations).
+    "chroma": {
+        "image_model": "chroma",
+        "in_channels": 64,
+        "out_channels": 64,
+        "context_in_dim": 64,
+        "hidden_size": 32,
+        "mlp_ratio": 2.0,
+        "num_heads": 2,
+        "depth": 1,
+        "depth_single_blocks": 1,
+        "axes_dim": [4, 6, 6],
+        "theta": 10000,
+        "patch_size": 2,
+        "qkv_bias": True,
+        "in_dim": 64,
+        "out_dim": 32,
+        "hidden_dim": 64,
+        "n_layers": 1,
+    },
+    # A DiT family the patch does not support.
+    "lumina2": {
+        "image_model": "lumina2",
+        "patch_size": 2,
+        "in_channels": 16,
+        "dim": 32,
+        "cap_feat_dim": 64,
+        "n_layers": 1,
+        "n_refiner_layers": 1,
+        "n_heads": 2,
+        "n_kv_heads": 2,
+        "qk_norm": True,
+        "axes_dims": [4, 6, 6],
+        "axes_lens": [300, 64, 64],
+    },
+}
+
+
+def tiny_dit(family: str, seed: int = 0) -> comfy.model_patcher.ModelPatcher:
+    """A ModelPatcher over a small random-weight DiT of ComfyUI's own classes (see ``DIT_TINY``)."""
+    import comfy.model_detection
+
+    config = comfy.model_detection.model_config_from_unet_config(dict(DIT_TINY[family]))
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({})
+    initialise(model.diffusion_model, seed)
+    model.eval()
+    return comfy.model_patcher.ModelPatcher(model, load_device=CPU, offload_device=CPU)
+
+
+def dit_conditioning(family: str, seed: int = 1, tokens: int = 9, **extra) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    cond = torch.randn(1, tokens, 64, generator=generator)
+    if family in ("flux", "chroma", "sd3"):
+        extra.setdefault("pooled_output", torch.randn(1, 32, generator=generator))
+    if family in ("flux", "chroma"):
+        extra.setdefault("guidance", 3.5)
+    return [[cond, extra]]
+
+
+def sample_dit(model, family: str, latent_shape, steps: int = 1, cfg: float = 3.0, seed: int = 42, **cond_extra):
+    """Sample a DiT through ComfyUI's KSampler path (Euler); ``latent_shape`` without the channel axis:
+    (batch, h, w) for images, (batch, frames, h, w) for Wan."""
+    batch, *rest = latent_shape
+    latent = {"samples": torch.zeros(batch, 16, *rest)}
+    positive = dit_conditioning(family, 1, **cond_extra)
+    negative = dit_conditioning(family, 2, tokens=5, **cond_extra)
+    (out,) = comfy_nodes.common_ksampler(
+        model, seed, steps, cfg, "euler", "normal", positive, negative, latent, denoise=1.0
+    )
+    return out["samples"]
+
+
 def conditioning(family: str, batch: int = 1, seed: int = 1, tokens: int = 7) -> list:
     generator = torch.Generator().manual_seed(seed)
     cond = torch.randn(batch, tokens, SD15_TINY["context_dim"], generator=generator)

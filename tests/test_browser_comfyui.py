@@ -308,7 +308,7 @@ def test_values_out_of_range_are_clamped_by_the_page_or_stopped_with_the_node_er
 
 
 def test_example_workflow_opens_from_the_template_browser(page, tmp_path):
-    workflow_file = next((host.REPO_ROOT / "example_workflows").glob("*.json"))
+    workflow_file = next((host.REPO_ROOT / "example_workflows").glob("*SD1.5*.json"))
     workflow = json.loads(workflow_file.read_text())
     (ours,) = [n for n in workflow["nodes"] if n["type"] == "ToMePatch"]
 

@@ -11,6 +11,7 @@ For diffusers (``pip install`` of this repository gives this package)::
     tome_core.remove_patch(pipe)
 """
 
+from .joint_attention import ImageTokens, SequenceDownsample
 from .levels import find_level, grid_at_level, reduced_levels
 from .reducer import BlockMerge, BlockReduction, KeyValueDownsample, Reducer, TokenMerge
 from .schedule import NoiseRange, timestep_of_percent
@@ -41,10 +42,12 @@ __all__ = [
     "SPECS",
     "BlockMerge",
     "BlockReduction",
+    "ImageTokens",
     "KeyValueDownsample",
     "NoiseRange",
     "PatchSettings",
     "Reducer",
+    "SequenceDownsample",
     "Spec",
     "TokenMerge",
     "apply_patch",

@@ -12,6 +12,12 @@ ComfyUI transformer block of SD1.5's level 1 (320 channels, 8 heads) and of SDXL
 (2-core CPU, fp32, SDPA). ToDo (factor 2) was faster from 256 tokens on, ToMe (ratio 0.3 and 0.5) from 1600
 tokens on with SD1.5 and SDXL alike; each threshold below is that measurement with a safety margin, and the
 whole-UNet rows of ``python -m tools.bench.speed`` confirm it at 512 and 768 px.
+
+DiTs (``joint_attention.py``) weigh the image tokens of one attention call (frames x h x w for video) against
+the same ToDo threshold. What ToDo costs there is one gather of the keys and values, linear in tokens and
+channels; what it saves is attention, quadratic in tokens and linear in channels, so the break-even token
+count does not depend on the model's width (1536-3072 channels on DiTs, 320-640 on the UNet levels measured).
+1024 image tokens is Flux or SD3 at 512 x 512 px; every video of Wan's sizes is far above it.
 """
 
 from __future__ import annotations

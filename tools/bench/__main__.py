@@ -1,5 +1,6 @@
 """``python -m tools.bench``: the quick run (default), ``--full`` the whole speed benchmark, ``--fidelity`` the
-fidelity benchmark. Further flags go to the chosen one (``--full --help``, ``--fidelity --help``)."""
+fidelity benchmark, ``--dit`` ToDo on DiTs (Flux, SD3.5, Wan). Further flags go to the chosen one
+(``--full --help``, ``--fidelity --help``, ``--dit --help``)."""
 
 import sys
 
@@ -10,6 +11,10 @@ if argv[:1] == ["--full"]:
     main(argv[1:])
 elif argv[:1] == ["--fidelity"]:
     from tools.fidelity.run import main
+
+    main(argv[1:])
+elif argv[:1] == ["--dit"]:
+    from tools.bench.dit import main
 
     main(argv[1:])
 else:

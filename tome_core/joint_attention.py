@@ -1,0 +1,102 @@
+"""ToDo for the attention of DiT models: the keys and values of the image (video) tokens are downsampled on
+their own token grid; every query, and every text or reference token, stays whole.
+
+A DiT attends over one sequence per call. Joint attention (Flux, SD3) concatenates text and image tokens,
+and Flux Kontext appends the tokens of reference images after the image; video models (Wan) attend over
+frames x h x w tokens. ``ImageTokens`` says where the image grid lies in such a sequence, from what the host
+adapter knows of the model's input; ``SequenceDownsample`` reduces the keys and values of one attention call
+with the engine's grid downsampling (``downsample.py``, shared with the UNets). Where keys carry rotary
+position embeddings, the adapter calls this after the rotation, so every kept key keeps its own position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .cost import worth_reducing
+from .downsample import Grid, NearestIndexCache, downsample_segment
+from .settings import PatchSettings
+
+TIME_FACTORS = (1.0, 2.0, 4.0)
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """Where the image grid lies in an attention call's sequence.
+
+    ``after``: tokens after the grid (reference images), kept whole. ``before``: the exact count of tokens
+    before it, or None where it varies (text of any length in joint attention: whatever precedes the grid).
+    """
+
+    grid: Grid
+    after: int = 0
+    before: int | None = None
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.grid)
+
+    def start_in(self, total: int) -> int | None:
+        """The grid's first token in a sequence of ``total`` tokens, or None if the sequence has another layout."""
+        start = total - self.after - self.count if self.before is None else self.before
+        if start < 0 or start + self.count + self.after != total:
+            return None
+        return start
+
+
+class SequenceDownsample:
+    """Shared by every attention call of one patched DiT; holds only a cache that is safe to share."""
+
+    def __init__(self, settings: PatchSettings, time_factor: float = 1.0):
+        if time_factor not in TIME_FACTORS:
+            raise ValueError(
+                f"time_factor must be one of {', '.join(f'{f:g}' for f in TIME_FACTORS)}, got {time_factor!r}"
+            )
+        self.settings = settings
+        self.time_factor = float(time_factor)
+        self._nearest = NearestIndexCache()
+
+    @property
+    def does_nothing(self) -> bool:
+        return self.settings.method != "todo" or self.settings.is_noop
+
+    def keys_values(
+        self, k: torch.Tensor, v: torch.Tensor, tokens: ImageTokens, dim: int, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """Downsampled keys, values and attention mask of one call (tokens along ``dim`` of ``k`` and ``v``, along
+        the last axis of ``mask``), or None: leave the call as it is.
+
+        None where the sequence does not have the expected layout (a cross-attention, a model variant that
+        adds tokens of its own), where the grid is too small for the reduction to pay off, or where a mask would
+        have to be resampled by averaging (only nearest-exact keeps a mask exact: it drops whole keys).
+        """
+        total = k.shape[dim]
+        if v.shape[dim] != total or self.does_nothing:
+            return None
+        start = tokens.start_in(total)
+        if start is None or not worth_reducing(self.settings, tokens.count):
+            return None
+        s = self.settings
+        if mask is not None:
+            if s.downsample_method != "nearest-exact" or mask.shape[-1] != total:
+                return None
+            mask = downsample_segment(
+                mask,
+                start,
+                tokens.grid,
+                s.downsample_factor,
+                self.time_factor,
+                s.downsample_method,
+                self._nearest,
+                mask.dim() - 1,
+            )
+        k, v = (
+            downsample_segment(
+                x, start, tokens.grid, s.downsample_factor, self.time_factor, s.downsample_method, self._nearest, dim
+            )
+            for x in (k, v)
+        )
+        return k, v, mask

@@ -1,0 +1,327 @@
+"""``python -m tools.bench.dit`` (or ``bash tools/bench.sh --dit``): ToDo on DiTs against unpatched and two
+free bounds, at the sizes users sample.
+
+Full-width models of ComfyUI's own classes (0.3.75) with seeded random weights, fewer blocks than the real
+models where they would not fit in memory (the per-block speed-up is what transfers):
+- Flux: width 3072, 24 heads, 1 double + 1 single block (of 19 + 38), 1024 x 1024 px (4096 image tokens),
+  512 text tokens.
+- SD3.5 Medium: width 1536, 24 heads, 2 of its 24 joint blocks (one with the x-only self-attention that its
+  first 13 blocks have, one without), 1024 x 1024 px (4096 image tokens), 333 text tokens.
+- Wan 2.1 1.3B: width 1536, 12 heads, 1 of its 30 blocks, 480 x 832 px and 17 frames (5 latent frames,
+  7800 video tokens), 512 text tokens.
+On this 2-core CPU one evaluation of these cut-down models takes about a minute; whole models are 20-40 times
+that, with the same per-block share of attention.
+One timed call is one model evaluation (``BaseModel.apply_model``, batch 1). Rows:
+- unpatched;
+- ToDo 2 (the node's defaults: downsample_factor 2, nearest-exact, per frame for video);
+- Wan only: ToDo 2 also in time (frames halved too; the engine's ``time_factor``, not a node input);
+- free K/V (the ceiling of ToDo 2): attention gets as many keys and values as ToDo 2 leaves (text whole, a
+  quarter of the image tokens), taken as a view at no cost;
+- attention free: every attention call returns zeros at once (what no attention method can beat).
+Rows are timed interleaved, A B C D then D C B A per round, and each row's speed-up is the median of its
+ratios to the unpatched call of the same round (the machine drifts less within a round than across it). The
+speed-up is taken on the process's CPU time, which other processes on a shared machine disturb far less than
+wall time (it does not count the time the benchmark waits for a core); the wall-time speed-up is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .host import initialise, setup_comfy
+from .measure import clocked
+
+RESULTS = Path(__file__).resolve().parents[2] / "results"
+
+MODELS = {
+    "flux": {
+        "title": "Flux (width 3072, 1 double + 1 single block), 1024 px",
+        "config": {
+            "image_model": "flux",
+            "hidden_size": 3072,
+            "num_heads": 24,
+            "axes_dim": [16, 56, 56],
+            "depth": 1,
+            "depth_single_blocks": 1,
+            "context_in_dim": 4096,
+            "vec_in_dim": 768,
+            "in_channels": 16,
+            "out_channels": 16,
+            "patch_size": 2,
+            "mlp_ratio": 4.0,
+            "theta": 10000,
+            "qkv_bias": True,
+            "guidance_embed": True,
+        },
+        "latent": (16, 128, 128),
+        "text": (512, 4096),
+        "pooled": 768,
+    },
+    "sd35m": {
+        "title": "SD3.5 Medium (width 1536, 2 of 24 joint blocks), 1024 px",
+        "config": {
+            "in_channels": 16,
+            "patch_size": 2,
+            "out_channels": 16,
+            "depth": 24,
+            "num_blocks": 2,
+            "input_size": None,
+            "adm_in_channels": 2048,
+            "context_embedder_config": {
+                "target": "torch.nn.Linear",
+                "params": {"in_features": 4096, "out_features": 1536},
+            },
+            "num_patches": 384 * 384,
+            "pos_embed_max_size": 384,
+            "qk_norm": "rms",
+            "pos_embed_scaling_factor": None,
+            "x_block_self_attn_layers": [0],
+        },
+        "latent": (16, 128, 128),
+        "text": (333, 4096),
+        "pooled": 2048,
+    },
+    "wan": {
+        "title": "Wan 2.1 1.3B (width 1536, 1 of 30 blocks), 480x832, 17 frames",
+        "config": {
+            "image_model": "wan2.1",
+            "model_type": "t2v",
+            "dim": 1536,
+            "out_dim": 16,
+            "num_heads": 12,
+            "ffn_dim": 8960,
+            "num_layers": 1,
+            "patch_size": (1, 2, 2),
+            "freq_dim": 256,
+            "window_size": (-1, -1),
+            "qk_norm": True,
+            "cross_attn_norm": True,
+            "eps": 1e-6,
+            "in_dim": 16,
+            "text_dim": 4096,
+        },
+        "latent": (16, 5, 60, 104),
+        "text": (512, 4096),
+        "pooled": None,
+    },
+}
+
+
+def build(name: str):
+    import comfy.model_detection
+    import comfy.model_patcher
+
+    spec = MODELS[name]
+    config = comfy.model_detection.model_config_from_unet_config(dict(spec["config"]))
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({}, device="cpu")
+    initialise(model.diffusion_model, 0)
+    model.eval()
+    cpu = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+
+
+class FreeKeysOverride:
+    """The ceiling of ToDo 2: the keys and values that ToDo 2 keeps, as a view of the sequence (no gather)."""
+
+    def __init__(self, tokens, free_attention: bool):
+        self.tokens = tokens
+        self.free_attention = free_attention
+
+    def __call__(self, func, *args, **kwargs):
+        q, k, v = args[:3]
+        dim = 2 if kwargs.get("skip_reshape", False) else 1
+        if self.free_attention:
+            if dim == 2:  # (batch, heads, tokens, d) in, (batch, tokens, heads * d) out
+                return q.new_zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3])
+            return torch.zeros_like(q)
+        total = k.shape[dim]
+        start = self.tokens.start_in(total)
+        if q.shape[dim] == total and start is not None:
+            frames, h, w = self.tokens.grid
+            keep = start + frames * math.ceil(h / 2) * math.ceil(w / 2)
+            args = (q, k.narrow(dim, 0, keep), v.narrow(dim, 0, keep), *args[3:])
+        return func(*args, **kwargs)
+
+
+def bound_clone(patcher, free_attention: bool):
+    from tome_core.adapters import comfy_dit
+
+    family = comfy_dit.family_of(patcher.model.diffusion_model)
+
+    def wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs):
+        options = dict(transformer_options)
+        options[comfy_dit.OVERRIDE_KEY] = FreeKeysOverride(family.image_tokens(x, kwargs), free_attention)
+        return executor(x, t, c_concat, c_crossattn, control, options, **kwargs)
+
+    clone = patcher.clone()
+    clone.add_wrapper_with_key("apply_model", "bench_bound", wrapper)
+    return clone
+
+
+def todo_clone(patcher, time_factor: float = 1.0):
+    from tome_core.adapters import comfy_dit
+    from tome_core.settings import PatchSettings
+
+    settings = PatchSettings.from_values(method="todo", downsample_factor=2.0)
+    sigma = patcher.get_model_object("model_sampling").percent_to_sigma
+    return comfy_dit.patched_clone(patcher, settings, sigma, time_factor=time_factor)
+
+
+def model_call(patcher, name: str):
+    """One model evaluation through ``apply_model`` with the patcher's options, as the sampler makes it."""
+    import comfy.patcher_extension
+
+    spec = MODELS[name]
+    generator = torch.Generator().manual_seed(1)
+    latent = torch.randn(1, *spec["latent"], generator=generator)
+    context = torch.randn(1, *spec["text"], generator=generator)
+    kwargs = {}
+    if spec["pooled"]:
+        kwargs["y"] = torch.randn(1, spec["pooled"], generator=generator)
+    if name == "flux":
+        kwargs["guidance"] = torch.full((1,), 3.5)
+    sigma = torch.full((1,), 0.7)
+
+    def call():
+        options = dict(patcher.model_options.get("transformer_options", {}))
+        options["wrappers"] = comfy.patcher_extension.merge_nested_dicts(
+            options.get("wrappers", {}), patcher.wrappers, copy_dict1=True
+        )
+        with torch.inference_mode():
+            return patcher.model.apply_model(latent, sigma, c_crossattn=context, transformer_options=options, **kwargs)
+
+    return call
+
+
+def measure(name: str, rounds: int, log) -> dict:
+    base = build(name)
+    rows = {"unpatched": base, "ToDo 2": todo_clone(base)}
+    if len(MODELS[name]["latent"]) == 4:
+        rows["ToDo 2, also in time"] = todo_clone(base, time_factor=2.0)
+    rows["free K/V (ceiling of ToDo 2)"] = bound_clone(base, free_attention=False)
+    rows["attention free"] = bound_clone(base, free_attention=True)
+    calls = {row: model_call(patcher, name) for row, patcher in rows.items()}
+    reference = calls["unpatched"]()  # warm-up (first-call costs), and the output the others are compared with
+    times: dict[str, list[float]] = {row: [] for row in rows}
+    cpu_times: dict[str, list[float]] = {row: [] for row in rows}
+    ratios: dict[str, list[float]] = {row: [] for row in rows}
+    wall_ratios: dict[str, list[float]] = {row: [] for row in rows}
+    diffs = {}
+    order = list(rows)
+    for r in range(rounds):
+        wall = {row: [] for row in rows}
+        cpu = {row: [] for row in rows}
+        for row in order + order[::-1]:
+            seconds, cpu_seconds, out = clocked(calls[row], torch.device("cpu"))
+            wall[row].append(seconds)
+            cpu[row].append(cpu_seconds)
+            diffs[row] = float((out - reference).norm() / reference.norm())
+            log(f"{name} round {r + 1}: {row} {seconds:.2f} s wall, {cpu_seconds:.2f} s CPU")
+        for row in rows:
+            times[row].extend(wall[row])
+            cpu_times[row].extend(cpu[row])
+            ratios[row].append(statistics.mean(cpu["unpatched"]) / statistics.mean(cpu[row]))
+            wall_ratios[row].append(statistics.mean(wall["unpatched"]) / statistics.mean(wall[row]))
+    result = {"title": MODELS[name]["title"], "rows": {}}
+    base_cpu = statistics.median(cpu_times["unpatched"])
+    for row in rows:
+        result["rows"][row] = {
+            "median_cpu_s": statistics.median(cpu_times[row]),
+            "median_wall_s": statistics.median(times[row]),
+            "speedup": statistics.median(ratios[row]),
+            "speedup_wall": statistics.median(wall_ratios[row]),
+            "saving_pct": 100 * (1 - statistics.median(cpu_times[row]) / base_cpu),
+            "rel_l2_vs_unpatched": diffs.get(row, 0.0),
+            "cpu_s": cpu_times[row],
+            "wall_s": times[row],
+        }
+    ceiling = result["rows"]["free K/V (ceiling of ToDo 2)"]["speedup"]
+    todo = result["rows"]["ToDo 2"]["speedup"]
+    # Share of the ceiling's saving that ToDo 2 reaches, in time saved: (1 - 1/todo) / (1 - 1/ceiling).
+    result["todo_share_of_ceiling_pct"] = 100 * (1 - 1 / todo) / (1 - 1 / ceiling) if ceiling > 1 else None
+    del rows, calls, base, reference
+    gc.collect()
+    return result
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def write_report(results: dict, meta: dict, path: Path) -> None:
+    lines = [
+        "# ToDo on DiTs: speed",
+        "",
+        f"{meta['cpu']}, {meta['threads']} torch thread(s), fp32, SDPA, ComfyUI 0.3.75 classes, random weights; "
+        f"{meta['date']}; `{meta['command']}`. One model evaluation, batch 1; median of {meta['rounds']} "
+        "interleaved round(s) (A B C D D C B A).",
+        "",
+        "| model, size | row | CPU time (s) | speed-up (CPU) | time saved | speed-up (wall) | change to output "
+        "(rel. L2) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result in results.values():
+        for row, r in result["rows"].items():
+            lines.append(
+                f"| {result['title']} | {row} | {r['median_cpu_s']:.1f} | {r['speedup']:.2f}x | "
+                f"{r['saving_pct']:.0f}% | {r['speedup_wall']:.2f}x | {r['rel_l2_vs_unpatched']:.3f} |"
+            )
+    lines.append("")
+    for result in results.values():
+        share = result["todo_share_of_ceiling_pct"]
+        text = "n/a" if share is None else f"{share:.0f}%"
+        lines.append(f"- {result['title']}: ToDo 2 reaches {text} of the free-K/V ceiling's saving.")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="wan,sd35m,flux", help="comma-separated: " + ", ".join(MODELS))
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="interleaved rounds per model (each times every row twice)"
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(RESULTS / "dit"), help="path of the report without extension")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    setup_comfy("cpu")
+    meta = {
+        "cpu": cpu_name(),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python -m tools.bench.dit", *(sys.argv[1:] if argv is None else argv)]),
+        "torch": torch.__version__,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in args.models.split(","):
+        results[name] = measure(name, args.rounds, lambda message: print(message, flush=True))
+        # Written after every model: a long run that is stopped keeps what it measured.
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        write_report(results, meta, out.with_suffix(".md"))
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
