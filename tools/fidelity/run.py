@@ -48,7 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m tools.fidelity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", default="ref-sd1,ref-sdxl", help="reference models (ref-sd1, ref-sdxl, ref-flux)")
+    parser.add_argument(
+        "--models", default="ref-sd1,ref-sdxl,ref-flux", help="reference models (ref-sd1, ref-sdxl, ref-flux)"
+    )
     parser.add_argument("--scales", default="1,2", help="image sizes as multiples of the training size")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per seed (one sampling batch)")
     parser.add_argument("--seeds", type=int, default=4, help="seeds: images = prompts x seeds")
