@@ -20,6 +20,8 @@ output ``noise - x0``), with the guidance embedding fed ComfyUI's default 3.5. T
 because without it ComfyUI's detection takes the model for Flux.1-schnell (unshifted schedule); it is sampled
 with real classifier-free guidance, like the UNets. Its latent format is Flux's scale and shift on the scenes'
 4 channels (``scene_latent_format``), so ComfyUI's ``process_latent_in`` / ``process_latent_out`` round-trip.
+Trained at one size only, it knows the image positions 0-15 of its RoPE: at twice the size it mostly draws the
+background without the object (unlike the UNets, which drift less), so compare rows there by SSIM only.
 
 The "prompt" is a sequence of four tokens (kind, colour, position, background), each an embedding of its
 attribute value plus a slot embedding; index ``len(values)`` of each attribute is the empty prompt used for
