@@ -66,17 +66,21 @@ def flux_report(tmp_path_factory):
         pytest.skip("ref-flux weights missing from the checkout")
     out = tmp_path_factory.mktemp("fidelity-flux")
     argv = ["--models", "ref-flux", "--scales", "1", "--prompts", "2", "--seeds", "1", "--steps", "2"]
-    argv += ["--real", "64", "--grid", "2", "--out", str(out)]
+    argv += ["--broken", "--real", "64", "--grid", "2", "--out", str(out)]
     return fidelity.main(argv)["ref-flux"], out
 
 
 def test_flux_reference_has_the_dit_rows(flux_report):
     report, out = flux_report
-    assert [r["row"] for r in report["records"]] == ["unpatched", "ours ToDo 2", "ours ToDo 3", "ours ToMe 0.5"]
+    ours = ["ours ToDo 2", "ours ToDo 3", "ours ToMe 0.5"]
+    assert [r["row"] for r in report["records"]] == ["unpatched", *ours, "broken (shifted tokens)"]
     assert _row(report, "unpatched")["identical_to_unpatched"]
-    for record in report["records"]:
-        # A node that does not reduce Flux passes it through (identical); one that does must stay close.
-        assert record["identical_to_unpatched"] or record["ssim"] > 0.5, record["row"]
+    broken = _row(report, "broken (shifted tokens)")
+    assert not broken["identical_to_unpatched"]  # the attention override reaches Flux's joint attention
+    for name in ours:
+        row = _row(report, name)
+        # A node that does not reduce Flux passes it through (identical); one that does must beat the broken row.
+        assert row["identical_to_unpatched"] or row["ssim"] > broken["ssim"], (name, row["ssim"], broken["ssim"])
     assert (out / "fidelity-grid-ref-flux.png").stat().st_size > 0
 
 

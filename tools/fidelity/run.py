@@ -163,6 +163,18 @@ def broken_patch(model):
     return clone
 
 
+def _shifted_attention(func, *args, **kwargs):
+    return func(*args, **kwargs).roll(1, dims=1)
+
+
+def broken_dit_patch(model):
+    """The same wrong merge on a DiT: every attention's output shifted by one token (text and image tokens),
+    through ComfyUI's ``optimized_attention_override`` (DiT blocks have no attn1 output patch)."""
+    clone = model.clone()
+    clone.model_options["transformer_options"]["optimized_attention_override"] = _shifted_attention
+    return clone
+
+
 def flux_rows(nodes: dict) -> list[FidelityRow]:
     """The rows of a Flux model: ours through the node; the other rows patch UNets only."""
     return [
@@ -173,9 +185,9 @@ def flux_rows(nodes: dict) -> list[FidelityRow]:
     ]
 
 
-def keep_asked_rows(rows: list[FidelityRow], args) -> list[FidelityRow]:
+def keep_asked_rows(rows: list[FidelityRow], args, broken=broken_patch) -> list[FidelityRow]:
     if args.broken:
-        rows.append(FidelityRow("broken (shifted tokens)", "broken", broken_patch))
+        rows.append(FidelityRow("broken (shifted tokens)", "broken", broken))
     if args.only:
         words = [w.strip() for w in args.only.split(",") if w.strip()]
         rows = [r for r in rows if r.group == "unpatched" or any(w in r.name for w in words)]
@@ -187,7 +199,7 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
 
     nodes = load_our_nodes()
     if models.is_flux(name):
-        return keep_asked_rows(flux_rows(nodes), args)
+        return keep_asked_rows(flux_rows(nodes), args, broken_dit_patch)
     family = models.FAMILIES[name]
     finest = 1 if family.depth[0] else 2  # the finest level that has attention
     rows = [
