@@ -58,3 +58,76 @@ def test_patched_rows_change_the_picture_but_less_than_a_broken_patch(smoke_repo
         assert row["ssim"] > broken["ssim"] + 0.1, (name, row["ssim"], broken["ssim"])
         assert row["psnr"] > broken["psnr"], name
     assert "broken (shifted tokens)" not in sum(report["pareto_front"].values(), [])
+
+
+@pytest.fixture(scope="module")
+def flux_report(tmp_path_factory):
+    if not (models.WEIGHTS / "ref-flux.safetensors").exists():
+        pytest.skip("ref-flux weights missing from the checkout")
+    out = tmp_path_factory.mktemp("fidelity-flux")
+    argv = ["--models", "ref-flux", "--scales", "1", "--prompts", "2", "--seeds", "1", "--steps", "2"]
+    argv += ["--broken", "--real", "64", "--grid", "2", "--out", str(out)]
+    return fidelity.main(argv)["ref-flux"], out
+
+
+def test_flux_reference_has_the_dit_rows(flux_report):
+    report, out = flux_report
+    ours = ["ours ToDo 2", "ours ToDo 3", "ours ToMe 0.5"]
+    assert [r["row"] for r in report["records"]] == ["unpatched", *ours, "broken (shifted tokens)"]
+    assert _row(report, "unpatched")["identical_to_unpatched"]
+    broken = _row(report, "broken (shifted tokens)")
+    assert not broken["identical_to_unpatched"]  # the attention override reaches Flux's joint attention
+    for name in ours:
+        row = _row(report, name)
+        # A node that does not reduce Flux passes it through (identical); one that does must beat the broken row.
+        assert row["identical_to_unpatched"] or row["ssim"] > broken["ssim"], (name, row["ssim"], broken["ssim"])
+    assert (out / "fidelity-grid-ref-flux.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", ["ref-sd1", "ref-flux"])
+def test_training_feeds_the_model_what_comfyui_feeds_it_while_sampling(name):
+    """The training pair (input, timestep, conditioning, target) against ComfyUI's own sampling path: the same
+    inputs reach the diffusion model, and ComfyUI turns the training target back into the clean latent."""
+    import torch
+
+    from tools.fidelity import run
+    from tools.fidelity.reference import data, train
+
+    if not (models.WEIGHTS / f"{name}.safetensors").exists():
+        pytest.skip(f"{name} weights missing from the checkout")
+    base, encoder = models.load_reference(name)
+    sampling = base.model_sampling
+    assert type(sampling).__name__ == "ModelSampling"
+    expected = ("ModelSamplingFlux", "CONST") if models.is_flux(name) else ("ModelSamplingDiscrete", "V_PREDICTION")
+    assert tuple(cls.__name__ for cls in type(sampling).__bases__) == expected
+    generator = torch.Generator().manual_seed(0)
+    x0, prompts = data.batch(3, models.TRAIN_SIZE, generator)
+    eps = torch.randn(x0.shape, generator=generator)
+    t = torch.tensor([10, len(sampling.sigmas) // 2, len(sampling.sigmas) - 1])
+    x_in, timestep, target, _ = train.noised_pair(models.is_flux(name), sampling.sigmas.float(), t, x0, eps)
+    with torch.no_grad():
+        context, pooled = encoder(prompts.as_tensor())
+    inputs = models.model_inputs(name, base, context, pooled, models.TRAIN_SIZE)
+
+    seen = {}
+    hook = base.diffusion_model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.update(x=args[0], t=args[1], **kwargs), with_kwargs=True
+    )
+    sigma = sampling.sigmas[t].float()
+    noisy = sampling.noise_scaling(sigma, eps, x0)
+    (cond,) = run.conditioning(name, base, encoder, prompts.as_tensor(), models.TRAIN_SIZE)
+    conds = base.extra_conds(cross_attn=cond[0], noise=noisy, device="cpu", **cond[1])
+    try:
+        with torch.no_grad():
+            base.apply_model(noisy, sigma, **{key: value.cond for key, value in conds.items()})
+    finally:
+        hook.remove()
+    torch.testing.assert_close(seen["x"], x_in)
+    torch.testing.assert_close(seen["t"], timestep)
+    torch.testing.assert_close(seen["context"], inputs["context"])
+    for key in ("y", "guidance"):
+        if inputs.get(key) is None:
+            assert seen.get(key) is None, key
+        else:
+            torch.testing.assert_close(seen[key].expand_as(inputs[key]), inputs[key])
+    torch.testing.assert_close(sampling.calculate_denoised(sigma, target, noisy), x0, atol=1e-5, rtol=1e-5)

@@ -15,6 +15,10 @@ Output: ``results/fidelity-<model>.md`` and ``.json``, a speed-versus-fidelity c
 ``results/fidelity-<model>.png``, and an image grid (same prompts and seeds side by side per row)
 ``results/fidelity-grid-<model>.png``; ``--docs`` copies grid and chart into ``docs/``.
 
+On the Flux reference model (``ref-flux``) the rows are unpatched and ours (ToDo 2 and 3, ToMe 0.5) through the
+same node; the UNet-only rows (tomesd, TomePatchModel, the ToDo reference patch, block scope) do not apply. A node
+that does not reduce a Flux model passes it through unchanged: such a row is then flagged identical to unpatched.
+
 Our rows force the reduction at every size (``skip_when_slower`` off): the reference models' token grids are
 smaller than the sizes where the shipped defaults switch the reduction on, and the question here is what the
 reduction does to the picture. Speed at real sizes is the speed benchmark's job (``bash tools/bench.sh``).
@@ -44,7 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m tools.fidelity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", default="ref-sd1,ref-sdxl", help="reference models (ref-sd1, ref-sdxl)")
+    parser.add_argument(
+        "--models", default="ref-sd1,ref-sdxl,ref-flux", help="reference models (ref-sd1, ref-sdxl, ref-flux)"
+    )
     parser.add_argument("--scales", default="1,2", help="image sizes as multiples of the training size")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per seed (one sampling batch)")
     parser.add_argument("--seeds", type=int, default=4, help="seeds: images = prompts x seeds")
@@ -157,10 +163,43 @@ def broken_patch(model):
     return clone
 
 
+def _shifted_attention(func, *args, **kwargs):
+    return func(*args, **kwargs).roll(1, dims=1)
+
+
+def broken_dit_patch(model):
+    """The same wrong merge on a DiT: every attention's output shifted by one token (text and image tokens),
+    through ComfyUI's ``optimized_attention_override`` (DiT blocks have no attn1 output patch)."""
+    clone = model.clone()
+    clone.model_options["transformer_options"]["optimized_attention_override"] = _shifted_attention
+    return clone
+
+
+def flux_rows(nodes: dict) -> list[FidelityRow]:
+    """The rows of a Flux model: ours through the node; the other rows patch UNets only."""
+    return [
+        FidelityRow("unpatched", "unpatched", lambda model: model),
+        ours(nodes, "ours ToDo 2", method="todo", downsample_factor=2.0),
+        ours(nodes, "ours ToDo 3", method="todo", downsample_factor=3.0),
+        ours(nodes, "ours ToMe 0.5", method="tome", ratio=0.5),
+    ]
+
+
+def keep_asked_rows(rows: list[FidelityRow], args, broken=broken_patch) -> list[FidelityRow]:
+    if args.broken:
+        rows.append(FidelityRow("broken (shifted tokens)", "broken", broken))
+    if args.only:
+        words = [w.strip() for w in args.only.split(",") if w.strip()]
+        rows = [r for r in rows if r.group == "unpatched" or any(w in r.name for w in words)]
+    return rows
+
+
 def rows_for(name: str, base_model, args) -> list[FidelityRow]:
     from tools.fidelity.reference import models
 
     nodes = load_our_nodes()
+    if models.is_flux(name):
+        return keep_asked_rows(flux_rows(nodes), args, broken_dit_patch)
     family = models.FAMILIES[name]
     finest = 1 if family.depth[0] else 2  # the finest level that has attention
     rows = [
@@ -179,22 +218,20 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
         row = tomesd_row(family, state_dict, 0.5, finest, everywhere)
         if row is not None:
             rows.append(row)
-    if args.broken:
-        rows.append(FidelityRow("broken (shifted tokens)", "broken", broken_patch))
-    if args.only:
-        words = [w.strip() for w in args.only.split(",") if w.strip()]
-        rows = [r for r in rows if r.group == "unpatched" or any(w in r.name for w in words)]
-    return rows
+    return keep_asked_rows(rows, args)
 
 
 def conditioning(name: str, base_model, encoder, prompt_indices: torch.Tensor, size: int) -> list:
-    """ComfyUI CONDITIONING for a batch of prompts (SDXL: pooled vector and size conditioning too)."""
+    """ComfyUI CONDITIONING for a batch of prompts (SDXL: pooled vector and size conditioning too; Flux: pooled
+    vector and the guidance value it was trained with)."""
     from tools.fidelity.reference import models
 
     with torch.no_grad():
         context, pooled = encoder(prompt_indices)
     extra = {}
-    if models.FAMILIES[name].adm_channels:
+    if models.is_flux(name):
+        extra = {"pooled_output": pooled, "guidance": models.FLUX_GUIDANCE}
+    elif models.FAMILIES[name].adm_channels:
         pixels = models.TRAIN_SIZE * 8  # the size conditioning the model was trained with
         extra = {"pooled_output": pooled, "width": pixels, "height": pixels, "crop_w": 0, "crop_h": 0}
         extra.update(target_width=pixels, target_height=pixels)
@@ -205,13 +242,15 @@ def sample_row(row: FidelityRow, patcher, positive, negative, size: int, args, n
     """All images of one row: (seeds * prompts, 4, size, size) in data space, with wall and CPU seconds."""
     import nodes as comfy_nodes
 
+    from tools.fidelity.reference.data import CHANNELS
+
     model = row.patch(patcher)
     row.enter()
     try:
         wall, cpu = time.perf_counter(), time.process_time()
         images = []
         for seed in range(args.seeds):
-            latent = {"samples": torch.zeros(n_prompts, 4, size, size)}
+            latent = {"samples": torch.zeros(n_prompts, CHANNELS, size, size)}
             (out,) = comfy_nodes.common_ksampler(
                 model, seed, args.steps, args.cfg, "euler", "normal", positive, negative, latent
             )

@@ -1,13 +1,27 @@
-"""The reference models: two small UNets of ComfyUI's own classes, their prompt encoder, and a classifier.
+"""The reference models: two small UNets and a small Flux transformer of ComfyUI's own classes, their prompt
+encoder, and a classifier.
 
 - ``ref-sd1``: SD1.x layout (attention at levels 1, 2 and 4, one transformer block each, conv projections).
 - ``ref-sdxl``: SDXL layout (no attention at level 1; two blocks per transformer at levels 2 and 4, linear
   projections, a pooled vector input through ComfyUI's SDXL ``encode_adm``).
-Both are trained at 32x32 latents (``TRAIN_SIZE``) as v-prediction models on ComfyUI's discrete SD schedule (as
-SD 2.x 768-v and the v-prediction SDXL fine-tunes are), so any ComfyUI sampler samples them as it samples
+- ``ref-flux``: Flux.1 layout (ComfyUI's ``comfy.ldm.flux`` model, found by ComfyUI's own config detection as
+  Flux.1-dev): 2x2 patches, so a 32x32 latent is 16x16 = 256 image tokens, joined by the prompt's 4 text tokens
+  in double-stream blocks (joint attention, separate weights per stream) and then single-stream blocks; the
+  pooled prompt vector is Flux's ``y`` input. Widths and depths are tiny (``FLUX_CONFIGS``); the positions use
+  Flux's 3-axis RoPE.
+The UNets are trained at 32x32 latents (``TRAIN_SIZE``) as v-prediction models on ComfyUI's discrete SD schedule
+(as SD 2.x 768-v and the v-prediction SDXL fine-tunes are), so any ComfyUI sampler samples them as it samples
 Stable Diffusion. v-prediction, not eps: a small model trained for an hour predicts the noise only roughly, and
 an eps model's error at the highest noise levels is multiplied by sigma (14.6) and stays in the image, while a
 v model's error there is an error in the predicted image, which later steps correct.
+``ref-flux`` is trained at the same size as ComfyUI samples Flux.1-dev: flow matching (``ModelSamplingFlux``,
+shifted sigmas in (0, 1], CONST prediction: input ``(1 - sigma) * x0 + sigma * noise``, timestep ``sigma``,
+output ``noise - x0``), with the guidance embedding fed ComfyUI's default 3.5. The guidance embedding is kept
+because without it ComfyUI's detection takes the model for Flux.1-schnell (unshifted schedule); it is sampled
+with real classifier-free guidance, like the UNets. Its latent format is Flux's scale and shift on the scenes'
+4 channels (``scene_latent_format``), so ComfyUI's ``process_latent_in`` / ``process_latent_out`` round-trip.
+Trained at one size only, it knows the image positions 0-15 of its RoPE: at twice the size it mostly draws the
+background without the object (unlike the UNets, which drift less), so compare rows there by SSIM only.
 
 The "prompt" is a sequence of four tokens (kind, colour, position, background), each an embedding of its
 attribute value plus a slot embedding; index ``len(values)`` of each attribute is the empty prompt used for
@@ -30,6 +44,8 @@ WEIGHTS = Path(__file__).resolve().parent / "weights"
 TRAIN_SIZE = 32
 CONTEXT_DIM = 64
 POOLED_DIM = 1280  # what ComfyUI's SDXL encode_adm expects as pooled text
+FLUX_POOLED_DIM = 128  # ref-flux's ``y`` width (Flux.1 takes CLIP-L's 768 there; a tiny model needs less)
+FLUX_GUIDANCE = 3.5  # what ComfyUI feeds Flux.1-dev's guidance embedding when no FluxGuidance node sets it
 
 FAMILIES = {
     "ref-sd1": Family("ref-sd1", 32, (1, 2, 2), 1, (1, 1, 1), 1, CONTEXT_DIM, head_channels=32),
@@ -37,17 +53,51 @@ FAMILIES = {
         "ref-sdxl", 32, (1, 2, 2), 1, (0, 2, 2), 2, CONTEXT_DIM, head_channels=32, linear=True, adm_channels=2816
     ),
 }
+# ComfyUI's detected-config dicts (comfy/model_detection.py, "image_model": "flux") of the Flux references.
+FLUX_CONFIGS = {
+    "ref-flux": {
+        "image_model": "flux",
+        "in_channels": data.CHANNELS,
+        "out_channels": data.CHANNELS,
+        "patch_size": 2,
+        "hidden_size": 96,
+        "num_heads": 3,
+        "axes_dim": [8, 12, 12],  # RoPE widths per id axis (index, row, column); sum = head width 32
+        "depth": 2,
+        "depth_single_blocks": 3,
+        "mlp_ratio": 4.0,
+        "context_in_dim": CONTEXT_DIM,
+        "vec_in_dim": FLUX_POOLED_DIM,
+        "theta": 10000,
+        "qkv_bias": True,
+        "guidance_embed": True,
+    },
+}
+MODELS = (*FAMILIES, *FLUX_CONFIGS)
+
+
+def is_flux(name: str) -> bool:
+    """True for the Flux transformers (flow matching, tokens, no UNet levels), False for the UNets."""
+    if name not in MODELS:
+        raise ValueError(f"unknown reference model {name!r}; choose from {', '.join(MODELS)}")
+    return name in FLUX_CONFIGS
+
+
+def pooled_dim(name: str) -> int:
+    return FLUX_POOLED_DIM if is_flux(name) else POOLED_DIM
 
 
 class PromptEncoder(nn.Module):
-    """Attribute tokens -> cross-attention context (N, 4, CONTEXT_DIM) and a pooled vector (N, POOLED_DIM)."""
+    """Attribute tokens -> cross-attention context (N, 4, CONTEXT_DIM) and a pooled vector (N, ``pooled``).
 
-    def __init__(self):
+    For ``ref-flux`` the context is Flux's text tokens (``txt``) and the pooled vector its ``y``."""
+
+    def __init__(self, pooled: int = POOLED_DIM):
         super().__init__()
         self.tables = nn.ModuleList(nn.Embedding(len(values) + 1, CONTEXT_DIM) for values in data.ATTRIBUTES.values())
         self.slots = nn.Parameter(torch.randn(len(data.ATTRIBUTES), CONTEXT_DIM) * 0.1)
         self.norm = nn.LayerNorm(CONTEXT_DIM)
-        self.pool = nn.Linear(len(data.ATTRIBUTES) * CONTEXT_DIM, POOLED_DIM)
+        self.pool = nn.Linear(len(data.ATTRIBUTES) * CONTEXT_DIM, pooled)
 
     def forward(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.stack([table(indices[:, i]) for i, table in enumerate(self.tables)], dim=1) + self.slots
@@ -60,10 +110,43 @@ class PromptEncoder(nn.Module):
         return torch.tensor([len(values) for values in data.ATTRIBUTES.values()]).expand(n, -1).clone()
 
 
-def build_base_model(name: str):
-    """ComfyUI's BaseModel (SD15 or SDXL config) with the reference layout, weights uninitialised."""
+def scene_latent_format():
+    """Flux's latent format (scale 0.3611, shift 0.1159) for 4-channel latents: the scenes are the model's
+    working space, and ComfyUI's empty latent keeps their 4 channels instead of being widened to Flux's 16."""
+    import comfy.latent_formats
+
+    class SceneFlux(comfy.latent_formats.Flux):
+        latent_channels = data.CHANNELS
+
+        def __init__(self):
+            super().__init__()
+            # Previews: the colour channels as they are, the relief channel left out.
+            self.latent_rgb_factors = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+            self.latent_rgb_factors_bias = [0.0, 0.0, 0.0]
+            self.taesd_decoder_name = None
+
+    return SceneFlux()
+
+
+def build_flux_model(name: str):
+    """ComfyUI's Flux BaseModel as ComfyUI's config detection builds it for the config, weights uninitialised."""
+    import comfy.model_detection
     import comfy.supported_models
 
+    config = comfy.model_detection.model_config_from_unet_config(dict(FLUX_CONFIGS[name]))
+    if type(config) is not comfy.supported_models.Flux:  # Flux.1-dev's sampling: ModelSamplingFlux, CONST
+        raise RuntimeError(f"ComfyUI detected {type(config).__name__} for {name}, not Flux")
+    config.latent_format = scene_latent_format()
+    config.set_inference_dtype(torch.float32, None)
+    return config.get_model({}, device="cpu")
+
+
+def build_base_model(name: str):
+    """ComfyUI's BaseModel (SD15, SDXL or Flux config) with the reference layout, weights uninitialised."""
+    import comfy.supported_models
+
+    if is_flux(name):
+        return build_flux_model(name)
     family = FAMILIES[name]
     config_class = comfy.supported_models.SDXL if family.adm_channels else comfy.supported_models.SD15
     config = config_class(comfy_unet_config(family))
@@ -78,13 +161,24 @@ def build_base_model(name: str):
 
 
 def adm_vector(name: str, base_model, pooled: torch.Tensor, size: int) -> torch.Tensor | None:
-    """SDXL's ``y`` input as ComfyUI computes it at sampling time (pooled text + size embeddings); None for SD1."""
+    """The ``y`` input as ComfyUI computes it at sampling time: SDXL pooled text + size embeddings, Flux the
+    pooled text; None for SD1."""
+    if is_flux(name):
+        return base_model.encode_adm(pooled_output=pooled)
     if FAMILIES[name].adm_channels is None:
         return None
     pixels = size * 8
     return base_model.encode_adm(
         pooled_output=pooled, width=pixels, height=pixels, crop_w=0, crop_h=0, target_width=pixels, target_height=pixels
     )
+
+
+def model_inputs(name: str, base_model, context: torch.Tensor, pooled: torch.Tensor, size: int) -> dict:
+    """The conditioning inputs of the diffusion model's forward as ComfyUI passes them while sampling."""
+    inputs = {"context": context, "y": adm_vector(name, base_model, pooled, size)}
+    if is_flux(name) and FLUX_CONFIGS[name]["guidance_embed"]:
+        inputs["guidance"] = torch.full((context.shape[0],), FLUX_GUIDANCE)
+    return inputs
 
 
 def save_reference(name: str, unet_state: dict, encoder_state: dict, info: dict) -> Path:
@@ -102,7 +196,7 @@ def load_reference(name: str):
     base = build_base_model(name)
     unet_sd = {k[len("diffusion_model.") :]: v for k, v in tensors.items() if k.startswith("diffusion_model.")}
     base.diffusion_model.load_state_dict(unet_sd, strict=True)
-    encoder = PromptEncoder()
+    encoder = PromptEncoder(pooled_dim(name))
     prefix = "prompt_encoder."
     encoder.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
     base.eval()

@@ -1,6 +1,6 @@
 """Train the reference models: ``python -m tools.fidelity.reference.train`` (about 1.5 hours on a 2-core CPU).
 
-The classifier and the two UNets are independent: ``--models`` and ``--no-classifier`` split the work into
+The classifier and the models are independent: ``--models`` and ``--no-classifier`` split the work into
 processes that run in parallel (each gives the same weights as the whole command).
 
 Deterministic from ``--seed`` on a given machine and thread count: the data stream, the initial weights and
@@ -16,12 +16,18 @@ What is trained, in order:
    ``v = (eps - sigma * x0) / sqrt(sigma^2 + 1)``, what ComfyUI's V_PREDICTION turns back into the image), with
    10% of prompts replaced by the
    empty prompt (classifier-free guidance), AdamW, warm-up then cosine decay, and an exponential moving
-   average of the weights, which is what is saved.
+   average of the weights, which is what is saved;
+3. ``ref-flux`` the same way (same scenes, prompts, dropout, optimiser and average), as a flow-matching model on
+   the schedule ComfyUI samples Flux.1-dev with (``ModelSamplingFlux``): input ``(1 - sigma) * x0 + sigma * eps``
+   at a sigma drawn uniformly from that schedule's table, timestep ``sigma``, target ``eps - x0`` (what
+   ComfyUI's CONST prediction turns back into the image), plain mean squared error. Its step count and
+   learning rate are its own (``RECIPES``): a transformer step costs differently from a UNet step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -39,16 +45,19 @@ CFG_DROPOUT = 0.1
 EMA_DECAY = 0.998
 MIN_SNR_GAMMA = 5.0  # min-SNR loss weighting for v (arXiv 2303.09556): faster convergence on a small budget
 SAVE_EVERY = 250
+LOG_EVERY = 100
+# Per-model optimiser steps and peak learning rate, where ``--steps`` / ``--lr`` do not override them.
+RECIPES = {"ref-sd1": (1500, 1e-3), "ref-sdxl": (1500, 1e-3), "ref-flux": (2000, 1e-3)}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=1500, help="optimiser steps per UNet")
+    parser.add_argument("--steps", type=int, default=None, help="optimiser steps per model (default: RECIPES)")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: RECIPES)")
     parser.add_argument("--classifier-steps", type=int, default=800)
-    parser.add_argument("--models", default="ref-sd1,ref-sdxl")
+    parser.add_argument("--models", default="ref-sd1,ref-sdxl,ref-flux")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it)")
     parser.add_argument("--no-classifier", action="store_true", help="keep the committed classifier")
     return parser.parse_args(argv)
@@ -73,16 +82,52 @@ def debiased_ema(ema_state: dict, init_state: dict, updates: int) -> dict:
     }
 
 
+def zero_start(diffusion_model, flux: bool) -> list[nn.Linear]:
+    """The layers that start at zero. UNet: the output convolution (the usual diffusion-UNet init). Flux: the
+    output layer and every modulation (adaLN-Zero, as DiT): each block starts as the identity."""
+    if not flux:
+        return [diffusion_model.out[-1]]
+    layers = [diffusion_model.final_layer.linear, diffusion_model.final_layer.adaLN_modulation[-1]]
+    for block in diffusion_model.double_blocks:
+        layers += [block.img_mod.lin, block.txt_mod.lin]
+    return layers + [block.modulation.lin for block in diffusion_model.single_blocks]
+
+
 def initial_weights(name: str, seed: int):
-    """The UNet (ComfyUI BaseModel) and prompt encoder with the initial weights of a training run."""
+    """The diffusion model (ComfyUI BaseModel) and prompt encoder with the initial weights of a training run."""
     torch.manual_seed(seed)
     base = models.build_base_model(name)
     initialise(base.diffusion_model, seed)
-    with torch.no_grad():  # start the output at zero: the usual diffusion-UNet init, and faster to train
-        last = base.diffusion_model.out[-1]
-        last.weight.zero_()
-        last.bias.zero_()
-    return base, models.PromptEncoder()
+    with torch.no_grad():  # zero-started output: faster to train
+        for layer in zero_start(base.diffusion_model, models.is_flux(name)):
+            layer.weight.zero_()
+            layer.bias.zero_()
+    return base, models.PromptEncoder(models.pooled_dim(name))
+
+
+def _copy_activation(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if isinstance(tensor, nn.Parameter) else tensor.clone()
+
+
+def autograd_safe(flux: bool):
+    """ComfyUI's Flux blocks add their residuals in place (``img += ...``, inference code), after a norm saved
+    the same tensor for its backward pass, which autograd refuses. While training a Flux model, every
+    activation autograd saves is a copy, so the unchanged ComfyUI model trains; UNets need nothing."""
+    if not flux:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_copy_activation, lambda tensor: tensor)
+
+
+def noised_pair(flux: bool, sigmas_table: torch.Tensor, t: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor):
+    """(model input, timestep, target, loss weight per sample) for schedule indices ``t``, exactly as ComfyUI
+    builds the model input while sampling (``calculate_input`` of the model's sampling)."""
+    sigma = sigmas_table[t].view(-1, 1, 1, 1)
+    if flux:  # flow matching, CONST: x_t on the straight line from x0 to eps; timestep = sigma
+        return (1.0 - sigma) * x0 + sigma * eps, sigma.view(-1), eps - x0, torch.ones(len(t))
+    scale = torch.rsqrt(sigma * sigma + 1.0)
+    snr = 1.0 / (sigma.view(-1) ** 2)
+    weight = torch.clamp(snr, max=MIN_SNR_GAMMA) / (snr + 1.0)
+    return (x0 + sigma * eps) * scale, t.float(), (eps - sigma * x0) * scale, weight
 
 
 def save_average(name: str, ema, init_state: dict, updates: int, info: dict) -> None:
@@ -131,35 +176,35 @@ def train_classifier(args) -> dict:
     return {"steps": args.classifier_steps, "final_loss": loss.item(), "accuracy_on_real": accuracy}
 
 
-def train_unet(name: str, args) -> dict:
+def train_model(name: str, args) -> dict:
+    """One reference diffusion model (UNet or Flux) with its prompt encoder."""
+    steps, peak_lr = RECIPES[name]
+    steps = args.steps or steps
+    peak_lr = args.lr or peak_lr
+    flux = models.is_flux(name)
     base, encoder = initial_weights(name, args.seed)
     net = nn.ModuleDict({"unet": base.diffusion_model, "encoder": encoder}).train()
     init_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY))
-    optimiser = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
+    optimiser = torch.optim.AdamW(net.parameters(), lr=peak_lr, weight_decay=0.01)
     sigmas_table = base.model_sampling.sigmas.float()
     generator = torch.Generator().manual_seed(args.seed + 10)
     size = models.TRAIN_SIZE
     losses = []
     started = time.time()
-    for step in range(args.steps):
+    for step in range(steps):
         for group in optimiser.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr)
+            group["lr"] = lr_at(step, steps, peak_lr)
         x0, prompts = data.batch(args.batch, size, generator)
         indices = prompts.as_tensor()
         drop = torch.rand(args.batch, generator=generator) < CFG_DROPOUT
         indices = torch.where(drop.view(-1, 1), models.PromptEncoder.empty(args.batch), indices)
         t = torch.randint(0, len(sigmas_table), (args.batch,), generator=generator)
-        sigma = sigmas_table[t].view(-1, 1, 1, 1)
         eps = torch.randn(x0.shape, generator=generator)
-        scale = torch.rsqrt(sigma * sigma + 1.0)
-        x_in = (x0 + sigma * eps) * scale
-        target = (eps - sigma * x0) * scale
-        context, pooled = encoder(indices)
-        y = models.adm_vector(name, base, pooled, size)
-        predicted = base.diffusion_model(x_in, timesteps=t.float(), context=context, y=y)
-        snr = 1.0 / (sigma.view(-1) ** 2)
-        weight = torch.clamp(snr, max=MIN_SNR_GAMMA) / (snr + 1.0)
+        x_in, timestep, target, weight = noised_pair(flux, sigmas_table, t, x0, eps)
+        with autograd_safe(flux):
+            context, pooled = encoder(indices)
+            predicted = base.diffusion_model(x_in, timestep, **models.model_inputs(name, base, context, pooled, size))
         loss = (weight * (predicted - target).square().mean(dim=(1, 2, 3))).mean()
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
@@ -167,25 +212,25 @@ def train_unet(name: str, args) -> dict:
         optimiser.step()
         ema.update_parameters(net)
         losses.append(loss.item())
-        if (step + 1) % SAVE_EVERY == 0 and step + 1 < args.steps:  # a usable checkpoint if stopped early
+        if (step + 1) % SAVE_EVERY == 0 and step + 1 < steps:  # a usable checkpoint if stopped early
             save_average(name, ema, init_state, step + 1, {"model": name, "steps": step + 1})
-        if step % 200 == 0 or step == args.steps - 1:
+        if step % LOG_EVERY == 0 or step == steps - 1:
             recent = sum(losses[-200:]) / len(losses[-200:])
             rate = (time.time() - started) / (step + 1)
-            left = rate * (args.steps - step - 1) / 60
+            left = rate * (steps - step - 1) / 60
             log(f"{name} step {step}: loss {recent:.4f} ({rate:.2f} s/step, {left:.0f} min left)")
     final = sum(losses[-500:]) / len(losses[-500:])
     info = {
         "model": name,
-        "steps": args.steps,
+        "steps": steps,
         "batch": args.batch,
-        "lr": args.lr,
+        "lr": peak_lr,
         "seed": args.seed,
         "train_size": size,
         "final_loss_last_500": round(final, 5),
         "minutes": round((time.time() - started) / 60, 1),
     }
-    save_average(name, ema, init_state, args.steps, info)
+    save_average(name, ema, init_state, steps, info)
     log(f"{name}: saved, final loss {final:.4f}")
     return info
 
@@ -199,7 +244,7 @@ def main(argv=None) -> dict:
     if not args.no_classifier:
         summary["classifier"] = train_classifier(args)
     for name in args.models.split(","):
-        summary[name] = train_unet(name, args)
+        summary[name] = train_model(name, args)
     out = models.WEIGHTS / f"training-{args.models.replace(',', '+')}.json"
     out.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
