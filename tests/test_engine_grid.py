@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,7 +71,12 @@ def test_sequence_downsample_refuses_other_layouts_and_small_grids():
     reducer = SequenceDownsample(settings)
     k = v = _tokens(1, 9 + 40 * 40, 8)
     out = reducer.keys_values(k, v, ImageTokens((1, 40, 40)), dim=1)
-    assert out is not None and out[0].shape[1] == 9 + 20 * 20 and out[2] is None
+    assert out is not None and out[0].shape[1] == 9 + 20 * 20
+    # Text in the same softmax: each kept image key gets log(1600 / 400) back, the text keys nothing.
+    expected = torch.cat([torch.zeros(9), torch.full((400,), math.log(4.0))]).view(1, -1)
+    torch.testing.assert_close(out[2], expected)
+    grid_only = _tokens(1, 40 * 40, 8)  # no other keys in the softmax: no bias, no mask
+    assert reducer.keys_values(grid_only, grid_only, ImageTokens((1, 40, 40)), dim=1)[2] is None
     assert reducer.keys_values(k[:, :100], v[:, :100], ImageTokens((1, 40, 40)), dim=1) is None  # too few tokens
     small = _tokens(1, 9 + 16 * 16, 8)  # 256 image tokens: below the skip_when_slower threshold
     assert reducer.keys_values(small, small, ImageTokens((1, 16, 16)), dim=1) is None
@@ -86,6 +93,27 @@ def test_attention_mask_loses_exactly_the_dropped_keys():
     mask = _tokens(1, 1, 29, 29)
     kept_k, _, kept_mask = SequenceDownsample(settings).keys_values(k, v, tokens, dim=2, mask=mask)
     index = NearestIndexCache().get_segment(3, (1, 4, 6), (1, 2, 3), 29, torch.device("cpu"))
-    assert torch.equal(kept_mask, mask[..., index]) and torch.equal(kept_k, k[:, :, index])
+    bias = torch.zeros(29 - 24 + 6)
+    bias[3:9] = math.log(24 / 6)  # the 2 x 3 kept grid keys stand for the 4 x 6 grid
+    assert torch.equal(kept_mask, mask[..., index] + bias) and torch.equal(kept_k, k[:, :, index])
     pooled = SequenceDownsample(settings.replace(downsample_method="avg_pool"))
     assert pooled.keys_values(k, v, tokens, dim=2, mask=mask) is None  # averaging a mask is not exact: left alone
+
+
+def test_proportional_bias_makes_reduced_joint_attention_exact_on_redundant_keys():
+    """Image keys and values that repeat within every 2x2 cell carry nothing that ToDo 2 drops: with the bias,
+    attention over [text, kept image keys] equals attention over the whole sequence; without it, the text would
+    get four times its share (the test fails if the bias is missing or wrong)."""
+    settings = PatchSettings.from_values(method="todo", skip_when_slower=False)
+    text, h, w, channels = 5, 6, 8, 16
+    generator = torch.Generator().manual_seed(0)
+    cells = torch.randn(2, 2, h // 2, w // 2, channels, generator=generator)  # (k/v, batch, cells, channels)
+    image = cells.repeat_interleave(2, dim=2).repeat_interleave(2, dim=3).flatten(2, 3)
+    k, v = (torch.cat([torch.randn(2, text, channels, generator=generator), part], dim=1) for part in image)
+    q = torch.randn(2, text + h * w, channels, generator=generator)
+    kept_k, kept_v, bias = SequenceDownsample(settings).keys_values(k, v, ImageTokens((1, h, w)), dim=1)
+    assert kept_k.shape[1] == text + (h // 2) * (w // 2)
+    whole = F.scaled_dot_product_attention(q, k, v)
+    reduced = F.scaled_dot_product_attention(q, kept_k, kept_v, attn_mask=bias)
+    torch.testing.assert_close(reduced, whole, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(F.scaled_dot_product_attention(q, kept_k, kept_v), whole, atol=1e-3)

@@ -123,12 +123,17 @@ class AttentionOverride:
             dim = 2 if kwargs.get("skip_reshape", False) else 1  # (batch, heads, tokens, d) or (batch, tokens, c)
             # Self- and joint attention only: a cross-attention has fewer keys than queries.
             if q.dim() == k.dim() and q.shape[dim] == k.shape[dim]:
-                reduced = self.reducer.keys_values(k, v, self.tokens, dim, kwargs.get("mask"))
+                mask_in_args = len(args) >= 5  # (q, k, v, heads, mask, ...) as ComfyUI's functions are declared
+                mask = args[4] if mask_in_args else kwargs.get("mask")
+                reduced = self.reducer.keys_values(k, v, self.tokens, dim, mask)
                 if reduced is not None:
                     k, v, mask = reduced
-                    args = (q, k, v, *args[3:])
-                    if mask is not None:
-                        kwargs = dict(kwargs, mask=mask)
+                    if mask_in_args:
+                        args = (q, k, v, args[3], mask, *args[5:])
+                    else:
+                        args = (q, k, v, *args[3:])
+                        if mask is not None:
+                            kwargs = dict(kwargs, mask=mask)
         if self.previous is not None:
             return self.previous(func, *args, **kwargs)
         return func(*args, **kwargs)

@@ -15,9 +15,9 @@ Output: ``results/fidelity-<model>.md`` and ``.json``, a speed-versus-fidelity c
 ``results/fidelity-<model>.png``, and an image grid (same prompts and seeds side by side per row)
 ``results/fidelity-grid-<model>.png``; ``--docs`` copies grid and chart into ``docs/``.
 
-On the Flux reference model (``ref-flux``) the rows are unpatched and ours (ToDo 2 and 3, ToMe 0.5) through the
-same node; the UNet-only rows (tomesd, TomePatchModel, the ToDo reference patch, block scope) do not apply. A node
-that does not reduce a Flux model passes it through unchanged: such a row is then flagged identical to unpatched.
+On the Flux reference model (``ref-flux``) the rows are unpatched, ours (ToDo 2 and 3) through the same node, and
+ToMe through attention at 0.5 and 0.25 (``dit_tome``: measured, not offered by the nodes on DiTs); the UNet-only
+rows (tomesd, TomePatchModel, the ToDo reference patch, block scope) do not apply.
 
 Our rows force the reduction at every size (``skip_when_slower`` off): the reference models' token grids are
 smaller than the sizes where the shipped defaults switch the reduction on, and the question here is what the
@@ -176,13 +176,21 @@ def broken_dit_patch(model):
 
 
 def flux_rows(nodes: dict) -> list[FidelityRow]:
-    """The rows of a Flux model: ours through the node; the other rows patch UNets only."""
-    return [
+    """The rows of a Flux model: ours through the node, and ToMe through attention (``dit_tome``), which the nodes
+    do not offer on DiTs; the other rows patch UNets only."""
+    from tools.fidelity import dit_tome
+
+    rows = [
         FidelityRow("unpatched", "unpatched", lambda model: model),
         ours(nodes, "ours ToDo 2", method="todo", downsample_factor=2.0),
         ours(nodes, "ours ToDo 3", method="todo", downsample_factor=3.0),
-        ours(nodes, "ours ToMe 0.5", method="tome", ratio=0.5),
     ]
+    for ratio in (0.5, 0.25):  # the measurement behind offering ToDo only on DiTs
+        settings = {"method": "tome", "ratio": ratio, "scope": "attention (prototype)"}
+        rows.append(
+            FidelityRow(f"ToMe attention {ratio} (not shipped)", "ours", dit_tome.patch(ratio), settings=settings)
+        )
+    return rows
 
 
 def keep_asked_rows(rows: list[FidelityRow], args, broken=broken_patch) -> list[FidelityRow]:
