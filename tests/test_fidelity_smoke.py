@@ -72,7 +72,8 @@ def flux_report(tmp_path_factory):
 
 def test_flux_reference_has_the_dit_rows(flux_report):
     report, out = flux_report
-    ours = ["ours ToDo 2", "ours ToDo 3", "ToMe attention 0.5 (not shipped)", "ToMe attention 0.25 (not shipped)"]
+    ours = ["ours ToDo 2", "ours ToDo 3", "ours ToDo 2 until 60%"]
+    ours += ["ToMe attention 0.5 (not shipped)", "ToMe attention 0.25 (not shipped)"]
     assert [r["row"] for r in report["records"]] == ["unpatched", *ours, "broken (shifted tokens)"]
     assert _row(report, "unpatched")["identical_to_unpatched"]
     broken = _row(report, "broken (shifted tokens)")

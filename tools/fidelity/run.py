@@ -15,9 +15,10 @@ Output: ``results/fidelity-<model>.md`` and ``.json``, a speed-versus-fidelity c
 ``results/fidelity-<model>.png``, and an image grid (same prompts and seeds side by side per row)
 ``results/fidelity-grid-<model>.png``; ``--docs`` copies grid and chart into ``docs/``.
 
-On the Flux reference model (``ref-flux``) the rows are unpatched, ours (ToDo 2 and 3) through the same node, and
-ToMe through attention at 0.5 and 0.25 (``dit_tome``: measured, not offered by the nodes on DiTs); the UNet-only
-rows (tomesd, TomePatchModel, the ToDo reference patch, block scope) do not apply.
+On the Flux reference model (``ref-flux``) the rows are unpatched, ours through the same node (ToDo 2 and 3, and
+ToDo 2 in the first 60% of the steps only), and ToMe through attention at 0.5 and 0.25 (``dit_tome``: measured,
+not offered by the nodes on DiTs); the UNet-only rows (tomesd, TomePatchModel, the ToDo reference patch, block
+scope) do not apply.
 
 Our rows force the reduction at every size (``skip_when_slower`` off): the reference models' token grids are
 smaller than the sizes where the shipped defaults switch the reduction on, and the question here is what the
@@ -184,6 +185,8 @@ def flux_rows(nodes: dict) -> list[FidelityRow]:
         FidelityRow("unpatched", "unpatched", lambda model: model),
         ours(nodes, "ours ToDo 2", method="todo", downsample_factor=2.0),
         ours(nodes, "ours ToDo 3", method="todo", downsample_factor=3.0),
+        # The first 60% of the schedule only: the last, low-noise steps that draw the details run in full.
+        ours(nodes, "ours ToDo 2 until 60%", method="todo", downsample_factor=2.0, end_percent=0.6),
     ]
     for ratio in (0.5, 0.25):  # the measurement behind offering ToDo only on DiTs
         settings = {"method": "tome", "ratio": ratio, "scope": "attention (prototype)"}
