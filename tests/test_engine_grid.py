@@ -89,3 +89,13 @@ def test_attention_mask_loses_exactly_the_dropped_keys():
     assert torch.equal(kept_mask, mask[..., index]) and torch.equal(kept_k, k[:, :, index])
     pooled = SequenceDownsample(settings.replace(downsample_method="avg_pool"))
     assert pooled.keys_values(k, v, tokens, dim=2, mask=mask) is None  # averaging a mask is not exact: left alone
+
+
+def test_a_family_threshold_replaces_the_default_only_with_skip_when_slower():
+    settings = PatchSettings.from_values(method="todo")
+    k = v = _tokens(1, 9 + 40 * 40, 8)
+    tokens = ImageTokens((1, 40, 40))
+    assert SequenceDownsample(settings).keys_values(k, v, tokens, dim=1) is not None  # 1600 >= 1024
+    assert SequenceDownsample(settings, min_tokens=4096).keys_values(k, v, tokens, dim=1) is None
+    forced = SequenceDownsample(settings.replace(skip_when_slower=False), min_tokens=4096)
+    assert forced.keys_values(k, v, tokens, dim=1) is not None
