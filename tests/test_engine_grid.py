@@ -117,3 +117,13 @@ def test_proportional_bias_makes_reduced_joint_attention_exact_on_redundant_keys
     reduced = F.scaled_dot_product_attention(q, kept_k, kept_v, attn_mask=bias)
     torch.testing.assert_close(reduced, whole, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(F.scaled_dot_product_attention(q, kept_k, kept_v), whole, atol=1e-3)
+
+
+def test_a_family_threshold_replaces_the_default_only_with_skip_when_slower():
+    settings = PatchSettings.from_values(method="todo")
+    k = v = _tokens(1, 9 + 40 * 40, 8)
+    tokens = ImageTokens((1, 40, 40))
+    assert SequenceDownsample(settings).keys_values(k, v, tokens, dim=1) is not None  # 1600 >= 1024
+    assert SequenceDownsample(settings, min_tokens=4096).keys_values(k, v, tokens, dim=1) is None
+    forced = SequenceDownsample(settings.replace(skip_when_slower=False), min_tokens=4096)
+    assert forced.keys_values(k, v, tokens, dim=1) is not None

@@ -14,10 +14,8 @@ tokens on with SD1.5 and SDXL alike; each threshold below is that measurement wi
 whole-UNet rows of ``python -m tools.bench.speed`` confirm it at 512 and 768 px.
 
 DiTs (``joint_attention.py``) weigh the image tokens of one attention call (frames x h x w for video) against
-the same ToDo threshold. What ToDo costs there is one gather of the keys and values, linear in tokens and
-channels; what it saves is attention, quadratic in tokens and linear in channels, so the break-even token
-count does not depend on the model's width (1536-3072 channels on DiTs, 320-640 on the UNet levels measured).
-1024 image tokens is Flux or SD3 at 512 x 512 px; every video of Wan's sizes is far above it.
+this ToDo threshold, or against a family's own where it was measured higher (Flux, whose wide blocks spend
+little of their time in attention at small sizes: ``adapters/comfy_dit.MIN_IMAGE_TOKENS``, docs/dit.md).
 """
 
 from __future__ import annotations

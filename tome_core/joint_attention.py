@@ -58,18 +58,26 @@ class ImageTokens:
 class SequenceDownsample:
     """Shared by every attention call of one patched DiT; holds only a cache that is safe to share."""
 
-    def __init__(self, settings: PatchSettings, time_factor: float = 1.0):
+    def __init__(self, settings: PatchSettings, time_factor: float = 1.0, min_tokens: int | None = None):
+        """``min_tokens``: the image tokens of a call from which ``skip_when_slower`` lets it be reduced, where the
+        model's own break-even is known (None: the ToDo threshold of ``cost.MIN_TOKENS``)."""
         if time_factor not in TIME_FACTORS:
             raise ValueError(
                 f"time_factor must be one of {', '.join(f'{f:g}' for f in TIME_FACTORS)}, got {time_factor!r}"
             )
         self.settings = settings
         self.time_factor = float(time_factor)
+        self.min_tokens = min_tokens
         self._nearest = NearestIndexCache()
 
     @property
     def does_nothing(self) -> bool:
         return self.settings.method != "todo" or self.settings.is_noop
+
+    def worth_reducing(self, n_image_tokens: int) -> bool:
+        if self.min_tokens is None or not self.settings.skip_when_slower:
+            return worth_reducing(self.settings, n_image_tokens)
+        return n_image_tokens >= self.min_tokens
 
     def keys_values(
         self, k: torch.Tensor, v: torch.Tensor, tokens: ImageTokens, dim: int, mask: torch.Tensor | None = None
@@ -85,7 +93,7 @@ class SequenceDownsample:
         if v.shape[dim] != total or self.does_nothing:
             return None
         start = tokens.start_in(total)
-        if start is None or not worth_reducing(self.settings, tokens.count):
+        if start is None or not self.worth_reducing(tokens.count):
             return None
         s = self.settings
         if mask is not None:

@@ -40,6 +40,14 @@ _WAN_CLASSES = ("WanModel", "VaceWanModel", "CameraWanModel")
 _REFUSED_CLASSES = ("ChromaRadiance", "WanModel_S2V", "HumoWanModel", "AnimateWanModel")
 
 
+# skip_when_slower: image tokens per attention call from which ToDo pays off, per family (``python -m
+# tools.bench.dit --image-px``, docs/dit.md). Flux's blocks are wide (3072 channels, 4x MLP) and attention is a
+# small share of them at small sizes: at 512 px (1024 image tokens) ToDo 2 was 4% slower and even free keys
+# saved nothing, at 1024 px (4096) it was 1.15x faster. SD3.5 Medium gained 1.11x at 512 px already, so SD3 and
+# Wan keep the engine's ToDo threshold (1024, ``cost.MIN_TOKENS``); every Wan video size is far above it.
+MIN_IMAGE_TOKENS = {"Flux": 4096, "SD3": None, "Wan": None}
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -188,7 +196,7 @@ def patched_clone(patcher, settings, percent_to_sigma, time_factor: float = 1.0)
         raise NotADitError(describe(model) if model is not None else type(patcher).__name__)
     if not hasattr(patcher, "add_wrapper_with_key"):
         raise NotADitError(f"{type(patcher).__name__} without model wrappers")
-    reducer = SequenceDownsample(settings, time_factor)
+    reducer = SequenceDownsample(settings, time_factor, MIN_IMAGE_TOKENS.get(family.name))
     clone = patcher.clone()
     remove_patch(clone)  # applying the patch again replaces the earlier one
     if reducer.does_nothing:

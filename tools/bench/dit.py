@@ -300,9 +300,20 @@ def main(argv=None) -> None:
         "--rounds", type=int, default=2, help="interleaved rounds per model (each times every row twice)"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--image-px",
+        type=int,
+        default=None,
+        help="Flux and SD3.5 at this square size instead of 1024 px (e.g. 512: 1024 image tokens, the "
+        "skip_when_slower threshold)",
+    )
     parser.add_argument("--out", default=str(RESULTS / "dit"), help="path of the report without extension")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.image_px:
+        for name in ("flux", "sd35m"):
+            MODELS[name]["latent"] = (16, args.image_px // 8, args.image_px // 8)
+            MODELS[name]["title"] = MODELS[name]["title"].replace("1024 px", f"{args.image_px} px")
     setup_comfy("cpu")
     meta = {
         "cpu": cpu_name(),
