@@ -167,6 +167,20 @@ def step_cache_rows() -> list[FidelityRow]:
     return rows
 
 
+def followed_by_easycache(row: FidelityRow, threshold: float = 0.2) -> FidelityRow:
+    """``row``'s patch and then ComfyUI's EasyCache node at its defaults, as a graph chains the two nodes."""
+    from comfy_extras import nodes_easycache
+
+    inputs = {"reuse_threshold": threshold, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
+    easycache = node_patch(nodes_easycache.EasyCacheNode, **inputs)
+    return FidelityRow(
+        f"{row.name} + EasyCache {threshold}",
+        row.group,
+        lambda model: easycache(row.patch(model)),
+        settings={**row.settings, "easycache": inputs},
+    )
+
+
 def broken_patch(model):
     """A deliberately wrong merge: self-attention's output shifted by one token at every level."""
     clone = model.clone()
@@ -190,6 +204,11 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
             rows.append(
                 ours(nodes, f"ours block {ratio}", method="tome", ratio=ratio, scope="block", max_downsample=finest * 2)
             )
+    if "reuse" in SPECS["scope"].choices:  # reuse across steps, token by token (tome_core/step_cache.py)
+        for ratio in (0.25, 0.5, 0.75):  # at the finest attention level (max_downsample auto)
+            rows.append(ours(nodes, f"ours reuse {ratio}", method="tome", ratio=ratio, scope="reuse"))
+        rows.append(ours(nodes, "ours reuse 0.5 all levels", method="tome", ratio=0.5, scope="reuse", max_downsample=8))
+        rows.append(followed_by_easycache(ours(nodes, "ours reuse 0.5", method="tome", ratio=0.5, scope="reuse")))
     rows += [comfy_builtin(0.5), todo_reference(2.0, finest)]
     rows += step_cache_rows()
     state_dict = base_model.diffusion_model.state_dict()
