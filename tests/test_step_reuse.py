@@ -208,3 +208,12 @@ def test_composes_with_easycache(node_classes, models):
     out = run(both.result[0], steps=10)
     assert torch.isfinite(out).all() and hooks_of(ours).last_run.calls > 0
     assert "easycache" not in ours.model_options["transformer_options"]
+
+
+def test_hosts_without_the_scope_do_not_offer_it_and_refuse_it_clearly():
+    import tome_core
+    from tome_core.adapters import webui_args
+
+    assert "reuse" not in webui_args.ARGS[webui_args.ARG_NAMES.index("scope")].choices
+    with pytest.raises(ValueError, match="scope 'reuse' is available in ComfyUI only"):
+        tome_core.apply_patch(torch.nn.Linear(1, 1), method="tome", scope="reuse")
