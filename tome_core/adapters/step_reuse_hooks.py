@@ -117,8 +117,8 @@ def install(clone, settings, noise_range, schedule: ReuseSchedule | None = None)
     defaults (full steps, spread share)."""
     unet = clone.model.diffusion_model
     levels = reduced_levels(settings.max_downsample, attention_levels(unet) or ())
-    if not levels or settings.ratio == 0.0:
-        return False
+    if not levels or settings.ratio == 0.0 or not hasattr(clone, "add_wrapper_with_key"):
+        return False  # nothing to reduce, or a patcher without wrappers (Forge): left unpatched
     schedule = ReuseSchedule(reuse=settings.ratio) if schedule is None else schedule
     hooks = ReuseHooks(schedule, levels, noise_range)
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
@@ -130,8 +130,9 @@ def install(clone, settings, noise_range, schedule: ReuseSchedule | None = None)
 
 def remove(patcher) -> None:
     """Remove everything scope reuse put on ``patcher`` (a clone); the block forwards go with scope block's."""
-    for kind in (OUTER_SAMPLE, APPLY_MODEL):
-        patcher.remove_wrappers_with_key(kind, WRAPPER_KEY)
+    if hasattr(patcher, "remove_wrappers_with_key"):  # Forge's patchers have no wrappers (and never get ours)
+        for kind in (OUTER_SAMPLE, APPLY_MODEL):
+            patcher.remove_wrappers_with_key(kind, WRAPPER_KEY)
     patches = patcher.model_options.get("transformer_options", {}).get("patches", {})
     if "attn1_patch" in patches:
         patches["attn1_patch"] = [
