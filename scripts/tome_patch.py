@@ -22,7 +22,6 @@ from modules import script_callbacks, scripts
 
 from tome_core.adapters import ldm_blocks, webui_args
 from tome_core.adapters.patcher_hooks import NotAUNetError, patched_clone
-from tome_core.settings import SPECS
 
 TITLE = "ToMe Patch"
 _JOB = "_tome_patch_job"  # per-job state on the processing object
@@ -243,7 +242,12 @@ def add_xyz_axes() -> bool:
         ),
         xyz.AxisOption(f"[{TITLE}] Ratio", float, _xyz_apply("ratio")),
         xyz.AxisOption(f"[{TITLE}] Downsample factor", float, _xyz_apply("downsample_factor")),
-        xyz.AxisOption(f"[{TITLE}] Scope", str, _xyz_apply("scope"), choices=lambda: list(SPECS["scope"].choices)),
+        xyz.AxisOption(
+            f"[{TITLE}] Scope",
+            str,
+            _xyz_apply("scope"),
+            choices=lambda: list(webui_args.ARGS[webui_args.ARG_NAMES.index("scope")].choices),
+        ),
     ]
     xyz.axis_options.extend(axis for axis in new_axes if axis.label not in labels)
     return True

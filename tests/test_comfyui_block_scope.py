@@ -43,7 +43,8 @@ def test_scope_is_the_last_input_of_both_nodes(node_classes):
     for node_id in ("ToMePatch", "ToMePatchAdvanced"):
         scope = node_classes[node_id].GET_SCHEMA().inputs[-1]
         assert scope.id == "scope" and scope.default == "self-attention"
-        assert list(scope.options) == ["self-attention", "block"] and "whole transformer block" in scope.tooltip
+        assert list(scope.options) == ["self-attention", "block", "reuse"]
+        assert "whole transformer block" in scope.tooltip
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -27,7 +27,12 @@ def apply_patch(pipe_or_unet, **settings):
     leaving the model unchanged. See ``tome_core.adapters.diffusers_blocks.apply_patch``.
     """
     from .adapters import diffusers_blocks  # imported here: hosts other than diffusers never load it
+    from .settings import COMFYUI_ONLY_SCOPES
 
+    if settings.get("scope") in COMFYUI_ONLY_SCOPES:
+        raise ValueError(
+            f"scope {settings['scope']!r} is available in ComfyUI only so far; use 'self-attention' or 'block'"
+        )
     return diffusers_blocks.apply_patch(pipe_or_unet, **settings)
 
 

@@ -16,8 +16,11 @@ from typing import Any
 METHODS = ("tome", "todo")
 METHOD_LABELS = {"tome": "ToMe", "todo": "ToDo"}
 DOWNSAMPLE_METHODS = ("nearest-exact", "avg_pool", "bilinear")
-# What of a transformer block ToMe runs on merged tokens (see reducer.py): only self-attention, or the whole block.
-SCOPES = ("self-attention", "block")
+# What of a transformer block ToMe runs on merged tokens (see reducer.py): only self-attention, or the whole block;
+# or, with "reuse", on part of the tokens of a step, reusing the others' updates from earlier steps (step_cache.py).
+SCOPES = ("self-attention", "block", "reuse")
+# Scopes that only the ComfyUI adapter runs so far: the WebUI does not offer them, diffusers refuses them.
+COMFYUI_ONLY_SCOPES = ("reuse",)
 # 0 means "automatic": the finest level of the UNet that has attention (see levels.reduced_levels).
 MAX_DOWNSAMPLE_CHOICES = (0, 1, 2, 4, 8)
 
@@ -205,7 +208,9 @@ _SPEC_LIST = (
         tooltip="ToMe: what runs on the merged tokens. self-attention: only self-attention, each block with its "
         "own merge. block: the whole transformer block (self-attention, cross-attention and feed-forward) runs "
         "on the merged tokens and only its update is copied back, with one merge shared by all blocks of a "
-        "level; much faster on SDXL and at 512-768 px, and a larger change to the picture. ToDo ignores it "
+        "level; much faster on SDXL and at 512-768 px, and a larger change to the picture. reuse (experimental, "
+        "ComfyUI only): reuse across steps; between full steps each block computes only the tokens that changed "
+        "most (ratio = the share it reuses from the step it last computed them). ToDo ignores it "
         "(it always reduces self-attention's keys and values).",
     ),
 )
@@ -305,6 +310,11 @@ class PatchSettings:
     def merges_whole_block(self) -> bool:
         """True for ToMe with scope block: the block runs on merged tokens and only its update is unmerged."""
         return self.method == "tome" and self.scope == "block"
+
+    @property
+    def reuses_across_steps(self) -> bool:
+        """True for ToMe with scope reuse: tokens are reduced in time, not merged (step_cache.py)."""
+        return self.method == "tome" and self.scope == "reuse"
 
     def replace(self, **changes: Any) -> PatchSettings:
         return dataclasses.replace(self, **changes)

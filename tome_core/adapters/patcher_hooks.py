@@ -292,6 +292,14 @@ def patched_clone(patcher, settings, percent_to_sigma):
         raise NotAUNetError(type(unet).__name__ if unet is not None else type(patcher).__name__)
     clone = patcher.clone()
     remove_patch(clone)  # applying the patch again replaces the earlier one
+    from . import step_reuse_hooks  # scope reuse builds on this module
+
+    step_reuse_hooks.remove(clone)
+    if settings.reuses_across_steps:
+        if not settings.is_noop:
+            noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
+            step_reuse_hooks.install(clone, settings, noise_range)
+        return clone
     reducer = Reducer(settings, levels)
     if reducer.does_nothing:
         return clone

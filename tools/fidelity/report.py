@@ -17,6 +17,11 @@ def _fmt(value, pattern: str) -> str:
     return "-" if value is None else format(value, pattern)
 
 
+def _work(record: dict, key: str) -> str:
+    """Counted work as a share of the unpatched row's (records written before it was counted show "-")."""
+    return _fmt(record.get("work", {}).get(key), ".2f")
+
+
 def table(report: dict) -> str:
     m = report["machine"]
     s = report["settings"]
@@ -26,14 +31,16 @@ def table(report: dict) -> str:
         f"{s['seeds']} seeds), {s['steps']} Euler steps, CFG {s['cfg']}; {m.get('cpu', m.get('device'))}, "
         f"torch {report['versions'].get('torch')}, {report['date']}.",
         "",
-        "| size | row | SSIM | min SSIM | PSNR dB | accuracy | all four | FD | time (s) | speed-up | speed-up CPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| size | row | SSIM | min SSIM | PSNR dB | accuracy | all four | FD | time (s) | speed-up | speed-up CPU "
+        "| calls | tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["records"]:
         lines.append(
             f"| {r['size']} | {r['row']} | {r['ssim']:.3f} | {r['ssim_min']:.3f} | {_fmt(r['psnr'], '.1f')} "
             f"| {r['accuracy']['mean']:.1%} | {r['accuracy']['all_four']:.1%} | {r['frechet']:.2f} "
-            f"| {r['wall_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x |"
+            f"| {r['wall_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {_work(r, 'call_share')} "
+            f"| {_work(r, 'token_share')} |"
         )
     real = report["reference"]["real scenes"]
     lines += [
@@ -43,6 +50,10 @@ def table(report: dict) -> str:
     ]
     for size, front in report["pareto_front"].items():
         lines.append(f"Pareto front at {size}x{size} (CPU-time speed-up, SSIM): {', '.join(front)}.")
+    lines.append(
+        "calls: model calls computed (batch entries) and tokens: tokens computed by the transformer blocks over "
+        "the whole run, each as a share of the unpatched row's."
+    )
     return "\n".join(lines)
 
 

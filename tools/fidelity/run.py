@@ -40,6 +40,7 @@ import torch
 from tome_core.settings import SPECS
 from tools.bench.host import LdmHolder, build_ldm_unet, setup_comfy
 from tools.bench.report import machine, versions
+from tools.fidelity.work import count_work
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT_SEED = 1234
@@ -157,6 +158,36 @@ def tomesd_row(family, state_dict: dict, ratio: float, level: int, everywhere: b
     )
 
 
+STEP_CACHE_THRESHOLDS = (0.1, 0.2, 0.4)  # 0.2 is the nodes' default
+
+
+def step_cache_rows() -> list[FidelityRow]:
+    """ComfyUI's own step caches (comfy_extras/nodes_easycache.py) at three ``reuse_threshold`` values, applied
+    by running the node with its other inputs at their defaults, as a graph would."""
+    from comfy_extras import nodes_easycache
+
+    rows = []
+    for label, node in (("EasyCache", nodes_easycache.EasyCacheNode), ("LazyCache", nodes_easycache.LazyCacheNode)):
+        for threshold in STEP_CACHE_THRESHOLDS:
+            inputs = {"reuse_threshold": threshold, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
+            rows.append(FidelityRow(f"{label} {threshold}", "peer", node_patch(node, **inputs), settings=inputs))
+    return rows
+
+
+def followed_by_easycache(row: FidelityRow, threshold: float = 0.2) -> FidelityRow:
+    """``row``'s patch and then ComfyUI's EasyCache node at its defaults, as a graph chains the two nodes."""
+    from comfy_extras import nodes_easycache
+
+    inputs = {"reuse_threshold": threshold, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
+    easycache = node_patch(nodes_easycache.EasyCacheNode, **inputs)
+    return FidelityRow(
+        f"{row.name} + EasyCache {threshold}",
+        row.group,
+        lambda model: easycache(row.patch(model)),
+        settings={**row.settings, "easycache": inputs},
+    )
+
+
 def broken_patch(model):
     """A deliberately wrong merge: self-attention's output shifted by one token at every level."""
     clone = model.clone()
@@ -223,7 +254,13 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
             rows.append(
                 ours(nodes, f"ours block {ratio}", method="tome", ratio=ratio, scope="block", max_downsample=finest * 2)
             )
+    if "reuse" in SPECS["scope"].choices:  # reuse across steps, token by token (tome_core/step_cache.py)
+        for ratio in (0.25, 0.5, 0.75):  # at the finest attention level (max_downsample auto)
+            rows.append(ours(nodes, f"ours reuse {ratio}", method="tome", ratio=ratio, scope="reuse"))
+        rows.append(ours(nodes, "ours reuse 0.5 all levels", method="tome", ratio=0.5, scope="reuse", max_downsample=8))
+        rows.append(followed_by_easycache(ours(nodes, "ours reuse 0.5", method="tome", ratio=0.5, scope="reuse")))
     rows += [comfy_builtin(0.5), todo_reference(2.0, finest)]
+    rows += step_cache_rows()
     state_dict = base_model.diffusion_model.state_dict()
     for everywhere in (False, True):
         row = tomesd_row(family, state_dict, 0.5, finest, everywhere)
@@ -356,9 +393,10 @@ def evaluate_model(name: str, args, log) -> dict:
         baseline = None
         for row in rows:
             log(f"{name} {size}x{size}: {row.name} ...")
-            images, wall, cpu_s = sample_row(row, patcher, positive, negative, size, args, len(prompts))
+            with count_work(row, patcher) as work:
+                images, wall, cpu_s = sample_row(row, patcher, positive, negative, size, args, len(prompts))
             if baseline is None:
-                baseline = {"images": images, "wall": wall, "cpu": cpu_s}
+                baseline = {"images": images, "wall": wall, "cpu": cpu_s, "work": work}
             record = {
                 "model": name,
                 "size": size,
@@ -372,12 +410,14 @@ def evaluate_model(name: str, args, log) -> dict:
                 **image_metrics(images, baseline["images"]),
                 "accuracy": attribute_accuracy(classifier, images, labels),
                 "frechet": frechet(images),
+                "work": work.summary(baseline["work"]),
             }
             records.append(record)
             grids[(size, row.name)] = images[: args.grid]
             log(
                 f"  ssim {record['ssim']:.3f}, accuracy {record['accuracy']['mean']:.3f}, "
-                f"FD {record['frechet']:.2f}, {wall:.1f} s ({record['speedup']:.2f}x)"
+                f"FD {record['frechet']:.2f}, {wall:.1f} s ({record['speedup']:.2f}x), "
+                f"calls {record['work'].get('call_share', 1):.2f}, tokens {record['work'].get('token_share', 1):.2f}"
             )
     from tools.fidelity.report import pareto_fronts
 

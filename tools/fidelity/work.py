@@ -1,0 +1,79 @@
+"""Counted work of a sampling run: how many model calls and transformer-block tokens were actually computed.
+
+A step cache (ComfyUI's EasyCache / LazyCache) or a token cache decides from the features how much to compute,
+so its speed on the small reference models says little about full size; the work it did does. Counted here with
+forward pre-hooks on the UNet that really runs (ComfyUI's, or a UNet swapped in by an object patch):
+- model calls: calls of the UNet's first layer (its input convolution), in batch entries (a cond+uncond batch
+  of 16 prompts at one step is 32), so a call that a cache answers without running the UNet is not counted;
+- tokens: the tokens that reach each transformer block's feed-forward layer (batch x tokens), summed over the
+  run; the feed-forward layer runs on exactly the tokens the block computes (all of them unpatched and with
+  ToDo, the merged ones with scope block, the recomputed ones with scope reuse).
+Shares are against the unpatched row of the same run.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+
+def _unets(row, patcher) -> list[torch.nn.Module]:
+    """The UNets a row may run: the patcher's own and any swapped in by an object patch (tomesd's rows)."""
+    unets = [patcher.model.diffusion_model]
+    model = row.patch(patcher)  # a throwaway clone: only its object patches are read
+    for value in getattr(model, "object_patches", {}).values():
+        if isinstance(value, torch.nn.Module) and value not in unets:
+            unets.append(value)
+    return unets
+
+
+class WorkCount:
+    def __init__(self):
+        self.calls = 0
+        self.call_entries = 0
+        self.tokens: dict[str, int] = defaultdict(int)  # per transformer block: batch x tokens, summed
+
+    def summary(self, baseline: WorkCount | None) -> dict:
+        total = sum(self.tokens.values())
+        record = {"calls": self.calls, "call_entries": self.call_entries, "block_tokens": total}
+        if baseline is not None and baseline.call_entries and baseline.tokens:
+            record["call_share"] = self.call_entries / baseline.call_entries
+            record["token_share"] = total / sum(baseline.tokens.values())
+            per_block = [self.tokens.get(name, 0) / n for name, n in baseline.tokens.items() if n]
+            record["token_share_min_block"] = min(per_block)
+        return record
+
+
+@contextmanager
+def count_work(row, patcher):
+    """Count the work of the sampling done inside the ``with`` (see the module docstring)."""
+    work = WorkCount()
+    handles = []
+
+    def on_call(module, args):
+        work.calls += 1
+        work.call_entries += int(args[0].shape[0])
+
+    def on_block(name):
+        def hook(module, args):
+            x = args[0]
+            if x.dim() == 3:
+                work.tokens[name] += int(x.shape[0]) * int(x.shape[1])
+
+        return hook
+
+    for unet in _unets(row, patcher):  # ComfyUI and ldm name their blocks alike
+        first = getattr(unet, "input_blocks", None)
+        if first is not None:
+            # The UNets iterate over the layers of each input block rather than calling it: hook its first layer.
+            handles.append(first[0][0].register_forward_pre_hook(on_call))
+        for name, module in unet.named_modules():
+            if name.endswith(".ff") and "transformer_blocks" in name:
+                handles.append(module.register_forward_pre_hook(on_block(name)))
+    try:
+        yield work
+    finally:
+        for handle in handles:
+            handle.remove()
