@@ -107,6 +107,12 @@ def initialise(module: torch.nn.Module, seed: int) -> None:
             else:
                 values /= param[0].numel() ** 0.5
             param.copy_(values.to(param.dtype))
+        for name, buffer in module.named_buffers():
+            # MMDiT's position table is a buffer made with torch.empty (real weights fill it): uninitialised
+            # memory would give NaN depending on what ran before. Drawn after every parameter, so the
+            # parameters' values do not change.
+            if name.endswith("pos_embed") and buffer.is_floating_point():
+                buffer.copy_((torch.randn(buffer.shape, generator=generator) * 0.02).to(buffer.dtype))
 
 
 def build_comfy_model(family: Family, dtype: torch.dtype, device: torch.device, seed: int):
