@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 import comfy_host as host  # noqa: I001  (first: puts ComfyUI on sys.path and sets CPU mode)
 import pytest
@@ -223,9 +222,6 @@ def test_bad_value_is_a_clear_error(node_classes, dits):
         patch(node_classes, dits["wan"], downsample_factor=9.0)
 
 
-@pytest.mark.skipif(
-    os.environ.get("TOME_TEST_COMPILE") != "1", reason="about a minute of graph capture: set TOME_TEST_COMPILE=1"
-)
 def test_compiled_model_samples_the_same(node_classes, dits):
     """torch.compile (ComfyUI's own wrapper, eager backend: the graph capture without code generation) traces
     through the attention override and computes what the uncompiled patched model computes."""
