@@ -80,6 +80,14 @@ def expected_to_reduce(s: PatchSettings, attention_levels, level: int, h: int, w
 @example(  # the largest latent, ToDo at full size
     s=PatchSettings(method="todo", skip_when_slower=False), latent_h=256, latent_w=256, level=1, batch=2, layout=(1,)
 )
+@example(  # ToDo whose factor leaves the grid as it is (ceil(2 / 1.5) = 2): the block is left alone
+    s=PatchSettings(method="todo", downsample_factor=1.5, skip_when_slower=False, max_downsample=4),
+    latent_h=8,
+    latent_w=8,
+    level=4,
+    batch=1,
+    layout=(1, 2, 4),
+)
 @example(  # extreme aspect ratio, both ways
     s=PatchSettings(ratio=0.75, skip_when_slower=False, use_rand=True),
     latent_h=8,

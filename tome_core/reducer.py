@@ -33,7 +33,7 @@ import torch
 
 from . import matching
 from .cost import worth_reducing
-from .downsample import NearestIndexCache, downsample_tokens
+from .downsample import NearestIndexCache, downsample_tokens, downsampled_size
 from .levels import find_level, reduced_levels
 from .patterns import PatternCache, stable_salt
 from .settings import PatchSettings
@@ -179,6 +179,8 @@ class Reducer:
         if level not in self.levels or not worth_reducing(s, h * w):
             return None
         if s.method == "todo":
+            if downsampled_size(h, w, s.downsample_factor) == (h, w):  # e.g. a 2x2 grid at factor 1.5
+                return None
             return KeyValueDownsample(h, w, s, self._nearest)
         r = int(h * w * s.ratio)
         if r <= 0:
