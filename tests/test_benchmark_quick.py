@@ -3,6 +3,7 @@ names every row of both, and the side-by-side picture is written. Nothing here l
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,9 @@ def test_quick_run_answers_speed_and_picture(tmp_path):
     summary = done.stdout[done.stdout.index("How much faster") :]
     for name in quick.SPEED_ROWS + quick.PICTURE_ROWS:
         assert name in summary
-    assert "SSIM" in summary and "UNRELIABLE" in summary  # one pair per row: never called reliable
+    assert "SSIM" in summary
+    # The verdict line follows the speed part's own verdict (whichever it is: it depends on the machine's noise).
+    reliable = json.loads((tmp_path / "benchmark-tiny.json").read_text())["reliable"]
+    assert ("Speed figures reliable." in summary) is reliable
+    assert ("Speed figures UNRELIABLE" in summary) is not reliable
     assert (tmp_path / "fidelity-grid-ref-sd1.png").stat().st_size > 0
-    assert (tmp_path / "benchmark-tiny.json").exists()
