@@ -35,7 +35,7 @@ _FIRST_INPUTS = (
     "end_percent",
     "skip_when_slower",
 )
-BASIC_INPUTS = _FIRST_INPUTS + ("scope",)
+BASIC_INPUTS = _FIRST_INPUTS + ("scope", "reuse_interval")
 ADVANCED_INPUTS = _FIRST_INPUTS + (
     "sx",
     "sy",
@@ -45,11 +45,12 @@ ADVANCED_INPUTS = _FIRST_INPUTS + (
     "merge_crossattn",
     "downsample_method",
     "scope",
+    "reuse_interval",
 )
 
 # Inputs added after the first release are optional: an API prompt or a saved workflow without them still
 # validates, and they take their default.
-OPTIONAL_INPUTS = frozenset({"scope"})
+OPTIONAL_INPUTS = frozenset({"scope", "reuse_interval"})
 
 # Integer inputs are settings that stay as the user set them: ComfyUI's front end would otherwise add its
 # "control after generate" widget to an input named "seed" and draw a new seed after every run (by default),

@@ -72,7 +72,7 @@ class SequenceDownsample:
 
     @property
     def does_nothing(self) -> bool:
-        return self.settings.method != "todo" or self.settings.is_noop
+        return self.settings.method != "todo" or self.settings.is_noop or self.settings.reduces_nothing
 
     def worth_reducing(self, n_image_tokens: int) -> bool:
         if self.min_tokens is None or not self.settings.skip_when_slower:

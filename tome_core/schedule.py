@@ -26,3 +26,16 @@ class NoiseRange:
 def timestep_of_percent(percent: float, num_timesteps: int = 1000) -> float:
     """The DDPM timestep at ``percent`` of sampling, as ComfyUI's discrete model sampling maps it."""
     return (1.0 - percent) * (num_timesteps - 1)
+
+
+def call_sigmas(sigmas) -> list[float]:
+    """The sigma each step's model call gets, from a sampler's schedule (its last sigma is the end, not a call)."""
+    return [float(s) for s in sigmas.flatten()[:-1]] if sigmas is not None else []
+
+
+def step_of(call_sigmas: list[float], sigma: float) -> int | None:
+    """The step whose model call gets ``sigma``, or None when it is not on the schedule."""
+    for i, s in enumerate(call_sigmas):
+        if math.isclose(s, sigma, rel_tol=1e-5, abs_tol=1e-7):
+            return i
+    return None

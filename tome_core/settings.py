@@ -215,6 +215,21 @@ _SPEC_LIST = (
     ),
 )
 
+_SPEC_LIST += (
+    Spec(
+        "reuse_interval",
+        "int",
+        1,
+        minimum=1,
+        maximum=8,
+        step=1,
+        tooltip="ToMe and ToDo: reuse across steps. 1 = off. N: between the first fifth of the steps and the last "
+        "step, the UNet's inner layers run at one step in N only; at the other steps only the outermost layers "
+        "run and the inner layers' output is carried over (extrapolated) from the steps that ran them. SD1.x, "
+        "SD2.x and SDXL.",
+    ),
+)
+
 SPECS: dict[str, Spec] = {spec.name: spec for spec in _SPEC_LIST}
 
 
@@ -268,6 +283,7 @@ class PatchSettings:
     merge_mlp: bool = SPECS["merge_mlp"].default
     downsample_method: str = SPECS["downsample_method"].default
     scope: str = SPECS["scope"].default
+    reuse_interval: int = SPECS["reuse_interval"].default
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -299,6 +315,11 @@ class PatchSettings:
         """True when these settings can never change the model's output."""
         if self.start_percent >= self.end_percent:
             return True
+        return self.reduces_nothing and self.reuse_interval == 1
+
+    @property
+    def reduces_nothing(self) -> bool:
+        """True when the token reduction (ToMe or ToDo, not reuse_interval) can never change the output."""
         if self.method == "tome":
             if self.ratio == 0.0:
                 return True

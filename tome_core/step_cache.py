@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .schedule import call_sigmas, step_of
+
 
 @dataclass(frozen=True)
 class ReuseSchedule:
@@ -77,8 +79,7 @@ class ReuseRun:
 
     def __init__(self, schedule: ReuseSchedule, sigmas: torch.Tensor):
         self.schedule = schedule
-        # The sigma each step's model call gets; the last sigma of a schedule is the end, never a call.
-        self.sigmas = [float(s) for s in sigmas.flatten()[:-1]] if sigmas is not None else []
+        self.sigmas = call_sigmas(sigmas)
         self.steps = len(self.sigmas)
         self.entries: dict[object, _Entry] = {}
         self.last_step = -1
@@ -92,10 +93,7 @@ class ReuseRun:
         self.entries.clear()
 
     def step_of(self, sigma: float) -> int | None:
-        for i, s in enumerate(self.sigmas):
-            if math.isclose(s, sigma, rel_tol=1e-5, abs_tol=1e-7):
-                return i
-        return None
+        return step_of(self.sigmas, sigma)
 
     def begin_call(self, sigma: float) -> CallPlan | None:
         """The plan of a model call at ``sigma``; None (compute in full, cache nothing) when off the schedule."""

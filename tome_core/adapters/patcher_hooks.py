@@ -292,18 +292,21 @@ def patched_clone(patcher, settings, percent_to_sigma):
         raise NotAUNetError(type(unet).__name__ if unet is not None else type(patcher).__name__)
     clone = patcher.clone()
     remove_patch(clone)  # applying the patch again replaces the earlier one
-    from . import step_reuse_hooks  # scope reuse builds on this module
+    from . import layer_reuse_hooks, step_reuse_hooks  # the reuse across steps builds on this module
 
     step_reuse_hooks.remove(clone)
+    layer_reuse_hooks.remove(clone)
+    if settings.is_noop:
+        return clone
+    noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
+    if settings.reuse_interval > 1:
+        layer_reuse_hooks.install(clone, settings, noise_range)
     if settings.reuses_across_steps:
-        if not settings.is_noop:
-            noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
-            step_reuse_hooks.install(clone, settings, noise_range)
+        step_reuse_hooks.install(clone, settings, noise_range)
         return clone
     reducer = Reducer(settings, levels)
     if reducer.does_nothing:
         return clone
-    noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
     install_hooks(
         clone,
         PatcherHooks(reducer, noise_range),

@@ -54,3 +54,22 @@ def basic_transformer_blocks(unet) -> list[tuple[str, object]]:
         if any(c.__name__ == _BLOCK_CLASS_NAME for c in type(module).__mro__)
         and all(hasattr(module, part) for part in _BLOCK_PARTS)
     ]
+
+
+def inner_layers(unet, outer: int = 1) -> list[tuple[str, object]]:
+    """(name, module) of the layers that layer reuse skips, in the order a call runs them (``layer_reuse.py``).
+
+    Everything but the ``outer`` first input blocks and the ``outer`` last output blocks: the later input
+    blocks, the middle block, the earlier output blocks. Each block is a sequence the host runs layer by layer,
+    so its layers are listed, not the block. The last one (the boundary) gives the feature the kept output
+    blocks read. Empty where the UNet has too few blocks."""
+    inputs = list(getattr(unet, "input_blocks", ()))
+    outputs = list(getattr(unet, "output_blocks", ()))
+    middle = getattr(unet, "middle_block", None)
+    if len(inputs) <= outer or len(outputs) <= outer:
+        return []
+    blocks = [(f"input_blocks.{i}", b) for i, b in enumerate(inputs) if i >= outer]
+    if middle is not None:
+        blocks.append(("middle_block", middle))
+    blocks += [(f"output_blocks.{i}", b) for i, b in enumerate(outputs) if i < len(outputs) - outer]
+    return [(f"{name}.{j}", layer) for name, block in blocks for j, layer in enumerate(block)]

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from tome_core.settings import SPECS
+from tome_core.settings import SPECS, PatchSettings
 from tools.bench.host import LdmHolder, build_ldm_unet, setup_comfy
 from tools.bench.report import machine, versions
 from tools.fidelity.work import count_work
@@ -188,6 +188,50 @@ def followed_by_easycache(row: FidelityRow, threshold: float = 0.2) -> FidelityR
     )
 
 
+def layer_reuse_rows(nodes: dict) -> list[FidelityRow]:
+    """Setting reuse_interval alone (ToDo off) and with ToDo 2, and the variants it was chosen from."""
+    rows = []
+    for interval in (2, 3, 4):
+        rows.append(
+            ours(nodes, f"ours reuse every {interval}", method="todo", downsample_factor=1.0, reuse_interval=interval)
+        )
+    rows.append(ours(nodes, "ours ToDo 2 + reuse every 3", method="todo", reuse_interval=3))
+    rows.append(
+        followed_by_easycache(ours(nodes, "ours reuse every 3", method="todo", downsample_factor=1.0, reuse_interval=3))
+    )
+    variants = (
+        (3, {"extrapolate": 0.0}),
+        (3, {"extrapolate": 0.5}),
+        (3, {"by_sigma": True}),
+        (3, {"by_sigma": True, "extrapolate": 0.5}),
+        (3, {"extrapolate": 0.0, "outer": 2}),
+        (2, {"extrapolate": 0.0}),
+        (4, {"extrapolate": 0.0}),
+        (4, {"extrapolate": 0.5}),
+    )
+    for interval, changes in variants:
+        name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
+        rows.append(FidelityRow(name, "ours", layer_reuse_variant(interval, **changes), settings=changes))
+    return rows
+
+
+def layer_reuse_variant(interval: int, extrapolate=1.0, outer=1, by_sigma=False, **schedule) -> Callable:
+    """Layer reuse with engine defaults overridden (the variants the setting's defaults were chosen from)."""
+    from tome_core.adapters import layer_reuse_hooks
+    from tome_core.layer_reuse import IntervalSchedule
+    from tome_core.schedule import NoiseRange
+
+    def patch(model):
+        clone = model.clone()
+        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=interval)
+        everywhere = NoiseRange(0.0, 1.0, lambda p: p)
+        schedule_ = IntervalSchedule(interval, **schedule)
+        layer_reuse_hooks.install(clone, settings, everywhere, extrapolate, outer, schedule_, by_sigma)
+        return clone
+
+    return patch
+
+
 def broken_patch(model):
     """A deliberately wrong merge: self-attention's output shifted by one token at every level."""
     clone = model.clone()
@@ -259,6 +303,8 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
             rows.append(ours(nodes, f"ours reuse {ratio}", method="tome", ratio=ratio, scope="reuse"))
         rows.append(ours(nodes, "ours reuse 0.5 all levels", method="tome", ratio=0.5, scope="reuse", max_downsample=8))
         rows.append(followed_by_easycache(ours(nodes, "ours reuse 0.5", method="tome", ratio=0.5, scope="reuse")))
+    if "reuse_interval" in SPECS:  # reuse across steps, layer by layer (tome_core/layer_reuse.py)
+        rows += layer_reuse_rows(nodes)
     rows += [comfy_builtin(0.5), todo_reference(2.0, finest)]
     rows += step_cache_rows()
     state_dict = base_model.diffusion_model.state_dict()

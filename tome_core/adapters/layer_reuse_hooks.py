@@ -1,0 +1,138 @@
+"""ComfyUI wiring of layer reuse (setting ``reuse_interval``; the engine is ``tome_core.layer_reuse``).
+
+Like scope block, it changes no module: every inner layer gets an instance attribute ``forward`` (a
+``SkippableLayer``) through a patcher injection, set when the patcher loads the model and deleted when it
+unloads it, so weights keep their keys (LoRA and other weight patches apply as before) and the host's UNet loop,
+skip connections, ControlNet residuals and block patches run as they are. Per sampling run, none on the model:
+- an OUTER_SAMPLE wrapper (comfy/patcher_extension.py ``WrappersMP.OUTER_SAMPLE``, where ComfyUI's EasyCache keeps
+  its state) makes the run's ``LayerReuseRun`` from the sigma schedule, puts it into a copy of the guider's model
+  options for the run, logs what it did and drops it when the run ends, however it ends;
+- an APPLY_MODEL wrapper finds each call's step from its sigma and its batch layout from ``uuids`` (which conds,
+  in which order) and the input's shape, and makes the run the current one of the hooks for that call only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..layer_reuse import IntervalSchedule, LayerReuseRun, SkippableLayer
+from ..schedule import call_sigmas, step_of
+from .unet_layout import inner_layers
+
+log = logging.getLogger("tome_patch")
+
+RUN_KEY = "tome_patch_layer_reuse_run"  # transformer_options: (LayerReuseRun, call sigmas) of the current run
+WRAPPER_KEY = "tome_patch_layer_reuse"
+INJECTION_KEY = "tome_patch_layer_reuse"
+OUTER_SAMPLE = "outer_sample"  # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE
+APPLY_MODEL = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
+
+
+class LayerReuseHooks:
+    """Shared by every clone of one patch (like functions). ``_current`` is the run of the model call in progress
+    (set and cleared around each call by the APPLY_MODEL wrapper), everything else is immutable."""
+
+    def __init__(self, schedule: IntervalSchedule, layers: int, noise_range, extrapolate: float = 1.0, by_sigma=False):
+        self.schedule = schedule
+        self.by_sigma = by_sigma
+        self.layers = layers
+        self.noise_range = noise_range
+        self.extrapolate = extrapolate
+        self._current: LayerReuseRun | None = None
+        self.last_run: LayerReuseRun | None = None  # the last run, its cache dropped (for the log and the tests)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def layer_run(self) -> LayerReuseRun | None:
+        return self._current
+
+    def outer_sample_wrapper(self, executor, *args, **kwargs):
+        guider = executor.class_obj
+        sigmas = call_sigmas(args[3] if len(args) > 3 else kwargs.get("sigmas"))
+        run = LayerReuseRun(self.schedule, len(sigmas), self.layers, self.extrapolate)
+        original = guider.model_options
+        options = dict(original)
+        options["transformer_options"] = {**original.get("transformer_options", {}), RUN_KEY: (run, sigmas)}
+        guider.model_options = options
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            guider.model_options = original
+            run.drop()
+            self.last_run = run
+            log.info("ToMe reuse across steps: %s", run.summary())
+
+    def apply_model_wrapper(
+        self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs
+    ):
+        found = (transformer_options or {}).get(RUN_KEY)
+        if found is None:  # the model called outside a sampling run: nothing to reuse
+            return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+        run, sigmas = found
+        sigma = float(t.max())
+        step = step_of(sigmas, sigma)
+        layout = tuple(str(u) for u in transformer_options.get("uuids") or ())
+        key = (layout, tuple(x.shape), x.dtype)
+        position = sigma if self.by_sigma else None
+        run.begin_call(step, key, allowed=self.noise_range.contains(sigma), position=position)
+        self._current = run
+        try:
+            return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+        finally:
+            self._current = None
+            run.end_call()
+
+
+class LayerInjection:
+    """ComfyUI's PatcherInjection: ``inject`` gives every inner layer our ``forward``, ``eject`` removes it."""
+
+    def __init__(self, hooks: LayerReuseHooks, layers: list):
+        self.hooks = hooks
+        self.layers = layers
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def inject(self, patcher) -> None:
+        for index, layer in enumerate(self.layers):
+            current = layer.__dict__.get("forward")
+            if isinstance(current, SkippableLayer):  # left by a clone that was never ejected: replace it
+                current = current.inner
+            layer.__dict__["forward"] = SkippableLayer(self.hooks, index, layer, current)
+
+    def eject(self, patcher) -> None:
+        for layer in self.layers:
+            current = layer.__dict__.get("forward")
+            if isinstance(current, SkippableLayer) and current.owner is self.hooks:
+                if current.inner is None:
+                    del layer.__dict__["forward"]
+                else:
+                    layer.__dict__["forward"] = current.inner
+
+
+def install(clone, settings, noise_range, extrapolate=1.0, outer=1, schedule=None, by_sigma=False) -> bool:
+    """Give ``clone`` layer reuse at ``settings.reuse_interval``; False where it cannot (left as it is).
+
+    ``extrapolate``, ``by_sigma``, ``outer`` (how many outer blocks run at every step) and ``schedule`` (an
+    ``IntervalSchedule``) override the engine's defaults, for the benchmarks."""
+    layers = [layer for _, layer in inner_layers(clone.model.diffusion_model, outer)]
+    if settings.reuse_interval <= 1 or not layers:
+        return False
+    if not (hasattr(clone, "add_wrapper_with_key") and hasattr(clone, "set_injections")):
+        return False  # a patcher without wrappers or injections (Forge): the WebUI script runs it there
+    schedule = IntervalSchedule(settings.reuse_interval) if schedule is None else schedule
+    hooks = LayerReuseHooks(schedule, len(layers), noise_range, extrapolate, by_sigma)
+    clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
+    clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)
+    clone.set_injections(INJECTION_KEY, [LayerInjection(hooks, layers)])
+    return True
+
+
+def remove(patcher) -> None:
+    """Remove everything layer reuse put on ``patcher`` (a clone)."""
+    if hasattr(patcher, "remove_wrappers_with_key"):
+        for kind in (OUTER_SAMPLE, APPLY_MODEL):
+            patcher.remove_wrappers_with_key(kind, WRAPPER_KEY)
+    if hasattr(patcher, "remove_injections"):
+        patcher.remove_injections(INJECTION_KEY)

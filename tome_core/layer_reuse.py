@@ -1,0 +1,205 @@
+"""Reuse across steps, layer by layer: between full steps only the UNet's outermost layers run.
+
+A UNet's inner layers (the coarse levels, the middle block and most of the fine ones) change their output
+slowly from one sampling step to the next, while the outermost layers (the first input block and the last
+output block, at full resolution) carry the fine detail through the skip connection. So at a *reusing* step
+the inner layers are not run at all: the last inner layer's output (the feature the outer output block
+receives) is predicted from the steps at which it was last computed, and only the outer layers run on the
+current input. *Full* steps run everything and record that feature: the first steps (the picture's layout),
+the last step (its finest detail) and every ``interval``-th step in between.
+
+The prediction is the feature of the last full step, moved on along the line through the last two full steps
+(first-order extrapolation in the step index), which follows the feature's drift over the skipped steps.
+
+This module knows no host. An adapter lists the inner layers in the order a call runs them (the last one is
+the *boundary*, whose output the outer layers read) and gives each a ``SkippableLayer`` as its forward; the
+host's loop and skip connections stay as they are. At a reusing step every inner layer but the boundary
+returns zeros of the shape it returned at the last full step (its output only feeds other inner layers), and
+the boundary returns the predicted feature.
+
+State: one ``LayerReuseRun`` per sampling run, made by the adapter when the run starts and dropped when it
+ends. It holds per batch layout and input shape the boundary's last two outputs and every inner layer's
+output shape. A call reuses only when that entry is complete and was made in this run; otherwise it runs in
+full (and records).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class IntervalSchedule:
+    """Which steps run every layer: the first ones, the last ones and every ``interval``-th one in between."""
+
+    interval: int  # between the start and the end, one step in ``interval`` is full (1: every step)
+    full_start: float = 0.2  # the steps up to this share of the schedule are full (the picture's layout)
+    full_end: int = 1  # the last steps are full (the finest detail)
+
+    def __post_init__(self):
+        if self.interval < 1:
+            raise ValueError(f"interval must be an integer from 1 up, got {self.interval!r}")
+        if not 0.0 <= self.full_start <= 1.0:
+            raise ValueError(f"full_start must be a number from 0 to 1, got {self.full_start!r}")
+        if self.full_end < 0:
+            raise ValueError(f"full_end must be an integer from 0 up, got {self.full_end!r}")
+
+    def is_full(self, step: int, steps: int) -> bool:
+        start = max(math.ceil(self.full_start * steps), 2)  # two full steps at least: a line to extrapolate on
+        if self.interval == 1 or step < start or step >= steps - self.full_end:
+            return True
+        return (step - start) % self.interval == self.interval - 1
+
+    def full_steps(self, steps: int) -> int:
+        return sum(self.is_full(step, steps) for step in range(steps))
+
+
+class _Entry:
+    """One batch layout's record: the boundary's outputs at the last two full steps, every layer's output shape."""
+
+    __slots__ = ("outputs", "shapes")
+
+    def __init__(self):
+        self.outputs: list[tuple[int, torch.Tensor]] = []  # (step, boundary output), oldest first, at most two
+        self.shapes: dict[int, object] = {}
+
+    def record(self, position: float, output: torch.Tensor) -> None:
+        if self.outputs and self.outputs[-1][0] == position:  # the same step again (another call of this layout)
+            self.outputs.pop()
+        self.outputs = (self.outputs + [(position, output)])[-2:]
+
+    def predict(self, position: float, extrapolate: float) -> torch.Tensor:
+        last_position, last = self.outputs[-1]
+        if not extrapolate or len(self.outputs) < 2:
+            return last
+        first_position, first = self.outputs[0]
+        ahead = (position - last_position) / (last_position - first_position)
+        return torch.lerp(first, last, 1.0 + extrapolate * ahead)
+
+
+@dataclass
+class _Call:
+    """The current model call: its step, whether it reuses, and its batch layout's entry."""
+
+    step: int
+    position: float
+    reuse: bool
+    entry: _Entry
+
+
+class LayerReuseRun:
+    """The cache of one sampling run (see the module docstring); also counts what it did, for the log."""
+
+    def __init__(self, schedule: IntervalSchedule, steps: int, layers: int, extrapolate: float = 1.0):
+        self.schedule = schedule
+        self.steps = steps
+        self.layers = layers  # how many inner layers there are; the last one is the boundary
+        self.extrapolate = extrapolate
+        self.entries: dict[object, _Entry] = {}
+        self.current: _Call | None = None
+        self.last_step = -1
+        self.calls = 0
+        self.reused_calls = 0
+
+    def drop(self) -> None:
+        self.entries.clear()
+        self.current = None
+
+    def begin_call(self, step: int | None, key: object, allowed: bool = True, position: float | None = None) -> bool:
+        """Start a model call at ``step`` (None: not on this run's schedule) for the batch layout ``key``;
+        ``allowed`` False runs it in full whatever the schedule says (outside the user's step range).
+        ``position`` is where the call lies on the line the prediction follows (default: the step).
+
+        Returns True when the call reuses (its inner layers will not run)."""
+        self.calls += 1
+        if step is None or step < self.last_step:  # off the schedule, or going back: not this run's cache
+            self.drop()
+            return False
+        self.last_step = step
+        entry = self.entries.setdefault(key, _Entry())
+        reuse = (
+            allowed
+            and not self.schedule.is_full(step, self.steps)
+            and len(entry.shapes) == self.layers
+            and bool(entry.outputs)
+        )
+        self.current = _Call(step, float(step if position is None else position), reuse, entry)
+        self.reused_calls += reuse
+        return reuse
+
+    def end_call(self) -> None:
+        self.current = None
+
+    def run_layer(self, index: int, forward: Callable, args: tuple, kwargs: dict):
+        """The forward of inner layer ``index``: run and record (full call), or stand in for it (reusing call)."""
+        call = self.current
+        if call is None:
+            return forward(*args, **kwargs)
+        if call.reuse:
+            if index == self.layers - 1:
+                return call.entry.predict(call.position, self.extrapolate)
+            return _zeros_like_spec(call.entry.shapes[index])
+        out = forward(*args, **kwargs)
+        call.entry.shapes[index] = _spec_of(out)
+        if index == self.layers - 1:
+            if not isinstance(out, torch.Tensor):  # a boundary that returns more than a tensor: cannot predict it
+                call.entry.shapes.pop(index)
+            else:
+                # A copy: the host may add to its output in place (ControlNet).
+                call.entry.record(call.position, out.detach().clone())
+        return out
+
+    def summary(self) -> str:
+        return (
+            f"{self.reused_calls} of {self.calls} model calls ran only the outer layers (the inner layers' output "
+            f"reused from earlier steps)"
+        )
+
+
+def _spec_of(out):
+    """What a stand-in for ``out`` needs: shape, dtype and device of each tensor, the container's type."""
+    if isinstance(out, torch.Tensor):
+        return (tuple(out.shape), out.dtype, out.device)
+    if isinstance(out, (tuple, list)):
+        return (type(out), [_spec_of(item) for item in out])
+    return ("value", out)
+
+
+def _zeros_like_spec(spec):
+    if isinstance(spec[0], tuple):
+        shape, dtype, device = spec
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if spec[0] == "value":
+        return spec[1]
+    kind, items = spec
+    return kind(_zeros_like_spec(item) for item in items)
+
+
+class SkippableLayer:
+    """The ``forward`` of one inner layer while layer reuse is on (an instance attribute of the layer).
+
+    ``owner.layer_run()`` gives the run of the current call, or None outside a sampling run."""
+
+    def __init__(self, owner, index: int, layer, inner=None):
+        self.owner = owner
+        self.index = index
+        self.layer = layer
+        self.inner = inner  # an instance-level forward that was there before ours (None: the class's)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def original(self, *args, **kwargs):
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.layer).forward(self.layer, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        run = self.owner.layer_run()
+        if run is None:
+            return self.original(*args, **kwargs)
+        return run.run_layer(self.index, self.original, args, kwargs)

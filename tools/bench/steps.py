@@ -1,0 +1,179 @@
+"""Whole sampling runs of the settings that save work on some steps only (``reuse_interval``), timed call by call.
+
+    python -m tools.bench.steps [--model sd15|sdxl] [--resolution 512] [--steps 10] [--convert 25,10]
+
+A real ComfyUI sampling run (Euler, CFG 5, cond and uncond batched: one model call of batch 2 per step, as a
+user's graph runs) on the full-size random-weight UNet, once per row: unpatched, ToDo 2, reuse_interval 2/3/4
+alone and with ToDo 2. Every model call is timed and marked as full or reusing (the run's own count), which gives
+each row's cost of a full call and of a reusing call; the schedule of layer reuse is fixed (it does not depend
+on the picture), so a whole run of any step count converts exactly from those two costs:
+``steps * unpatched call / (full calls * full call + reusing calls * reusing call)``. The run's own total is the
+direct timing the conversion is checked against (``direct`` vs ``converted at --steps``).
+
+The step caches (ComfyUI's EasyCache and LazyCache) decide from the picture which calls to skip, so their speed
+is converted from the share of calls they computed on the trained reference models (the fidelity benchmark's
+``calls``): a skipped call costs next to nothing, so their speed-up is about 1 / calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import host as bench_host
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = {
+    "unpatched": {},
+    "ToDo 2": {"method": "todo", "downsample_factor": 2.0},
+    "reuse every 2": {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 2},
+    "reuse every 3": {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 3},
+    "reuse every 4": {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 4},
+    "ToDo 2 + reuse every 2": {"method": "todo", "downsample_factor": 2.0, "reuse_interval": 2},
+    "ToDo 2 + reuse every 3": {"method": "todo", "downsample_factor": 2.0, "reuse_interval": 3},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="sd15", choices=sorted(bench_host.FAMILIES))
+    parser.add_argument("--resolution", type=int, default=512, help="square image size in px")
+    parser.add_argument("--steps", type=int, default=10, help="steps of each timed sampling run")
+    parser.add_argument("--convert", default="25,10", help="step counts to convert to (comma list)")
+    parser.add_argument("--only", default="", help="keep only rows whose name contains one of these (comma list)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(ROOT / "results" / "steps"))
+    return parser.parse_args(argv)
+
+
+def conditioning(family, seed: int) -> tuple[list, list]:
+    """Random prompt embeddings of the family's width (and SDXL's pooled vector and size conditioning)."""
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def one():
+        context = torch.randn(1, 77, family.context_dim, generator=generator)
+        extra = {}
+        if family.adm_channels:
+            extra = {"pooled_output": torch.randn(1, 1280, generator=generator), "width": 1024, "height": 1024}
+        return [[context, extra]]
+
+    return one(), one()
+
+
+class CallTimer:
+    """An APPLY_MODEL wrapper that times every model call and marks it reusing when the run counted it so."""
+
+    def __init__(self):
+        self.calls: list[tuple[float, bool]] = []
+
+    def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kw):
+        from tome_core.adapters.layer_reuse_hooks import RUN_KEY
+
+        run = (transformer_options or {}).get(RUN_KEY, (None,))[0]
+        before = run.reused_calls if run is not None else 0
+        start = time.perf_counter()
+        out = executor(x, t, c_concat, c_crossattn, control, transformer_options, **kw)
+        reused = run is not None and run.reused_calls > before
+        self.calls.append((time.perf_counter() - start, reused))
+        return out
+
+
+def sample(model, positive, negative, latent_hw, steps: int, seed: int) -> tuple[float, CallTimer]:
+    import nodes as comfy_nodes
+
+    timer = CallTimer()
+    model = model.clone()
+    model.add_wrapper_with_key("apply_model", "tome_patch_bench_timer", timer)
+    latent = {"samples": torch.zeros(1, 4, *latent_hw)}
+    start = time.perf_counter()
+    comfy_nodes.common_ksampler(model, seed, steps, 5.0, "euler", "normal", positive, negative, latent)
+    return time.perf_counter() - start, timer
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bench_host.setup_comfy("cpu")
+    from tome_core.adapters.patcher_hooks import patched_clone
+    from tome_core.layer_reuse import IntervalSchedule
+    from tome_core.settings import PatchSettings
+
+    def log(message):
+        print(message, file=sys.stderr, flush=True)
+
+    family = bench_host.FAMILIES[args.model]
+    log(f"building {args.model} ...")
+    patcher = bench_host.build_comfy_model(family, torch.float32, torch.device("cpu"), args.seed)
+    percent_to_sigma = patcher.get_model_object("model_sampling").percent_to_sigma
+    positive, negative = conditioning(family, args.seed)
+    latent_hw = (args.resolution // 8, args.resolution // 8)
+    keep = [w.strip() for w in args.only.split(",") if w.strip()]
+    rows = {
+        name: values for name, values in ROWS.items() if name == "unpatched" or not keep or any(w in name for w in keep)
+    }
+    log("warm-up (2 steps, unpatched) ...")
+    sample(patcher, positive, negative, latent_hw, 2, args.seed)
+    results = {}
+    for name, values in rows.items():
+        model = patcher if not values else patched_clone(patcher, PatchSettings(**values), percent_to_sigma)
+        total, timer = sample(model, positive, negative, latent_hw, args.steps, args.seed)
+        full = [s for s, reused in timer.calls if not reused]
+        reusing = [s for s, reused in timer.calls if reused]
+        results[name] = {
+            "settings": values,
+            "direct_s": total,
+            "calls": len(timer.calls),
+            "full_call_s": sum(full) / len(full) if full else None,
+            "reusing_call_s": sum(reusing) / len(reusing) if reusing else None,
+            "reusing_calls": len(reusing),
+        }
+        log(f"{name}: {total:.1f} s, {len(full)} full calls, {len(reusing)} reusing")
+    base = results["unpatched"]
+    base_call = base["full_call_s"]
+    for r in results.values():
+        r["direct_speedup"] = base["direct_s"] / r["direct_s"]
+        interval = r["settings"].get("reuse_interval", 1)
+        schedule = IntervalSchedule(interval)
+        r["converted"] = {}
+        for steps in [args.steps] + [int(s) for s in args.convert.split(",") if s.strip()]:
+            full = schedule.full_steps(steps)
+            reusing_cost = r["reusing_call_s"] if r["reusing_call_s"] is not None else r["full_call_s"]
+            time_s = full * r["full_call_s"] + (steps - full) * reusing_cost
+            r["converted"][str(steps)] = {"full_steps": full, "speedup": steps * base_call / time_s}
+    meta = {"model": args.model, "resolution": args.resolution, "steps": args.steps, "threads": torch.get_num_threads()}
+    from .report import machine, versions
+
+    meta.update(machine=machine(), versions=versions())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"steps-{args.model}-{args.resolution}"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=2))
+    steps_list = list(results["unpatched"]["converted"])
+    head = "| row | full call s | reusing call s | direct speed-up | " + " | ".join(
+        f"converted {s} steps" for s in steps_list
+    )
+    lines = [head + " |", "|---" * (4 + len(steps_list)) + "|"]
+    for name, r in results.items():
+        reusing = f"{r['reusing_call_s']:.2f}" if r["reusing_call_s"] is not None else "-"
+        conv = " | ".join(
+            f"{r['converted'][s]['speedup']:.2f}x ({r['converted'][s]['full_steps']} full)" for s in steps_list
+        )
+        lines.append(f"| {name} | {r['full_call_s']:.2f} | {reusing} | {r['direct_speedup']:.2f}x | {conv} |")
+    table = "\n".join(lines)
+    (out / f"{stem}.md").write_text(
+        f"{args.model} {args.resolution} px, {args.steps}-step runs, batch 2 (cond + uncond), "
+        f"{meta['threads']} threads\n\n{table}\n"
+    )
+    print(table)
+    return {"meta": meta, "rows": results}
+
+
+if __name__ == "__main__":
+    main()
