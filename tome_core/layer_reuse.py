@@ -31,6 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+# The engine's defaults, shared by every host adapter.
+DEFAULT_EXTRAPOLATE = 1.0  # how far along the line through the last two full steps the prediction moves
+OUTER_BLOCKS = 1  # the first input block and the last output block run at every step
+
 
 @dataclass(frozen=True)
 class IntervalSchedule:
@@ -94,7 +98,7 @@ class _Call:
 class LayerReuseRun:
     """The cache of one sampling run (see the module docstring); also counts what it did, for the log."""
 
-    def __init__(self, schedule: IntervalSchedule, steps: int, layers: int, extrapolate: float = 1.0):
+    def __init__(self, schedule: IntervalSchedule, steps: int, layers: int, extrapolate: float = DEFAULT_EXTRAPOLATE):
         self.schedule = schedule
         self.steps = steps
         self.layers = layers  # how many inner layers there are; the last one is the boundary
@@ -135,22 +139,28 @@ class LayerReuseRun:
         self.current = None
 
     def run_layer(self, index: int, forward: Callable, args: tuple, kwargs: dict):
-        """The forward of inner layer ``index``: run and record (full call), or stand in for it (reusing call)."""
+        """The forward of inner layer ``index``: run and record (full call), or stand in for it (reusing call).
+
+        The boundary's output is a tensor, or a tuple whose first item is the tensor (diffusers' blocks)."""
         call = self.current
         if call is None:
             return forward(*args, **kwargs)
+        boundary = index == self.layers - 1
         if call.reuse:
-            if index == self.layers - 1:
-                return call.entry.predict(call.position, self.extrapolate)
-            return _zeros_like_spec(call.entry.shapes[index])
+            spec = call.entry.shapes[index]
+            if not boundary:
+                return _zeros_like_spec(spec)
+            predicted = call.entry.predict(call.position, self.extrapolate)
+            return predicted if isinstance(spec[0], tuple) else spec[0]((predicted,))
         out = forward(*args, **kwargs)
         call.entry.shapes[index] = _spec_of(out)
-        if index == self.layers - 1:
-            if not isinstance(out, torch.Tensor):  # a boundary that returns more than a tensor: cannot predict it
+        if boundary:
+            feature = out if isinstance(out, torch.Tensor) else _first_tensor(out)
+            if feature is None:  # a boundary without a tensor to predict: this layout never reuses
                 call.entry.shapes.pop(index)
             else:
                 # A copy: the host may add to its output in place (ControlNet).
-                call.entry.record(call.position, out.detach().clone())
+                call.entry.record(call.position, feature.detach().clone())
         return out
 
     def summary(self) -> str:
@@ -167,6 +177,13 @@ def _spec_of(out):
     if isinstance(out, (tuple, list)):
         return (type(out), [_spec_of(item) for item in out])
     return ("value", out)
+
+
+def _first_tensor(out):
+    """The feature of a boundary that returns a one-item tuple (diffusers' ``return_dict=False``), else None."""
+    if isinstance(out, tuple) and len(out) == 1 and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
 
 
 def _zeros_like_spec(spec):

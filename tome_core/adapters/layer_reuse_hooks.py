@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from ..layer_reuse import IntervalSchedule, LayerReuseRun, SkippableLayer
+from ..layer_reuse import DEFAULT_EXTRAPOLATE, OUTER_BLOCKS, IntervalSchedule, LayerReuseRun, SkippableLayer
 from ..schedule import call_sigmas, step_of
 from .unet_layout import inner_layers
 
@@ -32,7 +32,9 @@ class LayerReuseHooks:
     """Shared by every clone of one patch (like functions). ``_current`` is the run of the model call in progress
     (set and cleared around each call by the APPLY_MODEL wrapper), everything else is immutable."""
 
-    def __init__(self, schedule: IntervalSchedule, layers: int, noise_range, extrapolate: float = 1.0, by_sigma=False):
+    def __init__(
+        self, schedule: IntervalSchedule, layers: int, noise_range, extrapolate=DEFAULT_EXTRAPOLATE, by_sigma=False
+    ):
         self.schedule = schedule
         self.by_sigma = by_sigma
         self.layers = layers
@@ -111,7 +113,9 @@ class LayerInjection:
                     layer.__dict__["forward"] = current.inner
 
 
-def install(clone, settings, noise_range, extrapolate=1.0, outer=1, schedule=None, by_sigma=False) -> bool:
+def install(
+    clone, settings, noise_range, extrapolate=DEFAULT_EXTRAPOLATE, outer=OUTER_BLOCKS, schedule=None, by_sigma=False
+) -> bool:
     """Give ``clone`` layer reuse at ``settings.reuse_interval``; False where it cannot (left as it is).
 
     ``extrapolate``, ``by_sigma``, ``outer`` (how many outer blocks run at every step) and ``schedule`` (an

@@ -47,6 +47,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--convert", default="25,10", help="step counts to convert to (comma list)")
     parser.add_argument("--only", default="", help="keep only rows whose name contains one of these (comma list)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's choice)")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with this process's CPU time (on a machine shared with other work; use with --threads 1)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "results" / "steps"))
     return parser.parse_args(argv)
@@ -69,7 +74,8 @@ def conditioning(family, seed: int) -> tuple[list, list]:
 class CallTimer:
     """An APPLY_MODEL wrapper that times every model call and marks it reusing when the run counted it so."""
 
-    def __init__(self):
+    def __init__(self, cpu: bool):
+        self.cpu = cpu  # this process's CPU time instead of wall time
         self.calls: list[tuple[float, bool]] = []
 
     def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kw):
@@ -77,23 +83,24 @@ class CallTimer:
 
         run = (transformer_options or {}).get(RUN_KEY, (None,))[0]
         before = run.reused_calls if run is not None else 0
-        start = time.perf_counter()
+        start = time.process_time() if self.cpu else time.perf_counter()
         out = executor(x, t, c_concat, c_crossattn, control, transformer_options, **kw)
         reused = run is not None and run.reused_calls > before
-        self.calls.append((time.perf_counter() - start, reused))
+        self.calls.append(((time.process_time() if self.cpu else time.perf_counter()) - start, reused))
         return out
 
 
-def sample(model, positive, negative, latent_hw, steps: int, seed: int) -> tuple[float, CallTimer]:
+def sample(model, positive, negative, latent_hw, steps: int, seed: int, cpu: bool) -> tuple[float, CallTimer]:
     import nodes as comfy_nodes
 
-    timer = CallTimer()
+    timer = CallTimer(cpu)
     model = model.clone()
     model.add_wrapper_with_key("apply_model", "tome_patch_bench_timer", timer)
     latent = {"samples": torch.zeros(1, 4, *latent_hw)}
-    start = time.perf_counter()
+    clock = time.process_time if cpu else time.perf_counter
+    start = clock()
     comfy_nodes.common_ksampler(model, seed, steps, 5.0, "euler", "normal", positive, negative, latent)
-    return time.perf_counter() - start, timer
+    return clock() - start, timer
 
 
 def main(argv=None) -> dict:
@@ -119,11 +126,11 @@ def main(argv=None) -> dict:
         name: values for name, values in ROWS.items() if name == "unpatched" or not keep or any(w in name for w in keep)
     }
     log("warm-up (2 steps, unpatched) ...")
-    sample(patcher, positive, negative, latent_hw, 2, args.seed)
+    sample(patcher, positive, negative, latent_hw, 2, args.seed, args.cpu_time)
     results = {}
     for name, values in rows.items():
         model = patcher if not values else patched_clone(patcher, PatchSettings(**values), percent_to_sigma)
-        total, timer = sample(model, positive, negative, latent_hw, args.steps, args.seed)
+        total, timer = sample(model, positive, negative, latent_hw, args.steps, args.seed, args.cpu_time)
         full = [s for s, reused in timer.calls if not reused]
         reusing = [s for s, reused in timer.calls if reused]
         results[name] = {
@@ -147,10 +154,16 @@ def main(argv=None) -> dict:
             reusing_cost = r["reusing_call_s"] if r["reusing_call_s"] is not None else r["full_call_s"]
             time_s = full * r["full_call_s"] + (steps - full) * reusing_cost
             r["converted"][str(steps)] = {"full_steps": full, "speedup": steps * base_call / time_s}
-    meta = {"model": args.model, "resolution": args.resolution, "steps": args.steps, "threads": torch.get_num_threads()}
+    meta = {
+        "model": args.model,
+        "resolution": args.resolution,
+        "steps": args.steps,
+        "threads": torch.get_num_threads(),
+        "clock": "process CPU time" if args.cpu_time else "wall time",
+    }
     from .report import machine, versions
 
-    meta.update(machine=machine(), versions=versions())
+    meta.update(machine=machine(torch.device("cpu")), versions=versions())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"steps-{args.model}-{args.resolution}"
@@ -169,7 +182,7 @@ def main(argv=None) -> dict:
     table = "\n".join(lines)
     (out / f"{stem}.md").write_text(
         f"{args.model} {args.resolution} px, {args.steps}-step runs, batch 2 (cond + uncond), "
-        f"{meta['threads']} threads\n\n{table}\n"
+        f"{meta['threads']} threads, {meta['clock']}\n\n{table}\n"
     )
     print(table)
     return {"meta": meta, "rows": results}
