@@ -83,9 +83,11 @@ class CallTimer:
 
         run = (transformer_options or {}).get(RUN_KEY, (None,))[0]
         before = run.reused_calls if run is not None else 0
+        inside = run is not None and run.current is not None
         start = time.process_time() if self.cpu else time.perf_counter()
         out = executor(x, t, c_concat, c_crossattn, control, transformer_options, **kw)
-        reused = run is not None and run.reused_calls > before
+        # Inside our wrapper the run's current call says it; outside it, the run's count went up.
+        reused = run.current.reuse if inside else (run is not None and run.reused_calls > before)
         self.calls.append(((time.process_time() if self.cpu else time.perf_counter()) - start, reused))
         return out
 
