@@ -91,7 +91,9 @@ SDXL_TINY = {
 }
 
 
-def tiny_model(family: str = "sd15", seed: int = 0) -> comfy.model_patcher.ModelPatcher:
+def tiny_model(
+    family: str = "sd15", seed: int = 0, dtype: torch.dtype = torch.float32
+) -> comfy.model_patcher.ModelPatcher:
     """A ModelPatcher over a small random-weight UNet of ComfyUI's own classes."""
     if family == "sd15":
         config = comfy.supported_models.SD15(dict(SD15_TINY))
@@ -99,7 +101,7 @@ def tiny_model(family: str = "sd15", seed: int = 0) -> comfy.model_patcher.Model
         config = comfy.supported_models.SDXL(dict(SDXL_TINY))
     else:
         raise ValueError(family)
-    config.set_inference_dtype(torch.float32, None)
+    config.set_inference_dtype(dtype, None)
     model = config.get_model({})
     initialise(model.diffusion_model, seed)
     model.eval()

@@ -120,9 +120,11 @@ class LayerReuseRun:
 
         Returns True when the call reuses (its inner layers will not run)."""
         self.calls += 1
-        if step is None or step < self.last_step:  # off the schedule, or going back: not this run's cache
+        if step is None:  # off the schedule: nothing cached may belong to it, and it records nothing
             self.drop()
             return False
+        if step < self.last_step:  # going back: not the run the cache was made in; it starts anew here
+            self.drop()
         self.last_step = step
         entry = self.entries.setdefault(key, _Entry())
         reuse = (

@@ -1,0 +1,331 @@
+"""Setting reuse_interval (reuse across steps, layer by layer) in a real ComfyUI 0.3.75 with small random-weight UNets.
+
+The cache belongs to one sampling run: made when the run starts, dropped when it ends (however it ends) and
+whenever the step order, the schedule, the batch layout or the shape says it may not belong to the call; a call
+that reuses runs only the outer layers; interval 1 and removal are bit-identical to unpatched; other patches
+(ControlNet, LoRA-style weight patches, attention patches, EasyCache/LazyCache, torch.compile) keep working.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import comfy_host as host  # noqa: I001  (first: puts ComfyUI on sys.path and sets CPU mode)
+import pytest
+import torch
+
+HW = (15, 23)
+STEPS = 10  # IntervalSchedule(3): full steps 0, 1, 4, 7, 9; reusing 2, 3, 5, 6, 8
+REUSING_STEPS = 5
+REUSE = {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 3}
+
+
+@pytest.fixture(scope="module")
+def node_classes():
+    return host.load_our_package()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {family: host.tiny_model(family) for family in ("sd15", "sdxl")}
+
+
+_references: dict = {}
+
+
+def reference_of(model, family="sd15", **kwargs):
+    """The unpatched sampling result (computed once per model, family and arguments)."""
+    key = (id(model), family, tuple(sorted(kwargs.items())))
+    if key not in _references:
+        _references[key] = run(model, family, **kwargs)
+    return _references[key]
+
+
+def patch(node_classes, model, **values):
+    return host.patch_with_node(node_classes, model, **{**REUSE, **values})
+
+
+def run(model, family="sd15", **kwargs):
+    return host.sample(model, family, **{"latent_hw": HW, "steps": STEPS, "batch": 2, **kwargs})
+
+
+def hooks_of(patched):
+    """The LayerReuseHooks of a patched clone (kept by its APPLY_MODEL wrapper)."""
+    for wrapper in patched.wrappers.get("apply_model", {}).get("tome_patch_layer_reuse", []):
+        return wrapper.__self__
+    return None
+
+
+def engine_of(hooks):
+    """The engine module as ComfyUI loaded it (a submodule of the custom node package)."""
+    return sys.modules[type(hooks).__module__.replace("adapters.layer_reuse_hooks", "layer_reuse")]
+
+
+def inner_layers(model):
+    from tome_core.adapters.unet_layout import inner_layers as layers_of
+
+    return [layer for _, layer in layers_of(model.model.diffusion_model)]
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_interval_one_and_removal_are_bit_identical(node_classes, models, family):
+    model = models[family]
+    reference = reference_of(model, family)
+    off = patch(node_classes, model, reuse_interval=1)
+    assert not any(off.wrappers.values()) and not off.injections
+    assert torch.equal(run(off, family), reference)
+    patched = patch(node_classes, model)
+    assert not torch.equal(run(patched, family), reference)
+    removed = patch(node_classes, patched, reuse_interval=1)  # the node applied again, turned off
+    assert not any(removed.wrappers.values()) and not any(removed.injections.values())
+    assert torch.equal(run(removed, family), reference)
+    assert torch.equal(run(model, family), reference)  # loading the input model ejects our forwards
+    assert not any("forward" in layer.__dict__ for layer in inner_layers(model))
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_reusing_steps_run_only_the_outer_layers_and_keep_the_picture_within_reason(node_classes, models, family):
+    model = models[family]
+    reference = reference_of(model, family)
+    patched = patch(node_classes, model)
+    calls = []
+    # A part of the first inner layer: it runs at full steps only (the layer's own hooks run either way).
+    part = next(inner_layers(model)[0].children())
+    handle = part.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        out = run(patched, family)
+    finally:
+        handle.remove()
+    last = hooks_of(patched).last_run
+    assert last.calls == STEPS and last.reused_calls == REUSING_STEPS
+    assert len(calls) == STEPS - REUSING_STEPS
+    assert out.shape == reference.shape and torch.isfinite(out).all()
+    assert (out - reference).abs().mean() < 0.2 * reference.abs().mean()
+
+
+def test_the_cache_is_dropped_when_the_run_ends_and_nothing_stays_on_the_options(node_classes, models):
+    model = models["sd15"]
+    patched = patch(node_classes, model)
+    run(patched)
+    hooks = hooks_of(patched)
+    adapter = sys.modules[type(hooks).__module__]
+    assert hooks.last_run.entries == {} and hooks.layer_run() is None
+    assert adapter.RUN_KEY not in patched.model_options.get("transformer_options", {})
+
+
+def test_an_interrupted_run_drops_its_cache_and_the_next_run_is_as_fresh(node_classes, models, monkeypatch):
+    import comfy.samplers
+
+    model = models["sdxl"]
+    patched = patch(node_classes, model)
+    real = comfy.samplers.KSAMPLER.sample
+    seen = []
+
+    def interrupting(self, model_wrap, sigmas, extra_args, callback, *args, **kwargs):
+        def interrupt(
+            step, *rest
+        ):  # as the user's cancel does (comfy.model_management.throw_exception_if_processing_interrupted)
+            seen.append(step)
+            if step == 5:
+                raise KeyboardInterrupt("stopped by the user")
+            if callback is not None:
+                callback(step, *rest)
+
+        return real(self, model_wrap, sigmas, extra_args, interrupt, *args, **kwargs)
+
+    monkeypatch.setattr(comfy.samplers.KSAMPLER, "sample", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        run(patched, "sdxl")
+    monkeypatch.undo()
+    hooks = hooks_of(patched)
+    assert seen[-1] == 5 and hooks.last_run.entries == {} and hooks.layer_run() is None
+    assert torch.equal(run(patched, "sdxl"), run(patch(node_classes, model), "sdxl"))
+
+
+def test_runs_back_to_back_with_other_sizes_step_counts_and_denoise_share_nothing(node_classes, models):
+    import nodes as comfy_nodes
+
+    model = models["sdxl"]
+    patched = patch(node_classes, model)
+    run(patched, "sdxl", latent_hw=(16, 16), steps=6, batch=1)
+    # img2img: a partial denoise samples the tail of a longer schedule, a run of its own
+    latent = {"samples": torch.randn(1, 4, 12, 12, generator=torch.Generator().manual_seed(0))}
+    positive, negative = host.conditioning("sdxl", 1, seed=1), host.conditioning("sdxl", 1, seed=2)
+    comfy_nodes.common_ksampler(patched, 1, 12, 5.0, "euler", "normal", positive, negative, latent, denoise=0.5)
+    assert hooks_of(patched).last_run.calls == 12 and hooks_of(patched).last_run.reused_calls > 0
+    after_other_runs = run(patched, "sdxl")
+    fresh = run(patch(node_classes, model), "sdxl")
+    assert torch.equal(after_other_runs, fresh)
+
+
+def test_step_order_schedule_and_layout_changes_compute_in_full():
+    from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
+
+    run = LayerReuseRun(IntervalSchedule(100, full_start=0.0, full_end=0), steps=6, layers=2)
+    assert [IntervalSchedule(100, full_start=0.0, full_end=0).is_full(s, 6) for s in range(6)] == [True, True] + [
+        False
+    ] * 4  # two full steps at least: a line to extrapolate on
+    ran = []
+
+    def layer(tag):
+        def forward(x):
+            ran.append(tag)
+            return x + 1
+
+        return forward
+
+    x = torch.ones(2, 3)
+
+    def call(step, key="a", value=x):
+        reusing = run.begin_call(step, key)
+        outs = [run.run_layer(0, layer("inner"), (value,), {}), run.run_layer(1, layer("boundary"), (value * 2,), {})]
+        run.end_call()
+        return reusing, outs
+
+    assert not call(0)[0] and not call(1)[0]
+    reusing, (zeros, predicted) = call(2)
+    assert reusing and torch.equal(zeros, torch.zeros(2, 3)) and torch.equal(predicted, x * 2 + 1)
+    assert ran == ["inner", "boundary"] * 2  # nothing ran at the reusing step
+    assert not call(2, key="b")[0]  # another batch layout: nothing recorded for it, in full
+    assert not call(1)[0] and run.entries.keys() == {"a"}  # the steps went back: dropped, in full, recorded anew
+    assert not call(None)[0] and run.entries == {}  # a sigma off the schedule: dropped, in full
+    assert not call(3, value=x * 3)[0]  # nothing of this run left: in full, recorded anew
+    reusing, (_, predicted) = call(4)
+    assert reusing and torch.equal(predicted, x * 6 + 1)  # one record, no line yet: that step's feature as it was
+    assert run.reused_calls == 2 and run.calls == 8
+
+
+def test_a_reusing_call_with_unchanged_inner_features_equals_the_full_call():
+    """Where the math says so the reuse is exact: the prediction from two equal recorded features is the feature."""
+    from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
+
+    run = LayerReuseRun(IntervalSchedule(2, full_start=0.0, full_end=0), steps=4, layers=1, extrapolate=1.0)
+    feature = torch.randn(1, 8, 5, 5)
+    for step in (0, 1):
+        run.begin_call(step, "a")
+        run.run_layer(0, lambda: (feature.clone(),), (), {})
+        run.end_call()
+    assert run.begin_call(2, "a")
+    (out,) = run.run_layer(0, lambda: pytest.fail("a reusing call must not run the layer"), (), {})
+    assert torch.equal(out, feature)
+
+
+def test_cond_and_uncond_batched_or_apart_give_the_same_picture(node_classes, models, monkeypatch):
+    model = models["sd15"]
+    patched = patch(node_classes, model)
+    batched = run(patched)
+    monkeypatch.setattr(patched.model, "memory_required", lambda *args, **kwargs: float("inf"))
+    apart = run(patched)
+    last = hooks_of(patched).last_run
+    assert last.calls == 2 * STEPS and last.reused_calls == 2 * REUSING_STEPS  # cond and uncond each reuse
+    # Batched and single matrix products round differently, and the prediction carries the difference over
+    # steps: close, not bit-identical. The same picture: far below what the reuse itself changes.
+    change = (batched - reference_of(model)).abs().mean()
+    assert (apart - batched).abs().mean() < change / 100 and (apart - batched).abs().max() < 1e-2
+
+
+def test_composes_with_todo_attention_patches_and_weight_patches(node_classes, models):
+    model = models["sd15"]
+    seen = []
+
+    def other_attn1_patch(n, context, value, extra_options):
+        seen.append(n.shape[1])
+        return n, context, value
+
+    other = model.clone()
+    other.set_model_attn1_patch(other_attn1_patch)
+    weight_key = next(k for k in model.model_state_dict() if k.endswith("output_blocks.5.1.proj_out.weight"))
+    other.add_patches({weight_key: (torch.full_like(model.model_state_dict()[weight_key], 0.01),)}, 1.0)
+    only_others = run(other)
+    both = patch(node_classes, other, method="todo", downsample_factor=2.0, skip_when_slower=False)
+    out = run(both)
+    assert not torch.equal(out, only_others) and torch.isfinite(out).all()
+    assert hooks_of(both).last_run.reused_calls == REUSING_STEPS
+    assert seen  # the other node's attention patch still runs (in the outer layers at reusing steps too)
+    # The weight patch reaches the outer layer at reusing steps: without it the result differs.
+    assert not torch.equal(out, run(patch(node_classes, model, method="todo", downsample_factor=2.0)))
+
+
+def _tiny_controlnet():
+    """A real ComfyUI ControlNet (comfy.cldm.cldm.ControlNet, random weights) of the tiny SD1.5 UNet's layout."""
+    import comfy.cldm.cldm
+    import comfy.controlnet
+    import comfy.ops
+
+    config = {k: v for k, v in host.SD15_TINY.items() if k not in ("out_channels", "transformer_depth_output")}
+    net = comfy.cldm.cldm.ControlNet(hint_channels=3, operations=comfy.ops.disable_weight_init, **config)
+    host.initialise(net, seed=7)
+    net.eval()
+    return comfy.controlnet.ControlNet(net, load_device=host.CPU)  # no latent format: the hint is an image
+
+
+def test_composes_with_a_controlnet(node_classes, models):
+    import nodes as comfy_nodes
+
+    model = models["sd15"]
+    control = _tiny_controlnet()
+    hint = torch.rand(1, HW[0] * 8, HW[1] * 8, 3, generator=torch.Generator().manual_seed(4))
+    positive, negative = host.conditioning("sd15", 1, seed=1), host.conditioning("sd15", 1, seed=2)
+    positive, negative = comfy_nodes.ControlNetApplyAdvanced().apply_controlnet(
+        positive, negative, control, hint, 1.0, 0.0, 1.0
+    )
+
+    def sample(m):
+        latent = {"samples": torch.zeros(2, 4, *HW)}
+        (out,) = comfy_nodes.common_ksampler(m, 42, STEPS, 5.0, "euler", "normal", positive, negative, latent)
+        return out["samples"]
+
+    patched = patch(node_classes, model)
+    out = sample(patched)
+    assert torch.isfinite(out).all() and not torch.equal(out, sample(model))
+    assert hooks_of(patched).last_run.reused_calls == REUSING_STEPS
+    # The ControlNet's residual reaches the outer layers at reusing steps: without the control the result differs.
+    assert not torch.equal(out, run(patch(node_classes, model)))
+
+
+@pytest.mark.parametrize("cache", ["EasyCacheNode", "LazyCacheNode"])
+def test_composes_with_comfyuis_step_caches(node_classes, models, cache):
+    from comfy_extras import nodes_easycache
+
+    model = models["sd15"]
+    ours = patch(node_classes, model)
+    node = getattr(nodes_easycache, cache)
+    both = node.execute(ours, reuse_threshold=0.2, start_percent=0.15, end_percent=0.95, verbose=False).result[0]
+    out = run(both, steps=12)
+    assert torch.isfinite(out).all()
+    last = hooks_of(ours).last_run
+    assert last.calls > 0 and last.entries == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs_and_reuses(node_classes, dtype):
+    model = host.tiny_model("sd15", dtype=dtype)
+    patched = patch(node_classes, model)
+    out = run(patched, steps=6)
+    assert torch.isfinite(out).all()
+    assert hooks_of(patched).last_run.reused_calls == 2  # steps 2, 3 of 6
+
+
+def test_the_patched_unet_compiles(node_classes, models):
+    """torch.compile of the diffusion model (as ComfyUI's TorchCompileModel node does, backend eager here): the
+    same picture as without compiling, and reusing steps still reuse."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    model = models["sdxl"]
+    patched = patch(node_classes, model)
+    eager = run(patched, "sdxl", steps=6)
+    compiled = patched.clone()
+    set_torch_compile_wrapper(compiled, backend="eager", keys=["diffusion_model"])
+    torch._dynamo.reset()
+    try:
+        out = run(compiled, "sdxl", steps=6)
+    finally:
+        torch._dynamo.reset()
+    assert hooks_of(compiled).last_run.reused_calls == 2
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dit_or_a_patcher_without_wrappers_is_left_as_it_is(node_classes):
+    flux = host.tiny_dit("flux")
+    patched = host.patch_with_node(node_classes, flux, **REUSE)
+    assert hooks_of(patched) is None  # DiTs: layer reuse is for UNets; ToDo factor 1 leaves nothing either
