@@ -171,3 +171,32 @@ def test_a_bare_unet_is_refused_and_left_as_it_was():
         tome_core.apply_patch(unet, reuse_interval=3)
     assert module_snapshot(unet) == before  # the earlier patch stays as it was
     tome_core.remove_patch(unet)
+
+
+def test_second_order_schedulers_count_each_model_call_as_a_step(pipes):
+    """Heun lists each timestep but the first twice (19 UNet calls for 10 steps); the scheduler's step index
+    tells the two calls apart. Full: calls 0-3 (a fifth of 19), every third after them (6, 9, 12, 15), the last."""
+    from diffusers import HeunDiscreteScheduler
+
+    pipe = pipeline(pipes, "txt2img")
+    original = pipe.scheduler
+    pipe.scheduler = HeunDiscreteScheduler.from_config(original.config)
+    tome_core.apply_patch(pipe, **REUSE)
+    try:
+        H.run(pipe, "txt2img", steps=10)
+        run = last_run(pipe)
+        assert (run.steps, run.calls, run.reused_calls) == (19, 19, 10)
+    finally:
+        tome_core.remove_patch(pipe)
+        pipe.scheduler = original
+
+
+def test_the_step_range_limits_reuse(pipes):
+    """end_percent 0.5: only calls at timesteps above 499.5 (DDIM's 901 ... 501, steps 0-4) may reuse: 2 and 3."""
+    pipe = pipeline(pipes, "txt2img")
+    tome_core.apply_patch(pipe, **REUSE, end_percent=0.5)
+    try:
+        H.run(pipe, "txt2img", steps=10)
+        assert last_run(pipe).reused_calls == 2
+    finally:
+        tome_core.remove_patch(pipe)
