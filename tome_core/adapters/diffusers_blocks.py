@@ -19,6 +19,9 @@ compiled would be silently ignored or kept; a changed class is guarded and recom
 block's class and removes the hook and every attribute added here, so the UNet then computes bit-identically to
 one never patched.
 
+Reuse across steps (``reuse_interval``) is wired separately, in ``diffusers_layer_reuse``: it needs the pipeline,
+whose scheduler tells each UNet call's step, and it composes with the token reduction here.
+
 Blocks that this path cannot reduce run diffusers' own forward unchanged: norm types other than the layer norm of
 SD's UNets (ada-norm and others), positional embeddings, an ``attention_mask`` on self-attention, token counts
 that are not the latent's grid at some level. Nothing from diffusers is imported: classes are recognised by name,
