@@ -8,6 +8,7 @@ For diffusers (``pip install`` of this repository gives this package)::
     import tome_core
     tome_core.apply_patch(pipe, ratio=0.5)   # a StableDiffusion(XL)/ControlNet/... pipeline or its UNet
     image = pipe(prompt).images[0]
+    tome_core.apply_patch(pipe, reuse_interval=3)   # also reuse across steps (a pipeline only, not a bare UNet)
     tome_core.remove_patch(pipe)
 """
 

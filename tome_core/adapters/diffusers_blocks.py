@@ -19,6 +19,9 @@ compiled would be silently ignored or kept; a changed class is guarded and recom
 block's class and removes the hook and every attribute added here, so the UNet then computes bit-identically to
 one never patched.
 
+Reuse across steps (``reuse_interval``) is wired separately, in ``diffusers_layer_reuse``: it needs the pipeline,
+whose scheduler tells each UNet call's step, and it composes with the token reduction here.
+
 Blocks that this path cannot reduce run diffusers' own forward unchanged: norm types other than the layer norm of
 SD's UNets (ada-norm and others), positional embeddings, an ``attention_mask`` on self-attention, token counts
 that are not the latent's grid at some level. Nothing from diffusers is imported: classes are recognised by name,
@@ -36,6 +39,7 @@ import torch
 from ..reducer import Reducer
 from ..schedule import NoiseRange, timestep_of_percent
 from ..settings import PatchSettings
+from . import diffusers_layer_reuse
 from .class_swap import restore_classes
 
 BLOCK_CLASS_NAME = "BasicTransformerBlock"
@@ -344,7 +348,11 @@ def is_patched(pipe_or_unet) -> bool:
     unet = _unet_or_none(pipe_or_unet)
     if unet is None:
         return False
-    return _STATE in unet.__dict__ or any(_PARENT in type(m).__dict__ for m in unet.modules())
+    return (
+        _STATE in unet.__dict__
+        or diffusers_layer_reuse.installed(unet) is not None
+        or any(_PARENT in type(m).__dict__ for m in unet.modules())
+    )
 
 
 def _unet_or_none(pipe_or_unet):
@@ -363,7 +371,24 @@ def remove_patch(pipe_or_unet):
     if handle is not None:
         handle.remove()
     restore_classes(unet, _STATE, _PARENT)
+    diffusers_layer_reuse.remove(unet)
     return pipe_or_unet
+
+
+def _check_layer_reuse(unet, pipeline) -> None:
+    """Raise (before anything is changed) where reuse_interval cannot work: it follows a pipeline's scheduler."""
+    if pipeline is None:
+        raise ValueError(
+            "reuse_interval above 1 needs the pipeline, whose scheduler tells which step each UNet call is: "
+            "pass the pipeline to apply_patch, not its UNet (or use reuse_interval=1)"
+        )
+    if not diffusers_layer_reuse.inner_layers(unet):
+        ups = list(getattr(unet, "up_blocks", None) or ())
+        last = type(ups[-1]).__name__ if ups else "missing"
+        raise UnsupportedModelError(
+            f"reuse_interval above 1 supports UNet2DConditionModel layouts whose last up block is one of "
+            f"{', '.join(diffusers_layer_reuse.PAIRED_UP_BLOCKS)}; this UNet's is {last}"
+        )
 
 
 def apply_patch(pipe_or_unet, **settings):
@@ -375,6 +400,9 @@ def apply_patch(pipe_or_unet, **settings):
     unsupported model UnsupportedModelError (a TypeError) naming what is supported; in both cases, and for a
     conflicting patch (PatchConflictError, a ValueError), the model is left as it was. Applying again replaces
     the earlier patch; settings that can never change the output leave the UNet unpatched.
+
+    ``reuse_interval`` above 1 (reuse across steps, ``diffusers_layer_reuse``) needs a pipeline: on a bare UNet
+    it raises ValueError.
 
     A ``ratio`` without a ``method`` means ToMe, as in tomesd's ``apply_patch`` (code written for tomesd keeps
     its meaning); with neither, the default method (ToDo) applies.
@@ -393,11 +421,17 @@ def apply_patch(pipe_or_unet, **settings):
     conflict = find_conflict(unet)
     if conflict is not None:
         raise PatchConflictError(conflict)
+    reuse = validated.reuse_interval > 1 and not validated.is_noop
+    if reuse:
+        _check_layer_reuse(unet, pipeline)
     remove_patch(unet)
+    step_range = _StepRange(validated, pipeline)
+    if reuse:
+        diffusers_layer_reuse.install(unet, pipeline, validated, step_range.contains)
     reducer = Reducer(validated, levels)
     if reducer.does_nothing:
         return pipe_or_unet
-    unet_state = _UNetState(reducer, _StepRange(validated, pipeline))
+    unet_state = _UNetState(reducer, step_range)
     for name, block in blocks:
         block.__dict__[_STATE] = _BlockState(unet_state, name)
         block.__class__ = _reduced_class(_original_class(block))

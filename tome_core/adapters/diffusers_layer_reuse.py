@@ -1,0 +1,225 @@
+"""diffusers wiring of layer reuse (setting ``reuse_interval``; the engine is ``tome_core.layer_reuse``).
+
+Which layers: the split of ComfyUI's ldm UNet with one outer block on each side (``unet_layout.inner_layers``).
+``UNet2DConditionModel.forward`` runs ``conv_in``, every down block, the mid block, every up block, then
+``conv_norm_out``/``conv_out``; the last up block pairs its resnets with its attentions (CrossAttnUpBlock2D) or
+has resnets only (UpBlock2D), its last resnet reading ``conv_in``'s output through the skip connection. Kept,
+run at every step: ``conv_in``, that last resnet (and its attention) and what follows it. Inner: the down blocks,
+the mid block and the up blocks before the last one, each whole (the UNet calls each as a module), then the last
+up block's earlier resnets and attentions, one by one; the last of them is the boundary. Skip tensors of inner
+layers feed only inner layers, so their stand-in zeros are never seen by a kept layer; ControlNet's residuals are
+added to the down blocks' skip tensors and to the mid block's output: to zeros (of the recorded shapes) at a
+reusing step, where nothing kept reads them, except the residual on ``conv_in``'s output, which still counts.
+
+Which step: diffusers has no sampling-run hook, so a run is found from the pipeline's scheduler. Pipelines call
+``scheduler.set_timesteps`` (a new ``timesteps`` tensor) before their loop and give the UNet one of those
+timesteps per call. A forward pre-hook on the UNet finds the call's step in ``pipe.scheduler.timesteps``; a new
+schedule, or a step that goes back, starts a new run, whose first step is the first one called (image-to-image
+starts part way); the run's cache is dropped after its last step. A call whose step is not on the schedule runs
+in full. A bare UNet has no scheduler to follow: ``apply_patch`` refuses reuse_interval > 1 there.
+
+Every inner layer gets an instance attribute ``forward`` (a ``SkippableLayer``); removal deletes them and the
+hooks, so the UNet then computes bit-identically to one never patched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from ..layer_reuse import DEFAULT_EXTRAPOLATE, IntervalSchedule, LayerReuseRun, SkippableLayer
+
+log = logging.getLogger("tome_patch")
+
+_STATE = "_tome_patch_layer_reuse"  # on the UNet: the LayerReuse object
+_HOOKS = "_tome_patch_layer_reuse_hooks"  # on the UNet: the pre-hook's and the forward hook's handles
+# The last up block's classes whose forward runs resnet i, then attention i, reading skip i from the end.
+PAIRED_UP_BLOCKS = ("CrossAttnUpBlock2D", "UpBlock2D")
+
+
+def inner_layers(unet) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of the layers that reuse skips, in the order a UNet call runs them; empty for a layout
+    this split does not know (see the module docstring)."""
+    downs = list(getattr(unet, "down_blocks", None) or ())
+    ups = list(getattr(unet, "up_blocks", None) or ())
+    if not downs or not ups or not any(c.__name__ in PAIRED_UP_BLOCKS for c in type(ups[-1]).__mro__):
+        return []
+    last = ups[-1]
+    resnets = list(getattr(last, "resnets", None) or ())
+    attentions = list(getattr(last, "attentions", None) or ())
+    if len(resnets) < 2 or (attentions and len(attentions) != len(resnets)):
+        return []
+    layers = [(f"down_blocks.{i}", block) for i, block in enumerate(downs)]
+    if getattr(unet, "mid_block", None) is not None:
+        layers.append(("mid_block", unet.mid_block))
+    layers += [(f"up_blocks.{i}", block) for i, block in enumerate(ups[:-1])]
+    last_name = f"up_blocks.{len(ups) - 1}"
+    for j in range(len(resnets) - 1):
+        layers.append((f"{last_name}.resnets.{j}", resnets[j]))
+        if attentions:
+            layers.append((f"{last_name}.attentions.{j}", attentions[j]))
+    return layers
+
+
+class _Schedule:
+    """The scheduler's ``timesteps`` as floats, read once per tensor (a new one per ``set_timesteps``)."""
+
+    def __init__(self, timesteps: torch.Tensor):
+        self.tensor = timesteps
+        self.version = timesteps._version  # changes when the tensor is written in place
+        self.values = [float(t) for t in timesteps.flatten().tolist()]
+
+    def is_current(self, timesteps) -> bool:
+        return timesteps is self.tensor and timesteps._version == self.version
+
+    def step_of(self, timestep: float, step_index) -> int | None:
+        """Index of the call's timestep; the scheduler's own step index where it agrees (second-order schedulers
+        such as Heun list each timestep twice), else the first equal value."""
+        if isinstance(step_index, int) and 0 <= step_index < len(self.values):
+            if _same(self.values[step_index], timestep):
+                return step_index
+        for i, value in enumerate(self.values):
+            if _same(value, timestep):
+                return i
+        return None
+
+
+def _same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
+
+
+class LayerReuse:
+    """The owner of the UNet's ``SkippableLayer``s: follows the pipeline's runs and holds the current one."""
+
+    def __init__(
+        self,
+        pipeline,
+        schedule: IntervalSchedule,
+        layers: list[tuple[str, torch.nn.Module]],
+        allowed: Callable[[float], bool],
+        extrapolate: float = DEFAULT_EXTRAPOLATE,
+    ):
+        self._pipeline = weakref.ref(pipeline)  # held weakly, its scheduler looked up at each call (swaps follow)
+        self.schedule = schedule
+        self.layers = layers
+        self.allowed = allowed
+        self.extrapolate = extrapolate
+        self._timesteps: _Schedule | None = None
+        self.run: LayerReuseRun | None = None  # the run in progress (kept after its end for its counts)
+        self._first_step = 0  # the run's first step in the scheduler's timesteps
+        self._last_step = -1
+        self._logged: LayerReuseRun | None = None  # the run whose summary was logged (once per run)
+        self._current: LayerReuseRun | None = None  # set for the UNet call in progress only
+
+    def layer_run(self) -> LayerReuseRun | None:
+        return self._current
+
+    def _scheduler_timesteps(self):
+        pipeline = self._pipeline()
+        scheduler = getattr(pipeline, "scheduler", None)
+        timesteps = getattr(scheduler, "timesteps", None)
+        if not isinstance(timesteps, torch.Tensor) or timesteps.numel() == 0:
+            return None, None
+        return scheduler, timesteps
+
+    def before_call(self, module, args, kwargs):
+        self._current = None
+        sample = args[0] if args else kwargs.get("sample")
+        timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+        scheduler, timesteps = self._scheduler_timesteps()
+        if timesteps is None or timestep is None or not isinstance(sample, torch.Tensor):
+            return None
+        if self._timesteps is None or not self._timesteps.is_current(timesteps):
+            self._timesteps = _Schedule(timesteps)
+            self._new_run(None)
+        t = float(torch.as_tensor(timestep).max())
+        step = self._timesteps.step_of(t, getattr(scheduler, "_step_index", None))
+        if step is None:  # not on the schedule (a call of the user's own): run in full, leave the run as it is
+            return None
+        if self.run is None or step < self._last_step:
+            self._new_run(step)
+        self._last_step = step
+        key = (tuple(sample.shape), sample.dtype)
+        self.run.begin_call(step - self._first_step, key, allowed=self.allowed(t))
+        self._current = self.run
+        return None
+
+    def after_call(self, module, args, kwargs, output):
+        """Also called when the UNet call raised (``always_call``): the next call starts clean."""
+        run, self._current = self._current, None
+        if run is None:
+            return None
+        run.end_call()
+        if self._last_step >= len(self._timesteps.values) - 1:  # the last step: this run is over
+            self._finish()
+        return None
+
+    def _new_run(self, first_step: int | None) -> None:
+        self._finish()
+        self.run = None
+        self._last_step = -1
+        if first_step is not None:
+            self._first_step = first_step
+            steps = len(self._timesteps.values) - first_step
+            self.run = LayerReuseRun(self.schedule, steps, len(self.layers), self.extrapolate)
+
+    def _finish(self) -> None:
+        run = self.run
+        if run is None:
+            return
+        run.drop()
+        if self._logged is not run:
+            self._logged = run
+            log.info("ToMe reuse across steps: %s", run.summary())
+
+    def drop(self) -> None:
+        self._finish()
+        self.run = None
+        self._timesteps = None
+        self._current = None
+
+
+def install(unet, pipeline, settings, allowed: Callable[[float], bool]) -> bool:
+    """Give ``unet`` layer reuse at ``settings.reuse_interval``, following ``pipeline``'s scheduler; False where
+    the layout is not one this split knows (the UNet is then left as it is)."""
+    layers = inner_layers(unet)
+    if settings.reuse_interval <= 1 or not layers:
+        return False
+    owner = LayerReuse(pipeline, IntervalSchedule(settings.reuse_interval), layers, allowed)
+    for index, (_, layer) in enumerate(layers):
+        layer.__dict__["forward"] = SkippableLayer(owner, index, layer, layer.__dict__.get("forward"))
+    unet.__dict__[_STATE] = owner
+    unet.__dict__[_HOOKS] = (
+        unet.register_forward_pre_hook(_disabled(owner.before_call), with_kwargs=True),
+        unet.register_forward_hook(_disabled(owner.after_call), with_kwargs=True, always_call=True),
+    )
+    return True
+
+
+def _disabled(hook):
+    """Kept out of torch.compile's graph: the hooks read the host's scheduler and keep Python state."""
+    return torch.compiler.disable(hook)
+
+
+def installed(unet) -> LayerReuse | None:
+    return unet.__dict__.get(_STATE)
+
+
+def remove(unet) -> None:
+    """Remove everything ``install`` put on ``unet``; a no-op where nothing is."""
+    owner = unet.__dict__.pop(_STATE, None)  # our layers' forwards are removed even without it (a copied UNet)
+    for handle in unet.__dict__.pop(_HOOKS, ()):
+        handle.remove()
+    for module in unet.modules():
+        current = module.__dict__.get("forward")
+        if isinstance(current, SkippableLayer) and isinstance(current.owner, LayerReuse):
+            if current.inner is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = current.inner
+    if owner is not None:
+        owner.drop()
