@@ -8,8 +8,9 @@ receives) is predicted from the steps at which it was last computed, and only th
 current input. *Full* steps run everything and record that feature: the first steps (the picture's layout),
 the last step (its finest detail) and every ``interval``-th step in between.
 
-The prediction is the feature of the last full step, moved on along the line through the last two full steps
-(first-order extrapolation in the step index), which follows the feature's drift over the skipped steps.
+The prediction is the feature of the last full step, moved half way on along the line through the last two full
+steps (a damped first-order extrapolation over the noise level, sigma), which follows the feature's drift over the
+skipped steps without overshooting it.
 
 This module knows no host. An adapter lists the inner layers in the order a call runs them (the last one is
 the *boundary*, whose output the outer layers read) and gives each a ``SkippableLayer`` as its forward; the
@@ -32,7 +33,10 @@ from dataclasses import dataclass
 import torch
 
 # The engine's defaults, shared by every host adapter.
-DEFAULT_EXTRAPOLATE = 1.0  # how far along the line through the last two full steps the prediction moves
+# How far along the line through the last two full steps the prediction moves (1: all the way). Half way, with
+# the line drawn over the sigmas (``position``), kept the picture best on both reference models
+# (docs/step-reuse.md: 0 and 1 each lose it on one of them).
+DEFAULT_EXTRAPOLATE = 0.5
 OUTER_BLOCKS = 1  # the first input block and the last output block run at every step
 
 

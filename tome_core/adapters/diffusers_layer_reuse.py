@@ -144,7 +144,8 @@ class LayerReuse:
             self._new_run(step)
         self._last_step = step
         key = (tuple(sample.shape), sample.dtype)
-        self.run.begin_call(step - self._first_step, key, allowed=self.allowed(t))
+        position = _sigma_of(scheduler, step, t)
+        self.run.begin_call(step - self._first_step, key, allowed=self.allowed(t), position=position)
         self._current = self.run
         return None
 
@@ -181,6 +182,22 @@ class LayerReuse:
         self.run = None
         self._timesteps = None
         self._current = None
+
+
+def _sigma_of(scheduler, step: int, timestep: float) -> float | None:
+    """The noise level of a call, where the prediction draws its line (as in the other hosts): the scheduler's own
+    sigma of the step (Euler-like schedulers), or the one its timestep stands for (DDIM-like: from the cumulative
+    alphas); None (the step index) where neither is known."""
+    sigmas = getattr(scheduler, "sigmas", None)
+    timesteps = getattr(scheduler, "timesteps", None)
+    if isinstance(sigmas, torch.Tensor) and isinstance(timesteps, torch.Tensor) and len(sigmas) > len(timesteps) - 1:
+        if step < len(sigmas):
+            return float(sigmas[step])
+    alphas = getattr(scheduler, "alphas_cumprod", None)
+    if isinstance(alphas, torch.Tensor) and 0 <= round(timestep) < len(alphas):
+        alpha = float(alphas[round(timestep)])
+        return ((1.0 - alpha) / alpha) ** 0.5 if alpha > 0 else None
+    return None
 
 
 def install(unet, pipeline, settings, allowed: Callable[[float], bool]) -> bool:

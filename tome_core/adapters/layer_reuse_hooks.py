@@ -114,7 +114,7 @@ class LayerInjection:
 
 
 def install(
-    clone, settings, noise_range, extrapolate=DEFAULT_EXTRAPOLATE, outer=OUTER_BLOCKS, schedule=None, by_sigma=False
+    clone, settings, noise_range, extrapolate=DEFAULT_EXTRAPOLATE, outer=OUTER_BLOCKS, schedule=None, by_sigma=True
 ) -> bool:
     """Give ``clone`` layer reuse at ``settings.reuse_interval``; False where it cannot (left as it is).
 

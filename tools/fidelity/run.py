@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cfg", type=float, default=4.0)
     parser.add_argument("--only", default="", help="comma-separated words: keep rows whose name contains one")
     parser.add_argument("--broken", action="store_true", help="add a deliberately broken patch (plumbing check)")
+    parser.add_argument(
+        "--variants", action="store_true", help="add the reuse_interval variants its defaults were chosen from"
+    )
     parser.add_argument("--real", type=int, default=1024, help="real scenes for the Frechet distance")
     parser.add_argument("--grid", type=int, default=8, help="images per row in the grid")
     parser.add_argument("--out", default=str(ROOT / "results"))
@@ -188,34 +191,37 @@ def followed_by_easycache(row: FidelityRow, threshold: float = 0.2) -> FidelityR
     )
 
 
-def layer_reuse_rows(nodes: dict) -> list[FidelityRow]:
-    """Setting reuse_interval alone (ToDo off) and with ToDo 2, and the variants it was chosen from."""
+def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
+    """Setting reuse_interval alone (ToDo off) and with ToDo 2; with ``variants`` the engine variants its
+    defaults were chosen from (the predictor, the outer blocks)."""
     rows = []
     for interval in (2, 3, 4):
         rows.append(
             ours(nodes, f"ours reuse every {interval}", method="todo", downsample_factor=1.0, reuse_interval=interval)
         )
-    rows.append(ours(nodes, "ours ToDo 2 + reuse every 3", method="todo", reuse_interval=3))
+    for interval in (2, 3):
+        rows.append(ours(nodes, f"ours ToDo 2 + reuse every {interval}", method="todo", reuse_interval=interval))
     rows.append(
         followed_by_easycache(ours(nodes, "ours reuse every 3", method="todo", downsample_factor=1.0, reuse_interval=3))
     )
-    variants = (
+    if not variants:
+        return rows
+    changed = (
         (3, {"extrapolate": 0.0}),
-        (3, {"extrapolate": 0.5}),
-        (3, {"by_sigma": True}),
-        (3, {"by_sigma": True, "extrapolate": 0.5}),
-        (3, {"extrapolate": 0.0, "outer": 2}),
+        (3, {"extrapolate": 1.0}),
+        (3, {"by_sigma": False}),
+        (3, {"by_sigma": False, "extrapolate": 1.0}),
+        (3, {"outer": 2}),
         (2, {"extrapolate": 0.0}),
         (4, {"extrapolate": 0.0}),
-        (4, {"extrapolate": 0.5}),
     )
-    for interval, changes in variants:
+    for interval, changes in changed:
         name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
         rows.append(FidelityRow(name, "ours", layer_reuse_variant(interval, **changes), settings=changes))
     return rows
 
 
-def layer_reuse_variant(interval: int, extrapolate=1.0, outer=1, by_sigma=False, **schedule) -> Callable:
+def layer_reuse_variant(interval: int, extrapolate=0.5, outer=1, by_sigma=True, **schedule) -> Callable:
     """Layer reuse with engine defaults overridden (the variants the setting's defaults were chosen from)."""
     from tome_core.adapters import layer_reuse_hooks
     from tome_core.layer_reuse import IntervalSchedule
@@ -304,7 +310,7 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
         rows.append(ours(nodes, "ours reuse 0.5 all levels", method="tome", ratio=0.5, scope="reuse", max_downsample=8))
         rows.append(followed_by_easycache(ours(nodes, "ours reuse 0.5", method="tome", ratio=0.5, scope="reuse")))
     if "reuse_interval" in SPECS:  # reuse across steps, layer by layer (tome_core/layer_reuse.py)
-        rows += layer_reuse_rows(nodes)
+        rows += layer_reuse_rows(nodes, args.variants)
     rows += [comfy_builtin(0.5), todo_reference(2.0, finest)]
     rows += step_cache_rows()
     state_dict = base_model.diffusion_model.state_dict()
