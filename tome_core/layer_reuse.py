@@ -75,11 +75,15 @@ class _Entry:
         self.outputs: list[tuple[int, torch.Tensor]] = []  # (step, boundary output), oldest first, at most two
         self.shapes: dict[int, object] = {}
 
+    # Both kept out of a compiled graph (torch.compile of the UNet): they compare and weigh the noise levels, which
+    # a graph would take as constants and compile again at every step.
+    @torch.compiler.disable
     def record(self, position: float, output: torch.Tensor) -> None:
         if self.outputs and self.outputs[-1][0] == position:  # the same step again (another call of this layout)
             self.outputs.pop()
         self.outputs = (self.outputs + [(position, output)])[-2:]
 
+    @torch.compiler.disable
     def predict(self, position: float, extrapolate: float) -> torch.Tensor:
         last_position, last = self.outputs[-1]
         if not extrapolate or len(self.outputs) < 2:
@@ -169,10 +173,15 @@ class LayerReuseRun:
                 call.entry.record(call.position, feature.detach().clone())
         return out
 
+    def cache_bytes(self) -> int:
+        """What the cache holds now: the recorded boundary outputs of every batch layout."""
+        return sum(t.numel() * t.element_size() for entry in self.entries.values() for _, t in entry.outputs)
+
     def summary(self) -> str:
         return (
-            f"{self.reused_calls} of {self.calls} model calls ran only the outer layers (the inner layers' output "
-            f"reused from earlier steps)"
+            f"{self.calls - self.reused_calls} of {self.calls} model calls computed in full; {self.reused_calls} ran "
+            f"only the outer layers (the first input block and the last output block), with the inner layers' "
+            f"output predicted from earlier steps"
         )
 
 

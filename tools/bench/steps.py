@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from . import host as bench_host
+from .measure import PeakMemory
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = {
@@ -77,6 +78,7 @@ class CallTimer:
     def __init__(self, cpu: bool):
         self.cpu = cpu  # this process's CPU time instead of wall time
         self.calls: list[tuple[float, bool]] = []
+        self.cache_bytes = 0  # the most the run's cache held after a call
 
     def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kw):
         from tome_core.adapters.layer_reuse_hooks import RUN_KEY
@@ -89,6 +91,8 @@ class CallTimer:
         # Inside our wrapper the run's current call says it; outside it, the run's count went up.
         reused = run.current.reuse if inside else (run is not None and run.reused_calls > before)
         self.calls.append(((time.process_time() if self.cpu else time.perf_counter()) - start, reused))
+        if run is not None:
+            self.cache_bytes = max(self.cache_bytes, run.cache_bytes())
         return out
 
 
@@ -100,9 +104,12 @@ def sample(model, positive, negative, latent_hw, steps: int, seed: int, cpu: boo
     model.add_wrapper_with_key("apply_model", "tome_patch_bench_timer", timer)
     latent = {"samples": torch.zeros(1, 4, *latent_hw)}
     clock = time.process_time if cpu else time.perf_counter
-    start = clock()
-    comfy_nodes.common_ksampler(model, seed, steps, 5.0, "euler", "normal", positive, negative, latent)
-    return clock() - start, timer
+    with PeakMemory(torch.device("cpu")) as peak:
+        start = clock()
+        comfy_nodes.common_ksampler(model, seed, steps, 5.0, "euler", "normal", positive, negative, latent)
+        seconds = clock() - start
+    timer.peak_mib = peak.mib
+    return seconds, timer
 
 
 def main(argv=None) -> dict:
@@ -142,6 +149,8 @@ def main(argv=None) -> dict:
             "full_call_s": sum(full) / len(full) if full else None,
             "reusing_call_s": sum(reusing) / len(reusing) if reusing else None,
             "reusing_calls": len(reusing),
+            "peak_mib": timer.peak_mib,
+            "cache_mib": timer.cache_bytes / 2**20,
         }
         log(f"{name}: {total:.1f} s, {len(full)} full calls, {len(reusing)} reusing")
     base = results["unpatched"]
@@ -171,16 +180,20 @@ def main(argv=None) -> dict:
     stem = f"steps-{args.model}-{args.resolution}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=2))
     steps_list = list(results["unpatched"]["converted"])
-    head = "| row | full call s | reusing call s | direct speed-up | " + " | ".join(
+    head = "| row | full call s | reusing call s | peak MiB | cache MiB | direct speed-up | " + " | ".join(
         f"converted {s} steps" for s in steps_list
     )
-    lines = [head + " |", "|---" * (4 + len(steps_list)) + "|"]
+    lines = [head + " |", "|---" * (6 + len(steps_list)) + "|"]
     for name, r in results.items():
         reusing = f"{r['reusing_call_s']:.2f}" if r["reusing_call_s"] is not None else "-"
         conv = " | ".join(
             f"{r['converted'][s]['speedup']:.2f}x ({r['converted'][s]['full_steps']} full)" for s in steps_list
         )
-        lines.append(f"| {name} | {r['full_call_s']:.2f} | {reusing} | {r['direct_speedup']:.2f}x | {conv} |")
+        peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
+        lines.append(
+            f"| {name} | {r['full_call_s']:.2f} | {reusing} | {peak} | {r['cache_mib']:.1f} | "
+            f"{r['direct_speedup']:.2f}x | {conv} |"
+        )
     table = "\n".join(lines)
     (out / f"{stem}.md").write_text(
         f"{args.model} {args.resolution} px, {args.steps}-step runs, batch 2 (cond + uncond), "

@@ -58,7 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=4, help="seeds: images = prompts x seeds")
     parser.add_argument("--steps", type=int, default=12, help="Euler steps")
     parser.add_argument("--cfg", type=float, default=4.0)
-    parser.add_argument("--only", default="", help="comma-separated words: keep rows whose name contains one")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated words: keep rows whose name contains one ('=name': exactly that row)",
+    )
     parser.add_argument("--broken", action="store_true", help="add a deliberately broken patch (plumbing check)")
     parser.add_argument(
         "--variants", action="store_true", help="add the reuse_interval variants its defaults were chosen from"
@@ -282,7 +286,12 @@ def keep_asked_rows(rows: list[FidelityRow], args, broken=broken_patch) -> list[
         rows.append(FidelityRow("broken (shifted tokens)", "broken", broken))
     if args.only:
         words = [w.strip() for w in args.only.split(",") if w.strip()]
-        rows = [r for r in rows if r.group == "unpatched" or any(w in r.name for w in words)]
+        # "=name" keeps the row of exactly that name, any other word every row whose name contains it
+        rows = [
+            r
+            for r in rows
+            if r.group == "unpatched" or any(r.name == w[1:] if w.startswith("=") else w in r.name for w in words)
+        ]
     return rows
 
 
