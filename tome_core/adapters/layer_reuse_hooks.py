@@ -26,6 +26,7 @@ WRAPPER_KEY = "tome_patch_layer_reuse"
 INJECTION_KEY = "tome_patch_layer_reuse"
 OUTER_SAMPLE = "outer_sample"  # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE
 APPLY_MODEL = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
+STEP_CACHE_KEY = "easycache"  # transformer_options: ComfyUI's EasyCache and LazyCache keep their state there
 
 
 class LayerReuseHooks:
@@ -51,6 +52,15 @@ class LayerReuseHooks:
 
     def outer_sample_wrapper(self, executor, *args, **kwargs):
         guider = executor.class_obj
+        if STEP_CACHE_KEY in guider.model_options.get("transformer_options", {}):
+            # ComfyUI's EasyCache or LazyCache skips steps on this model too. Both reuse at once: each takes the
+            # other's predicted output for a real change, and the picture is lost (ref-sdxl, reuse every 3 and
+            # EasyCache 0.2: SSIM 0.18). So the step cache decides the steps alone; ToDo/ToMe still apply.
+            log.warning(
+                "ToMe reuse across steps is off for this run: ComfyUI's EasyCache/LazyCache already skips steps on "
+                "this model (the two together change the picture). ToDo/ToMe still apply."
+            )
+            return executor(*args, **kwargs)
         sigmas = call_sigmas(args[3] if len(args) > 3 else kwargs.get("sigmas"))
         run = LayerReuseRun(self.schedule, len(sigmas), self.layers, self.extrapolate)
         original = guider.model_options
