@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from modules import script_callbacks, scripts
 
-from tome_core.adapters import ldm_blocks, webui_args, webui_layer_reuse
+from tome_core.adapters import layer_reuse_hooks, ldm_blocks, webui_args, webui_layer_reuse
 from tome_core.adapters.patcher_hooks import NotAUNetError, patched_clone
 
 TITLE = "ToMe Patch"
@@ -183,6 +183,9 @@ def _patch_forge(p, forge_objects, settings, job: _Job) -> bool:
     except NotAUNetError as err:
         job.warn_once(f"this model ({err}) is not a UNet with attention blocks (DiT models are not supported).")
         return False
+    # The step of each call comes from the WebUI's callbacks here, not from a ComfyUI-style sampler wrapper (which
+    # a reForge patcher may take but the WebUI's samplers never run).
+    layer_reuse_hooks.remove(clone)
     webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma)
     forge_objects.unet = clone
     return True
