@@ -14,13 +14,17 @@ reaching the user: bad input is reported in one console line and the job runs un
 The patch is applied right before each sampling pass, re-reading ``p.sd_model`` (the highres pass may use another
 checkpoint), and removed after the job, at the start of the next one (an exception while sampling skips
 ``postprocess``), when a model is loaded and when the scripts are reloaded.
+
+Reuse across steps (``reuse_interval``) belongs to one sampling pass: it is set up with the patch and finished at
+the next pass, at the end of the job and wherever the patch is removed; the step of each model call comes from the
+``cfg_denoiser`` callbacks (see ``tome_core/adapters/webui_layer_reuse.py``).
 """
 
 from __future__ import annotations
 
 from modules import script_callbacks, scripts
 
-from tome_core.adapters import ldm_blocks, webui_args
+from tome_core.adapters import layer_reuse_hooks, ldm_blocks, webui_args, webui_layer_reuse
 from tome_core.adapters.patcher_hooks import NotAUNetError, patched_clone
 
 TITLE = "ToMe Patch"
@@ -39,6 +43,7 @@ class _Job:
         self.args = args
         self.warned: set[str] = set()
         self.infotext_written = False
+        self.reuse_runs: list = []  # the LayerReuseRun of each pass that reused across steps (log, tests)
 
     def warn_once(self, message: str) -> None:
         if message not in self.warned:
@@ -52,6 +57,7 @@ def _unet_of(sd_model):
 
 def remove_everywhere(sd_model=None) -> None:
     """Leave no patch of ours on any UNet: those we patched, and ``sd_model``'s (it may be a reloaded object)."""
+    webui_layer_reuse.end_pass()
     ldm_blocks.remove_all()
     unet = _unet_of(sd_model)
     if unet is not None and hasattr(unet, "modules"):
@@ -113,7 +119,16 @@ def start_job(p, args) -> _Job:
     return job
 
 
+def end_reuse_pass(job: _Job | None) -> None:
+    """Finish the reuse across steps of the pass before (its run is dropped) and log what it did."""
+    run = webui_layer_reuse.end_pass()
+    if run is not None and job is not None:
+        job.reuse_runs.append(run)
+        _console(f"reuse across steps: {run.summary()}")
+
+
 def patch_for_pass(p, job: _Job) -> None:
+    end_reuse_pass(job)
     is_hr_pass = bool(getattr(p, "is_hr_pass", False))
     sd_model = p.sd_model
     forge_objects = getattr(sd_model, "forge_objects", None)
@@ -131,15 +146,15 @@ def patch_for_pass(p, job: _Job) -> None:
         )
         return
     if forge_objects is not None:
-        patched = _patch_forge(forge_objects, settings, job)
+        patched = _patch_forge(p, forge_objects, settings, job)
     else:
-        patched = _patch_ldm(sd_model, settings, job)
+        patched = _patch_ldm(p, sd_model, settings, job)
     if patched and not job.infotext_written:
         p.extra_generation_params.update(webui_args.infotext_params(job.args))
         job.infotext_written = True
 
 
-def _patch_ldm(sd_model, settings, job: _Job) -> bool:
+def _patch_ldm(p, sd_model, settings, job: _Job) -> bool:
     unet = _unet_of(sd_model)
     if unet is None or not hasattr(unet, "named_modules"):
         job.warn_once(f"this model ({type(sd_model).__name__}) has no UNet to patch; generating without it.")
@@ -148,13 +163,15 @@ def _patch_ldm(sd_model, settings, job: _Job) -> bool:
         job.warn_once("a TensorRT UNet is active and bypasses the transformer blocks; generating without it.")
         return False
     try:
-        return ldm_blocks.install_patch(unet, settings)
+        reduced = ldm_blocks.install_patch(unet, settings)  # False where the token reduction does nothing
     except ldm_blocks.UnsupportedModelError as err:
         job.warn_once(f"not applied: {err}.")
         return False
+    reusing = webui_layer_reuse.install_ldm(unet, settings, p) is not None
+    return reduced or reusing
 
 
-def _patch_forge(forge_objects, settings, job: _Job) -> bool:
+def _patch_forge(p, forge_objects, settings, job: _Job) -> bool:
     unet = forge_objects.unet
     percent_to_sigma = _forge_percent_to_sigma(unet)
     if percent_to_sigma is None:
@@ -162,10 +179,15 @@ def _patch_forge(forge_objects, settings, job: _Job) -> bool:
             job.warn_once("this Forge version exposes no sampling schedule; reducing at every step instead.")
         settings = settings.replace(start_percent=0.0, end_percent=1.0)
     try:
-        forge_objects.unet = patched_clone(unet, settings, percent_to_sigma)
+        clone = patched_clone(unet, settings, percent_to_sigma)
     except NotAUNetError as err:
         job.warn_once(f"this model ({err}) is not a UNet with attention blocks (DiT models are not supported).")
         return False
+    # The step of each call comes from the WebUI's callbacks here, not from a ComfyUI-style sampler wrapper (which
+    # a reForge patcher may take but the WebUI's samplers never run).
+    layer_reuse_hooks.remove(clone)
+    webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma)
+    forge_objects.unet = clone
     return True
 
 
@@ -197,6 +219,7 @@ class ToMePatchScript(scripts.Script):
             job.warn_once(f"not applied because of an error: {err!r}")
 
     def postprocess(self, p, processed, *args):
+        end_reuse_pass(getattr(p, _JOB, None))
         remove_everywhere(getattr(p, "sd_model", None))
 
 
@@ -248,6 +271,7 @@ def add_xyz_axes() -> bool:
             _xyz_apply("scope"),
             choices=lambda: list(webui_args.ARGS[webui_args.ARG_NAMES.index("scope")].choices),
         ),
+        xyz.AxisOption(f"[{TITLE}] Reuse interval", int, _xyz_apply("reuse_interval")),
     ]
     xyz.axis_options.extend(axis for axis in new_axes if axis.label not in labels)
     return True
@@ -256,3 +280,6 @@ def add_xyz_axes() -> bool:
 script_callbacks.on_model_loaded(remove_everywhere)
 script_callbacks.on_script_unloaded(remove_everywhere)
 script_callbacks.on_before_ui(add_xyz_axes)
+# The step of each model call, for reuse across steps (modules/script_callbacks.py, v1.10.1 and Forge).
+script_callbacks.on_cfg_denoiser(webui_layer_reuse.on_cfg_denoiser)
+script_callbacks.on_cfg_after_cfg(webui_layer_reuse.on_cfg_after_cfg)

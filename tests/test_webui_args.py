@@ -49,6 +49,9 @@ def test_ui_returns_the_documented_order_with_engine_defaults_and_ranges(host):
     assert webui_args.ARG_NAMES[:4] == ("enabled", "method", "ratio", "downsample_factor")  # API positions
     assert webui_args.ARG_NAMES[18] == "scope" and by_name["scope"].kwargs["choices"] == ["self-attention", "block"]
     assert by_name["scope"].kwargs["value"] == "self-attention" and by_name["scope"].kind == "Dropdown"
+    assert webui_args.ARG_NAMES[19] == "reuse_interval" and by_name["reuse_interval"].kind == "Slider"
+    reuse = by_name["reuse_interval"].kwargs
+    assert (reuse["minimum"], reuse["maximum"], reuse["step"], reuse["value"]) == (1, 8, 1, 1)
     # The shipped default keeps the picture: ToDo, factor 2 (README "Which setting to use").
     assert by_name["method"].kwargs["value"] == "ToDo" and webui_args.defaults().method == "todo"
     assert dataclasses.replace(webui_args.defaults(), enabled=True).settings_for_pass(False, 0) == PatchSettings()
@@ -76,6 +79,8 @@ def test_api_args_from_json_are_cast(host, sd1):
         (9, 2.5, ['"Stride x (ToMe)"', "whole number"]),
         (16, -0.1, ['"Stop after (fraction of steps)"', "from 0 to 1"]),
         (18, "all", ['"Scope (ToMe)"', "'self-attention', 'block'", "'all'"]),
+        (19, 9, ['"Reuse interval (across steps)"', "from 1 to 8"]),
+        (19, 2.5, ['"Reuse interval (across steps)"', "whole number"]),
     ],
 )
 def test_bad_api_args_are_rejected_with_a_clear_message(host, sd1, baseline, capsys, position, value, words):
@@ -94,8 +99,8 @@ def test_combination_errors_name_both_settings(capsys, host, sd1):
     args[9] = args[10] = 1  # sx, sy: each in range, together no source token
     run_job(host, sd1, args)
     assert "sx and sy" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="at most 19 arguments"):
-        webui_args.parse_args([True] * 20)
+    with pytest.raises(ValueError, match="at most 20 arguments"):
+        webui_args.parse_args([True] * 21)
 
 
 def _infotext(params: dict) -> str:
@@ -130,6 +135,8 @@ def _paste(components, fields, params):
         dict(hr_same=False, hr_ratio=0.6, hr_only=True, max_downsample="2", sx=3, sy=2, use_rand=True),
         dict(merge_crossattn=True, merge_mlp=True, merge_attn=False, end_percent=0.7, skip_when_slower=True),
         dict(scope="block", max_downsample="4"),
+        dict(method="ToDo", downsample_factor=1, reuse_interval=3),  # reuse alone: the reduction does nothing
+        dict(reuse_interval=8, ratio=0.3),
     ],
 )
 def test_infotext_round_trip(host, sd1, values):
@@ -162,8 +169,9 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
         "[ToMe Patch] Ratio",
         "[ToMe Patch] Downsample factor",
         "[ToMe Patch] Scope",
+        "[ToMe Patch] Reuse interval",
     ]
-    method_axis, ratio_axis, _, scope_axis = host.xyz.axis_options
+    method_axis, ratio_axis, _, scope_axis, reuse_axis = host.xyz.axis_options
     assert method_axis.choices() == ["ToMe", "ToDo"]
     assert scope_axis.choices() == ["self-attention", "block"]
     from webui_host import Processing, process_images
@@ -181,6 +189,11 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
     with torch.no_grad():
         block = process_images(host, p)
     assert p.extra_generation_params["ToMe scope"] == "block" and not torch.equal(block, outputs[0.5])
+    p = Processing(sd1, script_args(enabled=False))
+    reuse_axis.apply(p, 3, [1, 3])
+    with torch.no_grad():
+        process_images(host, p)
+    assert p.extra_generation_params["ToMe reuse interval"] == 3
     # Without the X/Y/Z script (e.g. disabled), nothing is added and nothing fails.
     assert Host().script() is not None
 

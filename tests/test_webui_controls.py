@@ -30,7 +30,16 @@ EXPECTED_SHOWN = {
     ("ToDo", False, "self-attention"): {"downsample_factor", "downsample_method", "hr_downsample_factor"},
     ("ToDo", False, "block"): {"downsample_factor", "downsample_method", "hr_downsample_factor"},
 }
-ALWAYS_SHOWN = {"enabled", "method", "hr_same", "hr_only", "max_downsample", "end_percent", "skip_when_slower"}
+ALWAYS_SHOWN = {
+    "enabled",
+    "method",
+    "hr_same",
+    "hr_only",
+    "max_downsample",
+    "end_percent",
+    "skip_when_slower",
+    "reuse_interval",
+}
 
 # A valid value other than the default for each control that may be hidden.
 OTHER_VALUE = dict(
@@ -89,6 +98,7 @@ def test_every_setting_says_which_method_reads_it():
         "merge_mlp": "ToMe, scope self-attention",
         "downsample_method": "ToDo",
         "scope": "ToMe",
+        "reuse_interval": "ToMe and ToDo",
     }
     assert set(expected) == set(SPECS) - {"method"}
     for name, words in expected.items():

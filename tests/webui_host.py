@@ -26,7 +26,20 @@ What is reproduced (file and line numbers of WebUI v1.10.1, tag commit 82a973c):
   transformer_options)``, residual added in place) and the SpatialTransformer that passes the options to it
   (308-321); ``forge_objects`` reset before each pass and ``process_before_every_sampling`` called twice in the
   highres pass (modules/processing.py 1510, 1522).
-The sampler is a plain Euler loop over the DDPM schedule the WebUI's k-diffusion wrapper uses, with CFG.
+The sampler is a plain Euler (or Heun) loop over the DDPM schedule the WebUI's k-diffusion wrapper uses, with CFG,
+inside the sampler and denoiser bookkeeping that scripts can see (v1.10.1; Forge dfdcbab has the same code):
+- modules/sd_samplers_common.py ``launch_sampling``: ``denoiser.steps = steps``, ``denoiser.total_steps =
+  config.total_steps(steps)`` (twice the steps for a second-order sampler, ``SamplerData.total_steps``),
+  ``state.sampling_steps = steps``, ``state.sampling_step = 0``; ``callback_state`` sets ``state.sampling_step =
+  d['i']``, called by k-diffusion's samplers after step i's model calls. ``steps`` is the pass's own step count
+  (``p.steps``; ``t_enc + 1`` for img2img and the highres pass, sd_samplers_kdiffusion.py ``sample_img2img``).
+- modules/sd_samplers_cfg_denoiser.py ``CFGDenoiser.forward`` (lines 156-311): cond and uncond in one batch, cond
+  first (203-205) -> ``cfg_denoiser_callback(CFGDenoiserParams(x_in, image_cond_in, sigma_in, state.sampling_step,
+  state.sampling_steps, tensor, uncond, self))`` (211-212) -> one UNet call (249), or one per half when
+  ``batch_cond_uncond`` is off (251-255) -> ``cfg_after_cfg_callback`` (306-307) -> ``self.step += 1`` (310).
+  ``step`` is reset by the sampler's ``initialize`` before each pass. Forge: the same at lines 183-184, 218-219,
+  222, and its sampling_function (backend/sampling/sampling_function.py 253-254) puts ``cond_or_uncond`` and
+  ``sigmas`` into the call's ``transformer_options``, which backend/modules/k_model.py line 45 hands to the UNet.
 """
 
 from __future__ import annotations
@@ -93,15 +106,54 @@ ScriptClassData = namedtuple("ScriptClassData", ["script_class", "path", "basedi
 
 
 class Callbacks:
-    """modules/script_callbacks.py: the three callbacks a script registers (lines 467, 581, 588)."""
+    """modules/script_callbacks.py: the callbacks a script registers (``on_model_loaded``, ``on_script_unloaded``,
+    ``on_before_ui``, ``on_cfg_denoiser``, ``on_cfg_after_cfg``)."""
 
     def __init__(self):
         self.model_loaded, self.script_unloaded, self.before_ui = [], [], []
+        self.cfg_denoiser, self.cfg_after_cfg = [], []
 
     def install(self, module):
         module.on_model_loaded = self.model_loaded.append
         module.on_script_unloaded = self.script_unloaded.append
         module.on_before_ui = self.before_ui.append
+        module.on_cfg_denoiser = self.cfg_denoiser.append
+        module.on_cfg_after_cfg = self.cfg_after_cfg.append
+
+
+class CFGDenoiserParams:
+    """modules/script_callbacks.py ``CFGDenoiserParams`` (v1.10.1; Forge lines 45-69)."""
+
+    def __init__(
+        self, x, image_cond, sigma, sampling_step, total_sampling_steps, text_cond, text_uncond, denoiser=None
+    ):
+        self.x, self.image_cond, self.sigma = x, image_cond, sigma
+        self.sampling_step, self.total_sampling_steps = sampling_step, total_sampling_steps
+        self.text_cond, self.text_uncond, self.denoiser = text_cond, text_uncond, denoiser
+
+
+class AfterCFGCallbackParams:
+    """modules/script_callbacks.py ``AfterCFGCallbackParams``."""
+
+    def __init__(self, x, sampling_step, total_sampling_steps):
+        self.x, self.sampling_step, self.total_sampling_steps = x, sampling_step, total_sampling_steps
+
+
+class SharedState:
+    """modules/shared_state.py ``State``: the two fields the samplers keep."""
+
+    sampling_step = 0
+    sampling_steps = 0
+
+
+class CFGDenoiser:
+    """modules/sd_samplers_cfg_denoiser.py ``CFGDenoiser``: the counters and the job a callback can read."""
+
+    def __init__(self, p):
+        self.p = p
+        self.step = 0  # calls so far in this pass (reset by the sampler's initialize)
+        self.steps = None  # the pass's steps (launch_sampling)
+        self.total_steps = None  # the calls the sampler is expected to make
 
 
 def _module(name, **attrs):
@@ -143,6 +195,7 @@ class Host:
 
     def __init__(self, with_xyz=False):
         self.callbacks = Callbacks()
+        self.state = SharedState()
         self.console: list[str] = []
         self.scripts_data: list = []
         scripts_mod = _module(
@@ -318,19 +371,58 @@ def sigma_of_percent(percent: float) -> float:
     return float(SIGMAS[round((1.0 - percent) * 999)])
 
 
-def euler(apply_model, x, timesteps, cond, uncond, cfg=5.0, on_step=None):
-    """Euler over the given DDPM timesteps (eps prediction, as the WebUI's CompVis denoiser), with CFG."""
+def sample(host, p, apply_model, x, timesteps, cond, uncond, cfg=5.0):
+    """One sampling pass: KDiffusionSampler ``initialize`` and ``launch_sampling``, k-diffusion's Euler or Heun loop
+    over the given DDPM timesteps (eps prediction, as the WebUI's CompVis denoiser), and ``callback_state``."""
+    denoiser = CFGDenoiser(p)  # initialize: step 0
+    steps = len(timesteps)
+    denoiser.steps = steps  # launch_sampling
+    denoiser.total_steps = steps * 2 if p.sampler == "Heun" else steps
+    host.state.sampling_steps = steps
+    host.state.sampling_step = 0
     sigmas = [float(SIGMAS[t]) for t in timesteps] + [0.0]
     for i, t in enumerate(timesteps):
-        if on_step is not None:
-            on_step(i)
-        sigma = sigmas[i]
-        x_in = torch.cat([x, x]) / (sigma**2 + 1) ** 0.5
-        t_in = torch.full((x_in.shape[0],), float(t))
-        eps_uncond, eps_cond = apply_model(x_in, t_in, torch.cat([uncond, cond]), sigma).chunk(2)
-        denoised = x - (eps_uncond + cfg * (eps_cond - eps_uncond)) * sigma
-        x = x + (x - denoised) / sigma * (sigmas[i + 1] - sigma)
+        if p.on_step is not None:
+            p.on_step(p, i)
+        sigma, sigma_next = sigmas[i], sigmas[i + 1]
+        denoised = cfg_denoise(host, p, denoiser, apply_model, x, t, sigma, cond, uncond, cfg)
+        d = (x - denoised) / sigma
+        if p.sampler == "Heun" and sigma_next > 0:  # k-diffusion sample_heun: a second call at the next sigma
+            x_2 = x + d * (sigma_next - sigma)
+            denoised_2 = cfg_denoise(
+                host, p, denoiser, apply_model, x_2, timesteps[i + 1], sigma_next, cond, uncond, cfg
+            )
+            d = (d + (x_2 - denoised_2) / sigma_next) / 2
+        x = x + d * (sigma_next - sigma)
+        host.state.sampling_step = i  # callback_state, after the step's model calls
     return x
+
+
+def cfg_denoise(host, p, denoiser, apply_model, x, t, sigma, cond, uncond, cfg):
+    """CFGDenoiser.forward (lines 156-311), reduced: cond first, then uncond."""
+    batch = x.shape[0]
+    x_in = torch.cat([x, x])
+    sigma_in = torch.full((2 * batch,), sigma)
+    state = host.state
+    params = CFGDenoiserParams(x_in, None, sigma_in, state.sampling_step, state.sampling_steps, cond, uncond, denoiser)
+    host.fire("cfg_denoiser", params)  # 211-212
+    x_in = x_in / (sigma**2 + 1) ** 0.5
+    t_in = torch.full((2 * batch,), float(t))
+    context = torch.cat([cond, uncond])
+    if p.batch_cond_uncond:  # 249
+        out = apply_model(x_in, t_in, context, sigma, [0, 1])
+    else:  # 251-255: the cond half, then the uncond half
+        out = torch.cat(
+            [
+                apply_model(x_in[a : a + batch], t_in[a : a + batch], context[a : a + batch], sigma, [a // batch])
+                for a in (0, batch)
+            ]
+        )
+    eps_cond, eps_uncond = out.chunk(2)
+    denoised = x - (eps_uncond + cfg * (eps_cond - eps_uncond)) * sigma
+    host.fire("cfg_after_cfg", AfterCFGCallbackParams(denoised, host.state.sampling_step, host.state.sampling_steps))
+    denoiser.step += 1  # 310
+    return denoised
 
 
 class Processing:
@@ -353,6 +445,8 @@ class Processing:
         self.steps = (999, 749, 499)
         self.hr_steps = (599, 299)
         self.on_step = None  # test probe: called at each sampler step with (p, step)
+        self.sampler = "Euler"  # or "Heun" (second order: two model calls per step but the last)
+        self.batch_cond_uncond = True  # Settings > Optimizations "Batch cond/uncond" (shared.opts.batch_cond_uncond)
         self.forge_objects_after_applying_lora = None
 
     def comment(self, text):
@@ -367,8 +461,8 @@ class Processing:
 def _ldm_apply_model(sd_model):
     unet = sd_model.model.diffusion_model
 
-    def apply_model(x, t, context, sigma):
-        return unet(x, t, context=context)
+    def apply_model(x, t, context, sigma, cond_or_uncond):
+        return unet(x, t, context=context)  # ldm's DiffusionWrapper
 
     return apply_model
 
@@ -395,15 +489,11 @@ def _process_images_inner(host, p):
     return samples
 
 
-def _probe(p):
-    return None if p.on_step is None else (lambda step: p.on_step(p, step))
-
-
 def _sample(host, p, noise, cond, uncond, generator):
     """txt2img sample (1307-1362) and sample_hr_pass (1364-1464)."""
     _reset_forge(p)
     host.run_hook(p, "process_before_every_sampling", x=noise, noise=noise, c=cond, uc=uncond)  # 1338
-    samples = euler(_apply_model(p), noise * float(SIGMAS[p.steps[0]]), p.steps, cond, uncond, on_step=_probe(p))
+    samples = sample(host, p, _apply_model(p), noise * float(SIGMAS[p.steps[0]]), p.steps, cond, uncond)
     if not p.enable_hr:
         return samples
     if p.hr_sd_model is not None:  # 1359-1360: the highres checkpoint is loaded
@@ -419,7 +509,7 @@ def _sample(host, p, noise, cond, uncond, generator):
         _reset_forge(p)
         host.run_hook(p, "process_before_every_sampling", x=latent, noise=hr_noise, c=cond, uc=uncond)
     start = latent + hr_noise * float(SIGMAS[p.hr_steps[0]])
-    samples = euler(_apply_model(p), start, p.hr_steps, cond, uncond, on_step=_probe(p))
+    samples = sample(host, p, _apply_model(p), start, p.hr_steps, cond, uncond)
     apply_token_merging(p.sd_model, p.get_token_merging_ratio())  # 1456
     p.is_hr_pass = False  # 1463
     return samples
@@ -443,8 +533,8 @@ def _apply_model(p):
     patcher = p.sd_model.forge_objects.unet
     forge_load_models_gpu(patcher)  # sampling_prepare at the start of each pass (sd_samplers_kdiffusion.py 138)
 
-    def apply_model(x, t, context, sigma):
-        return patcher.apply_model(x, t, context, sigma)
+    def apply_model(x, t, context, sigma, cond_or_uncond):
+        return patcher.apply_model(x, t, context, sigma, cond_or_uncond)
 
     return apply_model
 
@@ -611,15 +701,17 @@ class ForgePatcher:
             _set_attr_raw(self.model, name, old)
         self.object_patches_backup = {}
 
-    def apply_model(self, x, t, context, sigma):
-        # Forge's sampling_function copies the options per call and sets the sigmas; its UNet forward the
-        # original shape (unet.py 697).
+    def apply_model(self, x, t, context, sigma, cond_or_uncond=(0, 1)):
+        # Forge's sampling_function copies the options per call and sets which conds the batch holds and the sigmas
+        # (sampling_function.py 253-254); KModel.apply_model hands them to the UNet (k_model.py 45); its UNet forward
+        # sets the original shape (unet.py 697).
         options = dict(self.model_options["transformer_options"])
-        options["original_shape"] = list(x.shape)
+        options["cond_or_uncond"] = list(cond_or_uncond)
         options["sigmas"] = torch.full((x.shape[0],), sigma)
+        options["original_shape"] = list(x.shape)
         for transformer in self.transformers:
             transformer.forge_transformer_options = options
-        return self.model.diffusion_model(x, t, context=context)
+        return self.model.diffusion_model(x, t, context=context, transformer_options=options)
 
 
 class ForgeSDModel(torch.nn.Module):
@@ -652,9 +744,8 @@ def script_args(enabled=True, **values) -> list:
 def run_job(host: Host, sd_model, args, **kwargs):
     """One generation through the host; returns the final latent and the processing object. Keyword arguments
     that are not Processing's own set attributes (token_merging_ratio, on_step, ...)."""
-    attributes = {
-        k: kwargs.pop(k) for k in list(kwargs) if k in ("token_merging_ratio", "token_merging_ratio_hr", "on_step")
-    }
+    settable = ("token_merging_ratio", "token_merging_ratio_hr", "on_step", "steps", "hr_steps", "sampler")
+    attributes = {k: kwargs.pop(k) for k in list(kwargs) if k in (*settable, "batch_cond_uncond")}
     p = Processing(sd_model, args, **kwargs)
     for name, value in attributes.items():
         setattr(p, name, value)

@@ -107,6 +107,8 @@ def install_modules() -> list:
         on_model_loaded=callbacks.append,
         on_script_unloaded=callbacks.append,
         on_before_ui=callbacks.append,
+        on_cfg_denoiser=callbacks.append,
+        on_cfg_after_cfg=callbacks.append,
     )
     scripts = _module("modules.scripts", Script=Script, AlwaysVisible=object(), scripts_data=[])
     stand_ins = {

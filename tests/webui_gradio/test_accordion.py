@@ -69,7 +69,10 @@ def load_script(with_input_accordion, forge=False):
     scripts = _module("modules.scripts", Script=Script, AlwaysVisible=object(), scripts_data=[])
     register = lambda callback: None  # noqa: E731
     callbacks = _module(
-        "modules.script_callbacks", on_model_loaded=register, on_script_unloaded=register, on_before_ui=register
+        "modules.script_callbacks",
+        **dict.fromkeys(
+            ("on_model_loaded", "on_script_unloaded", "on_before_ui", "on_cfg_denoiser", "on_cfg_after_cfg"), register
+        ),
     )
     modules = {"modules.scripts": scripts, "modules.script_callbacks": callbacks}
     if with_input_accordion:

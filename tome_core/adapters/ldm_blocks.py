@@ -25,6 +25,7 @@ import torch
 from ..reducer import Reducer
 from ..schedule import NoiseRange, timestep_of_percent
 from ..settings import PatchSettings
+from . import webui_layer_reuse
 from .class_swap import restore_classes
 from .unet_layout import attention_levels
 
@@ -161,11 +162,17 @@ def find_conflict(unet) -> str | None:
 
 
 def is_patched(unet) -> bool:
-    return _STATE in unet.__dict__ or any(_PARENT in type(m).__dict__ for m in unet.modules())
+    return (
+        _STATE in unet.__dict__
+        or any(_PARENT in type(m).__dict__ for m in unet.modules())
+        or webui_layer_reuse.is_installed_ldm(unet)
+    )
 
 
 def remove_patch(unet) -> None:
-    """Undo ``install_patch`` on ``unet``; a no-op on a UNet that is not patched."""
+    """Undo ``install_patch`` on ``unet``, and layer reuse (``webui_layer_reuse.install_ldm``); a no-op on a UNet
+    that is not patched."""
+    webui_layer_reuse.remove_ldm(unet)
     for key in (_HOOK, _AFTER_HOOK):
         handle = unet.__dict__.pop(key, None)
         if handle is not None:
@@ -178,6 +185,7 @@ def remove_all() -> None:
     """Remove the patch from every UNet this process patched (job end, model load, script reload)."""
     for unet in list(_patched_unets):
         remove_patch(unet)
+    webui_layer_reuse.remove_all_ldm()
 
 
 def install_patch(unet, settings: PatchSettings, num_timesteps: int = 1000) -> bool:

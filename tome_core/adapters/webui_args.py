@@ -127,6 +127,7 @@ ARGS: tuple[Arg, ...] = (
     ),
     _from_spec("skip_when_slower", "Skip where slower"),
     _from_spec("scope", "Scope (ToMe)"),
+    _from_spec("reuse_interval", "Reuse interval (across steps)"),
 )
 ARG_NAMES = tuple(arg.name for arg in ARGS)
 _BY_NAME = {arg.name: arg for arg in ARGS}
@@ -177,6 +178,7 @@ class ScriptArgs:
     end_percent: float
     skip_when_slower: bool
     scope: str
+    reuse_interval: int
 
     def settings_for_pass(self, is_hr_pass: bool, seed: int = 0) -> PatchSettings | None:
         """The engine settings for one sampling pass, or None where this pass must stay unpatched."""
@@ -199,6 +201,7 @@ class ScriptArgs:
             "merge_mlp": self.merge_mlp,
             "downsample_method": self.downsample_method,
             "scope": self.scope,
+            "reuse_interval": self.reuse_interval,
         }
         settings = PatchSettings.from_values(**values)
         return None if settings.is_noop else settings
@@ -322,6 +325,7 @@ KEY_DOWNSAMPLE_METHOD = "ToMe downsample method"
 KEY_STOP = "ToMe stop at"
 KEY_SKIP = "ToMe skip when slower"
 KEY_SCOPE = "ToMe scope"
+KEY_REUSE = "ToMe reuse interval"
 INFOTEXT_KEYS = (
     KEY_METHOD,
     KEY_RATIO,
@@ -337,6 +341,7 @@ INFOTEXT_KEYS = (
     KEY_STOP,
     KEY_SKIP,
     KEY_SCOPE,
+    KEY_REUSE,
 )
 _MERGE_PARTS = (("attn", "merge_attn"), ("crossattn", "merge_crossattn"), ("mlp", "merge_mlp"))
 
@@ -374,6 +379,8 @@ def infotext_params(args: ScriptArgs) -> dict[str, Any]:
         params[KEY_STOP] = args.end_percent
     if args.skip_when_slower != d.skip_when_slower:
         params[KEY_SKIP] = args.skip_when_slower
+    if args.reuse_interval != d.reuse_interval:
+        params[KEY_REUSE] = args.reuse_interval
     return params
 
 
@@ -419,6 +426,7 @@ def ui_values_from_infotext(params: dict) -> dict[str, Any]:
     values["end_percent"] = read(KEY_STOP, "end_percent", d.end_percent)
     values["skip_when_slower"] = read(KEY_SKIP, "skip_when_slower", d.skip_when_slower)
     values["scope"] = read(KEY_SCOPE, "scope", d.scope)
+    values["reuse_interval"] = read(KEY_REUSE, "reuse_interval", d.reuse_interval)
     return values
 
 

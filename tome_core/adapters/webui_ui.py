@@ -27,6 +27,7 @@ ADVANCED = (
     "max_downsample",
     "end_percent",
     "skip_when_slower",
+    "reuse_interval",
     "scope",
     "sx",
     "sy",

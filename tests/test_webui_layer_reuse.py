@@ -1,0 +1,268 @@
+"""Reuse across steps, layer by layer (setting reuse_interval), in the WebUI (ldm UNet) and on Forge, in jobs run
+the way the hosts run them (see webui_host.py): the step of each model call comes from the cfg_denoiser
+callbacks, one run per sampling pass."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from webui_host import ForgeSDModel, Host, Processing, SDModel, make_unet, process_images, run_job, script_args
+
+from tome_core import PatchSettings
+from tome_core.adapters import ldm_blocks, webui_layer_reuse
+from tome_core.layer_reuse import IntervalSchedule, SkippableLayer
+
+STEPS = tuple(range(999, 0, -83))  # 13 DDPM timesteps: full steps 0-2, 5, 8, 11, 12 at interval 3
+HR_STEPS = (599, 499, 399, 299, 199, 99, 49)  # 7 steps
+REUSE = {"method": "ToDo", "downsample_factor": 1.0, "reuse_interval": 3}  # reuse alone: no token reduction
+
+
+@pytest.fixture(scope="module")
+def host():
+    return Host()
+
+
+def job(host, sd_model, args, **kwargs):
+    return run_job(host, sd_model, args, **{"steps": STEPS, "hr_steps": HR_STEPS, **kwargs})
+
+
+def runs_of(p):
+    return p._tome_patch_job.reuse_runs
+
+
+def reused_calls(steps, interval, calls_per_step=1):
+    """What the schedule reuses: every call of a step that is not full (the first steps are full, so the cache is
+    complete by then)."""
+    return calls_per_step * (steps - IntervalSchedule(interval).full_steps(steps))
+
+
+def unet_of(sd_model):
+    if hasattr(sd_model, "forge_unet_original"):
+        return sd_model.forge_unet_original.model.diffusion_model
+    return sd_model.model.diffusion_model
+
+
+def skippable_layers(unet):
+    return [m for m in unet.modules() if isinstance(m.__dict__.get("forward"), SkippableLayer)]
+
+
+def assert_clean(sd_model):
+    """No layer forward, no hook, no pass of ours left (Forge: the forwards it put back compute the class's)."""
+    unet = unet_of(sd_model)
+    assert not ldm_blocks.is_patched(unet)
+    assert not skippable_layers(unet) and not unet._forward_pre_hooks and not unet._forward_hooks
+    for module in unet.modules():
+        forward = module.__dict__.get("forward")
+        assert forward is None or (forward.__self__ is module and forward.__func__ is type(module).forward)
+    assert webui_layer_reuse.active_pass() is None
+
+
+@pytest.mark.parametrize("layout", ["sd1", "sdxl"])
+def test_interval_3_reuses_the_scheduled_calls_then_leaves_nothing(host, layout):
+    sd_model = SDModel(make_unet(layout))
+    baseline, _ = job(host, sd_model, script_args(enabled=False))
+    seen = []
+    out, p = job(
+        host,
+        sd_model,
+        script_args(**REUSE),
+        on_step=lambda p, step: seen.append(len(skippable_layers(unet_of(p.sd_model)))),
+    )
+    (run,) = runs_of(p)
+    assert (run.steps, run.calls, run.reused_calls) == (13, 13, reused_calls(13, 3)) and run.reused_calls == 6
+    assert not run.entries and run.current is None  # the cache went with the pass
+    assert seen == [run.layers] * 13
+    assert torch.isfinite(out).all() and not torch.equal(out, baseline)
+    scale = baseline.abs().max().item()
+    assert (out - baseline).abs().max().item() < 0.5 * scale  # the same picture, changed in its details
+    assert p.extra_generation_params["ToMe reuse interval"] == 3
+    assert_clean(sd_model)
+    again, _ = job(host, sd_model, script_args(enabled=False))
+    assert torch.equal(again, baseline)  # removal restores the exact computation
+    assert not host.console
+
+
+def test_interval_1_is_bit_identical_and_installs_nothing(host):
+    sd_model = SDModel(make_unet("sd1"))
+    baseline, _ = job(host, sd_model, script_args(enabled=False))
+    off, p = job(host, sd_model, script_args(**{**REUSE, "reuse_interval": 1}))
+    assert torch.equal(off, baseline) and runs_of(p) == [] and "ToMe method" not in p.extra_generation_params
+    todo, _ = job(host, sd_model, script_args(method="ToDo"))
+    seen = []
+    todo_1, p = job(
+        host, sd_model, script_args(method="ToDo", reuse_interval=1), on_step=lambda p, s: seen.append(p.sd_model)
+    )
+    assert torch.equal(todo_1, todo) and runs_of(p) == [] and "ToMe reuse interval" not in p.extra_generation_params
+    assert not skippable_layers(unet_of(sd_model)) and not host.console
+
+
+def test_with_todo_both_apply_and_removal_restores_the_unet(host):
+    sd_model = SDModel(make_unet("sd1"))
+    baseline, _ = job(host, sd_model, script_args(enabled=False))
+    todo, _ = job(host, sd_model, script_args(method="ToDo", max_downsample="2"))
+    both, p = job(host, sd_model, script_args(method="ToDo", max_downsample="2", reuse_interval=3))
+    assert runs_of(p)[0].reused_calls == reused_calls(13, 3)
+    assert not torch.equal(both, todo) and not torch.equal(both, baseline)
+    assert_clean(sd_model)
+    # The adapter's own API: ldm_blocks' removal (remove_patch, remove_all) takes the layer forwards too.
+    unet = unet_of(sd_model)
+    x, t, context = torch.randn(2, 4, 8, 8), torch.full((2,), 500.0), torch.randn(2, 5, 32)
+    with torch.no_grad():
+        plain = unet(x, t, context=context)
+        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=3)
+        for remove in (lambda: ldm_blocks.remove_patch(unet), ldm_blocks.remove_all):
+            assert not ldm_blocks.install_patch(unet, settings)  # the reduction does nothing ...
+            assert webui_layer_reuse.install_ldm(unet, settings, p=None) is not None  # ... the reuse does
+            assert ldm_blocks.is_patched(unet) and skippable_layers(unet)
+            # A call outside a denoiser call has no known step: it runs in full.
+            assert torch.equal(unet(x, t, context=context), plain)
+            remove()
+            webui_layer_reuse.end_pass()
+            assert_clean(sd_model)
+            assert torch.equal(unet(x, t, context=context), plain)
+
+
+def test_highres_pass_gets_its_own_run(host):
+    sd_model = SDModel(make_unet("sd1"))
+    out, p = job(host, sd_model, script_args(**REUSE), enable_hr=True)
+    first, second = runs_of(p)
+    assert (first.steps, first.reused_calls) == (13, reused_calls(13, 3))
+    assert (second.steps, second.calls, second.reused_calls) == (7, 7, reused_calls(7, 3))
+    assert not first.entries and not second.entries
+    assert_clean(sd_model)
+
+
+def test_cond_and_uncond_apart_keep_their_own_cache(host):
+    """With batch_cond_uncond off the WebUI makes two UNet calls per step with the same shape: each keeps its own
+    record (by its position in the denoiser call), so the picture is that of the batched calls."""
+    sd_model = SDModel(make_unet("sd1"))
+    baseline, _ = job(host, sd_model, script_args(enabled=False))
+    batched, _ = job(host, sd_model, script_args(**REUSE))
+    apart, p = job(host, sd_model, script_args(**REUSE), batch_cond_uncond=False)
+    (run,) = runs_of(p)
+    assert (run.calls, run.reused_calls) == (26, reused_calls(13, 3, calls_per_step=2))
+    effect = (batched - baseline).abs().max().item()
+    assert (apart - batched).abs().max().item() <= 1e-4 * effect
+
+
+def test_step_of_each_call_from_the_callbacks_euler_and_heun(host):
+    """``sampling_step`` lags one step behind (the sampler's callback runs after a step's calls); the step comes
+    from the denoiser's call counter and agrees with it. Heun: two calls per step but the last."""
+    seen = []
+
+    def record(params):
+        seen.append((params.sampling_step, webui_layer_reuse.denoiser_step(params)))
+
+    host.callbacks.cfg_denoiser.append(record)
+    try:
+        job(host, SDModel(make_unet("sd1")), script_args(**REUSE))
+        euler, seen[:] = list(seen), []
+        _, p = job(host, SDModel(make_unet("sd1")), script_args(**REUSE), sampler="Heun")
+        heun = list(seen)
+    finally:
+        host.callbacks.cfg_denoiser.remove(record)
+    assert euler == [(max(i - 1, 0), (i, 13)) for i in range(13)]
+    heun_steps = [i for i in range(12) for _ in range(2)] + [12]
+    assert heun == [(max(i - 1, 0), (i, 13)) for i in heun_steps]
+    (run,) = runs_of(p)
+    assert (run.calls, run.reused_calls) == (25, reused_calls(13, 3, calls_per_step=2))
+
+
+def _params(sampling_step, steps, calls, expected, denoiser=True):
+    d = types.SimpleNamespace(step=calls, total_steps=expected, p=None) if denoiser else None
+    return types.SimpleNamespace(sampling_step=sampling_step, total_sampling_steps=steps, denoiser=d)
+
+
+def test_a_step_that_does_not_agree_with_the_host_is_unknown():
+    assert webui_layer_reuse.denoiser_step(_params(3, 10, 4, 10)) == (4, 10)
+    assert webui_layer_reuse.denoiser_step(_params(1, 10, 4, 10)) is None  # more calls than the sampler's steps
+    assert webui_layer_reuse.denoiser_step(_params(9, 10, 10, 10)) is None  # past the last step
+    assert webui_layer_reuse.denoiser_step(_params(0, 10, 0, 10, denoiser=False)) is None  # no denoiser given
+    assert webui_layer_reuse.denoiser_step(_params(0, 0, 0, 0)) is None
+
+
+def test_an_exception_mid_sampling_leaves_nothing_for_the_next_job(host):
+    sd_model = SDModel(make_unet("sd1"))
+    baseline, _ = job(host, sd_model, script_args(enabled=False))
+
+    def fail(p, step):
+        if step == 5:  # after reusing steps 3 and 4
+            assert skippable_layers(unet_of(sd_model))
+            assert webui_layer_reuse.active_pass().run.reused_calls == 2
+            raise RuntimeError("out of memory")
+
+    p = Processing(sd_model, script_args(**REUSE))
+    p.steps, p.on_step = STEPS, fail
+    with pytest.raises(RuntimeError), torch.no_grad():
+        process_images(host, p)  # postprocess is skipped, as in the WebUI
+    out, _ = job(host, sd_model, script_args(enabled=False))
+    assert torch.equal(out, baseline)
+    assert_clean(sd_model)
+
+
+# --- Forge ----------------------------------------------------------------------------------------------------------
+
+
+def _forge_and_ldm(layout="sd1"):
+    return ForgeSDModel(make_unet(layout, seed=5)), SDModel(make_unet(layout, seed=5))
+
+
+@pytest.mark.parametrize(
+    "values",
+    [REUSE, {"method": "ToDo", "max_downsample": "2", "reuse_interval": 3}, {"method": "ToDo", "reuse_interval": 2}],
+)
+def test_forge_gives_the_ldm_result(host, values):
+    """(ToDo: ToMe's own matching is not compared here; Forge and ldm break its ties in their own float order.)"""
+    forge, ldm = _forge_and_ldm()
+    args = script_args(**values)
+    forge_out, forge_p = job(host, forge, args, enable_hr=True)
+    ldm_out, ldm_p = job(host, ldm, args, enable_hr=True)
+    plain, _ = job(host, ldm, script_args(enabled=False), enable_hr=True)
+    assert not torch.equal(forge_out, plain)
+    torch.testing.assert_close(forge_out, ldm_out, rtol=0, atol=1e-6)
+    counts = [[(run.calls, run.reused_calls) for run in runs_of(p)] for p in (forge_p, ldm_p)]
+    assert counts[0] == counts[1] and len(counts[0]) == 2  # one run per pass (Forge's double highres call too)
+    assert not host.console
+
+
+def test_forge_object_patches_are_set_per_pass_and_undone_by_the_next_load(host):
+    forge, _ = _forge_and_ldm()
+    unet = unet_of(forge)
+    never, _ = job(host, forge, script_args(enabled=False))
+    seen = []
+
+    def probe(p, step):
+        patches = p.sd_model.forge_objects.unet.object_patches
+        seen.append(
+            (
+                sum(isinstance(v, SkippableLayer) for v in patches.values()),
+                isinstance(unet.__dict__.get("forward"), webui_layer_reuse.CallBoundary),
+            )
+        )
+
+    patched, p = job(host, forge, script_args(**REUSE), on_step=probe)
+    layers = runs_of(p)[0].layers
+    assert seen == [(layers, True)] * 13 and len(skippable_layers(unet)) == layers
+    assert forge.forge_unet_original.object_patches == {}
+    again, _ = job(host, forge, script_args(enabled=False))  # Forge unloads our clone: its patches are undone
+    assert torch.equal(again, never) and not torch.equal(patched, never)
+    assert_clean(forge)
+
+
+def test_forge_exception_mid_sampling_leaves_nothing_for_the_next_job(host):
+    forge, _ = _forge_and_ldm()
+    never, _ = job(host, forge, script_args(enabled=False))
+
+    def fail(p, step):
+        if step == 4:
+            raise RuntimeError("out of memory")
+
+    p = Processing(forge, script_args(**REUSE))
+    p.steps, p.on_step = STEPS, fail
+    with pytest.raises(RuntimeError), torch.no_grad():
+        process_images(host, p)
+    out, _ = job(host, forge, script_args(enabled=False))
+    assert torch.equal(out, never)
+    assert_clean(forge)

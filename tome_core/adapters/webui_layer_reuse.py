@@ -1,0 +1,308 @@
+"""WebUI and Forge wiring of layer reuse (setting ``reuse_interval``; the engine is ``tome_core.layer_reuse``).
+
+One ``PassReuse`` per sampling pass (the first pass, the highres pass, each batch of a batch count), made by the
+script right before the pass and finished at the next pass, at the end of the job, at the next job's start (an
+exception while sampling skips the end) and when a model is loaded. Its ``LayerReuseRun`` is made at the pass's
+first model call, when the pass's step count is known, and dropped when the pass is finished or a call fails.
+
+The step of each model call: the WebUI calls the ``cfg_denoiser`` callbacks once per denoiser call, right before
+the UNet call(s) of that call (v1.10.1 modules/sd_samplers_cfg_denoiser.py lines 211-212, UNet calls at 249 or
+255; Forge modules/sd_samplers_cfg_denoiser.py lines 183-184), with ``CFGDenoiserParams``. Its ``sampling_step`` is
+``shared.state.sampling_step``, which the sampler's ``callback_state`` sets to ``d['i']`` *after* step i's model
+calls (modules/sd_samplers_common.py ``callback_state``, called by k-diffusion's samplers after the step's model calls;
+``launch_sampling`` resets it to 0): it reads 0 at
+steps 0 and 1 and i - 1 at step i after that. Its ``total_sampling_steps`` is the step count that
+``launch_sampling`` got: ``p.steps`` for txt2img, ``t_enc + 1`` for img2img and the highres pass (the steps that
+pass really runs). The step itself comes from the denoiser the params carry (``params.denoiser``): ``step`` counts
+its calls in this pass (reset by the sampler's ``initialize``, the index the WebUI's own prompt editing uses) and
+``total_steps`` is the number of calls the sampler is expected to make (twice the steps for second-order
+samplers, ``SamplerData.total_steps``). The call's step is ``step * steps // total_steps``; it must agree with
+the lagging ``sampling_step`` (equal to it or one above), else the step is unknown and the call runs in full
+(a sampler that makes more calls than expected, such as DPM adaptive). A ``cfg_after_cfg`` callback at the end
+of the denoiser call (v1.10.1 lines 306-307, before ``self.step += 1`` at 310; Forge lines 218-219) ends it.
+
+Where the layers get their forwards and where a UNet call begins and ends:
+- WebUI (ldm, sgm): every inner layer gets an instance attribute ``forward`` (a ``SkippableLayer``), the UNet a
+  forward pre-hook and an always-called forward hook; removal deletes them all, so the UNet then computes exactly
+  as before. The batch layout of a call is its position within the denoiser call (the WebUI runs cond and uncond
+  in one call, or one after the other when ``batch_cond_uncond`` is off) and the input's shape and dtype.
+- Forge: object patches (``add_object_patch``), set when Forge loads the clone and undone when it unloads it:
+  one per inner layer (Forge's ``TimestepEmbedSequential`` calls each layer through ``nn.Module.__call__``,
+  backend/nn/unet.py lines 77-89, so an instance ``forward`` is used) and one on the UNet's ``forward`` (called by
+  backend/modules/k_model.py line 45 with ``transformer_options``, whose ``cond_or_uncond`` names the conds of the
+  call and ``sigmas`` its noise level, backend/sampling/sampling_function.py lines 253-254).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from ..layer_reuse import DEFAULT_EXTRAPOLATE, OUTER_BLOCKS, IntervalSchedule, LayerReuseRun, SkippableLayer
+from ..schedule import NoiseRange, timestep_of_percent
+from .unet_layout import inner_layers
+
+_STATE = "_tome_patch_layer_reuse"  # on an ldm UNet: (PassReuse, hook handles, layers)
+_reusing_unets: weakref.WeakSet = weakref.WeakSet()
+_active: PassReuse | None = None  # the pass in progress (a WebUI process samples one pass at a time)
+
+
+def denoiser_step(params) -> tuple[int, int] | None:
+    """(step, steps) of the denoiser call that ``params`` (``CFGDenoiserParams``) announces, or None if unknown."""
+    denoiser = getattr(params, "denoiser", None)
+    calls, expected = getattr(denoiser, "step", None), getattr(denoiser, "total_steps", None)
+    try:
+        steps, reported = int(params.total_sampling_steps), int(params.sampling_step)
+        calls, expected = int(calls), int(expected)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if steps <= 0 or expected < steps or calls < 0:
+        return None
+    step = calls * steps // expected
+    if step >= steps or not reported <= step <= reported + 1:
+        return None
+    return step, steps
+
+
+class PassReuse:
+    """One sampling pass's layer reuse: the owner of its ``SkippableLayer`` forwards (``layer_run``)."""
+
+    def __init__(self, p, schedule: IntervalSchedule, layers: int, noise_range: NoiseRange):
+        self.p = p
+        self.schedule = schedule
+        self.layers = layers
+        self.noise_range = noise_range
+        self.extrapolate = DEFAULT_EXTRAPOLATE
+        self.step: tuple[int, int] | None = None  # (step, steps) of the denoiser call in progress
+        self.unet_calls = 0  # UNet calls made so far within that denoiser call
+        self.run: LayerReuseRun | None = None
+        self.finished = False
+        self._current: LayerReuseRun | None = None
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def layer_run(self) -> LayerReuseRun | None:
+        return self._current
+
+    def on_cfg_denoiser(self, params) -> None:
+        owner_p = getattr(getattr(params, "denoiser", None), "p", None)
+        if owner_p is not None and owner_p is not self.p:  # another job's sampler: not this pass's steps
+            self.step = None
+            return
+        self.step = denoiser_step(params)
+        self.unet_calls = 0
+
+    def on_cfg_after_cfg(self, params) -> None:
+        self.step = None
+
+    def begin_call(self, x, noise_level: float | None, layout=None) -> None:
+        """A UNet call starts: ``noise_level`` (None: inside the range) decides the step range, ``layout`` names
+        the conds of the call (None: its position within the denoiser call)."""
+        position = self.unet_calls
+        self.unet_calls += 1
+        if self.finished or x is None:
+            return
+        if self.step is None:  # not a call of a known step: it runs in full, and the cache goes
+            if self.run is not None:
+                self.run.begin_call(None, None)
+            return
+        step, steps = self.step
+        if self.run is None or self.run.steps != steps:
+            self.run = LayerReuseRun(self.schedule, steps, self.layers, self.extrapolate)
+        key = (position if layout is None else layout, tuple(x.shape), x.dtype)
+        allowed = noise_level is None or self.noise_range.contains(noise_level)
+        self.run.begin_call(step, key, allowed=allowed)
+        self._current = self.run
+
+    def end_call(self, failed: bool = False) -> None:
+        run, self._current = self._current, None
+        if run is not None:
+            run.end_call()
+            if failed:  # what it recorded may be half-made: start again from full steps
+                run.drop()
+                self.run = None
+
+    def finish(self) -> LayerReuseRun | None:
+        """End the pass: nothing reuses any more; returns its run (its cache dropped) for the log."""
+        self.finished = True
+        self._current = None
+        self.step = None
+        run = self.run
+        if run is not None:
+            run.drop()
+        return run
+
+
+def _schedule(settings) -> IntervalSchedule:
+    return IntervalSchedule(settings.reuse_interval)
+
+
+def _activate(owner: PassReuse) -> PassReuse:
+    global _active
+    end_pass()
+    _active = owner
+    return owner
+
+
+def end_pass() -> LayerReuseRun | None:
+    """Finish the pass in progress (if any); returns its run when it made model calls."""
+    global _active
+    owner, _active = _active, None
+    if owner is None:
+        return None
+    run = owner.finish()
+    return run if run is not None and run.calls else None
+
+
+def active_pass() -> PassReuse | None:
+    return _active
+
+
+def on_cfg_denoiser(params) -> None:
+    """``script_callbacks.on_cfg_denoiser``: the step of the denoiser call that starts."""
+    if _active is not None:
+        _active.on_cfg_denoiser(params)
+
+
+def on_cfg_after_cfg(params) -> None:
+    """``script_callbacks.on_cfg_after_cfg``: the denoiser call is over."""
+    if _active is not None:
+        _active.on_cfg_after_cfg(params)
+
+
+# --- WebUI (ldm, sgm) -----------------------------------------------------------------------------------------------
+
+
+def install_ldm(unet, settings, p, num_timesteps: int = 1000) -> PassReuse | None:
+    """Give the WebUI's ``unet`` layer reuse for one pass of job ``p``; None where there is nothing to do."""
+    remove_ldm(unet)
+    layers = [layer for _, layer in inner_layers(unet, OUTER_BLOCKS)]
+    if settings.reuse_interval <= 1 or not layers:
+        return None
+    # The WebUI's UNet receives the DDPM timestep (999 at the start of sampling, 0 at the end).
+    noise_range = NoiseRange(
+        settings.start_percent, settings.end_percent, lambda q: timestep_of_percent(q, num_timesteps)
+    )
+    owner = PassReuse(p, _schedule(settings), len(layers), noise_range)
+
+    def before(module, args, kwargs):
+        x = args[0] if args else kwargs.get("x")
+        timesteps = args[1] if len(args) > 1 else kwargs.get("timesteps")
+        level = None
+        if timesteps is not None and not noise_range.everywhere:
+            level = float(torch.as_tensor(timesteps).max())  # one host sync per UNet call
+        owner.begin_call(x, level)
+        return None
+
+    def after(module, args, output):
+        owner.end_call(failed=output is None)  # always called; no output: the call raised
+        return None
+
+    for index, layer in enumerate(layers):
+        layer.__dict__["forward"] = SkippableLayer(owner, index, layer, layer.__dict__.get("forward"))
+    handles = (
+        unet.register_forward_pre_hook(before, with_kwargs=True),
+        unet.register_forward_hook(after, always_call=True),
+    )
+    unet.__dict__[_STATE] = (owner, handles, layers)
+    _reusing_unets.add(unet)
+    return _activate(owner)
+
+
+def is_installed_ldm(unet) -> bool:
+    return _STATE in unet.__dict__ or any(isinstance(m.__dict__.get("forward"), SkippableLayer) for m in unet.modules())
+
+
+def remove_ldm(unet) -> None:
+    """Undo ``install_ldm`` on ``unet``: hooks and layer forwards go, the pass is finished."""
+    state = unet.__dict__.pop(_STATE, None)
+    _reusing_unets.discard(unet)
+    if state is None:
+        return
+    owner, handles, layers = state
+    for handle in handles:
+        handle.remove()
+    for layer in layers:
+        current = layer.__dict__.get("forward")
+        if isinstance(current, SkippableLayer) and current.owner is owner:
+            if current.inner is None:
+                del layer.__dict__["forward"]
+            else:
+                layer.__dict__["forward"] = current.inner
+    owner.finish()
+
+
+def remove_all_ldm() -> None:
+    for unet in list(_reusing_unets):
+        remove_ldm(unet)
+
+
+# --- Forge ----------------------------------------------------------------------------------------------------------
+
+
+class CallBoundary:
+    """Forge: the UNet's ``forward`` (an object patch) that tells the pass where each UNet call begins and ends."""
+
+    def __init__(self, owner: PassReuse, unet, inner=None):
+        self.owner = owner
+        self.unet = unet
+        self.inner = inner  # an object patch of the UNet's forward that was there before ours (None: the class's)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, x, *args, **kwargs):
+        options = kwargs.get("transformer_options") or {}
+        sigmas = options.get("sigmas")
+        level = None
+        if sigmas is not None and not self.owner.noise_range.everywhere:
+            level = float(torch.as_tensor(sigmas).max())
+        layout = options.get("cond_or_uncond")
+        self.owner.begin_call(x, level, None if layout is None else tuple(layout))
+        try:
+            if self.inner is not None:
+                out = self.inner(x, *args, **kwargs)
+            else:
+                out = type(self.unet).forward(self.unet, x, *args, **kwargs)
+        except BaseException:
+            self.owner.end_call(failed=True)
+            raise
+        self.owner.end_call()
+        return out
+
+
+def install_forge(patcher, settings, p, percent_to_sigma) -> PassReuse | None:
+    """Give Forge's ``patcher`` (a clone of this pass) layer reuse for one pass of job ``p``."""
+    remove_forge(patcher)
+    unet = patcher.model.diffusion_model
+    layers = inner_layers(unet, OUTER_BLOCKS)
+    if settings.reuse_interval <= 1 or not layers or not hasattr(patcher, "add_object_patch"):
+        return None
+    if percent_to_sigma is None:
+        noise_range = NoiseRange(0.0, 1.0, lambda q: math.nan)
+    else:
+        noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
+    owner = PassReuse(p, _schedule(settings), len(layers), noise_range)
+    for index, (name, layer) in enumerate(layers):
+        patcher.add_object_patch(f"diffusion_model.{name}.forward", SkippableLayer(owner, index, layer))
+    inner = getattr(patcher, "object_patches", {}).get("diffusion_model.forward")
+    patcher.add_object_patch("diffusion_model.forward", CallBoundary(owner, unet, inner))
+    return _activate(owner)
+
+
+def remove_forge(patcher) -> None:
+    """Drop our object patches from ``patcher`` (a clone), putting back a forward patch that was there before."""
+    patches = getattr(patcher, "object_patches", None)
+    if not patches:
+        return
+    for name, value in list(patches.items()):
+        if isinstance(value, SkippableLayer) and isinstance(value.owner, PassReuse):
+            del patches[name]
+        elif isinstance(value, CallBoundary):
+            if value.inner is None:
+                del patches[name]
+            else:
+                patches[name] = value.inner
