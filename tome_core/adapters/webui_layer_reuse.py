@@ -66,6 +66,15 @@ def denoiser_step(params) -> tuple[int, int] | None:
     return step, steps
 
 
+def _noise_level(params) -> float | None:
+    """The sigma of the denoiser call (``CFGDenoiserParams.sigma``, one per batch entry, all equal in a pass)."""
+    sigma = getattr(params, "sigma", None)
+    try:
+        return float(torch.as_tensor(sigma).max()) if sigma is not None else None
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 class PassReuse:
     """One sampling pass's layer reuse: the owner of its ``SkippableLayer`` forwards (``layer_run``)."""
 
@@ -76,6 +85,7 @@ class PassReuse:
         self.noise_range = noise_range
         self.extrapolate = DEFAULT_EXTRAPOLATE
         self.step: tuple[int, int] | None = None  # (step, steps) of the denoiser call in progress
+        self.sigma: float | None = None  # its noise level, where the prediction draws its line (None: the step)
         self.unet_calls = 0  # UNet calls made so far within that denoiser call
         self.run: LayerReuseRun | None = None
         self.finished = False
@@ -93,6 +103,7 @@ class PassReuse:
             self.step = None
             return
         self.step = denoiser_step(params)
+        self.sigma = _noise_level(params)
         self.unet_calls = 0
 
     def on_cfg_after_cfg(self, params) -> None:
@@ -114,7 +125,7 @@ class PassReuse:
             self.run = LayerReuseRun(self.schedule, steps, self.layers, self.extrapolate)
         key = (position if layout is None else layout, tuple(x.shape), x.dtype)
         allowed = noise_level is None or self.noise_range.contains(noise_level)
-        self.run.begin_call(step, key, allowed=allowed)
+        self.run.begin_call(step, key, allowed=allowed, position=self.sigma)
         self._current = self.run
 
     def end_call(self, failed: bool = False) -> None:
