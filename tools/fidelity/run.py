@@ -217,6 +217,9 @@ def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
         (3, {"outer": 2}),
         (2, {"extrapolate": 0.0}),
         (4, {"extrapolate": 0.0}),
+        (3, {"full_end": 2}),
+        (3, {"full_end": 2, "todo": 2.0}),
+        (3, {"full_start": 0.3, "todo": 2.0}),
     )
     for interval, changes in changed:
         name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
@@ -224,16 +227,19 @@ def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
     return rows
 
 
-def layer_reuse_variant(interval: int, extrapolate=0.5, outer=1, by_sigma=True, **schedule) -> Callable:
-    """Layer reuse with engine defaults overridden (the variants the setting's defaults were chosen from)."""
+def layer_reuse_variant(interval: int, extrapolate=0.5, outer=1, by_sigma=True, todo=1.0, **schedule) -> Callable:
+    """Layer reuse with engine defaults overridden (the variants the setting's defaults were chosen from), after
+    ToDo at factor ``todo`` (1: none)."""
     from tome_core.adapters import layer_reuse_hooks
+    from tome_core.adapters.patcher_hooks import patched_clone
     from tome_core.layer_reuse import IntervalSchedule
     from tome_core.schedule import NoiseRange
 
     def patch(model):
-        clone = model.clone()
-        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=interval)
         everywhere = NoiseRange(0.0, 1.0, lambda p: p)
+        todo_only = PatchSettings(method="todo", downsample_factor=todo, skip_when_slower=False)
+        clone = patched_clone(model, todo_only, lambda p: p) if todo != 1.0 else model.clone()
+        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=interval)
         schedule_ = IntervalSchedule(interval, **schedule)
         layer_reuse_hooks.install(clone, settings, everywhere, extrapolate, outer, schedule_, by_sigma)
         return clone
