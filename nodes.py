@@ -19,8 +19,9 @@ ADVANCED_NODE_ID = "ToMePatchAdvanced"
 CATEGORY = "model_patches/unet"
 DESCRIPTION = (
     "Makes sampling faster by reducing the tokens that the transformer blocks work on: ToMe merges similar "
-    "tokens (for self-attention only, or for the whole block), ToDo downsamples self-attention's keys and values. "
-    "Returns a patched copy; the input model is not changed."
+    "tokens (for self-attention only, or for the whole block), ToDo downsamples self-attention's keys and values; "
+    "reuse_interval reuses the UNet's inner layers across steps. Returns a patched copy; the input model is not "
+    "changed."
 )
 
 MODEL_TOOLTIP = "The diffusion model to patch: SD1.x, SD2.x, SDXL; Flux, SD3/SD3.5 and Wan 2.x with method todo."
