@@ -190,6 +190,7 @@ def v3_nodes():
                         max=int(spec.maximum),
                         step=int(spec.step),
                         tooltip=spec.tooltip,
+                        optional=name in OPTIONAL_INPUTS,
                         **INT_OPTIONS,
                     )
                 )

@@ -43,11 +43,12 @@ def test_package_registers_both_nodes(node_classes):
         "end_percent",
         "skip_when_slower",
         "scope",
+        "reuse_interval",
     ]
     assert all(i.tooltip for i in schema.inputs)
     # Saved workflows keep widget values by position: both nodes only ever append inputs.
     advanced = [i.id for i in node_classes["ToMePatchAdvanced"].GET_SCHEMA().inputs]
-    assert advanced == names[:-1] + [
+    assert advanced == names[:-2] + [
         "sx",
         "sy",
         "use_rand",
@@ -56,6 +57,7 @@ def test_package_registers_both_nodes(node_classes):
         "merge_crossattn",
         "downsample_method",
         "scope",
+        "reuse_interval",
     ]
 
 
@@ -77,6 +79,7 @@ def test_each_input_says_which_method_it_belongs_to(node_classes):
         "merge_attn": "ToMe, scope self-attention: ",
         "merge_crossattn": "ToMe, scope self-attention: ",
         "downsample_method": "ToDo: ",
+        "reuse_interval": "ToMe and ToDo: ",
     }
     for node_id in ("ToMePatch", "ToMePatchAdvanced"):
         for spec in node_classes[node_id].GET_SCHEMA().inputs[1:]:
@@ -343,7 +346,7 @@ def test_classic_api_offers_the_same_inputs_and_result(node_classes, models):
         schema_inputs = node_classes[v3].GET_SCHEMA().inputs
         assert list(inputs) == [i.id for i in schema_inputs]
         # Inputs added after the first release are optional in both APIs, so older prompts still validate.
-        assert set(types.get("optional", {})) == {i.id for i in schema_inputs if i.optional} == {"scope"}
+        assert set(types.get("optional", {})) == {i.id for i in schema_inputs if i.optional} == {"scope", "reuse_interval"}
         for spec in schema_inputs[1:]:
             assert inputs[spec.id][1]["default"] == spec.default
             assert inputs[spec.id][1]["tooltip"] == spec.tooltip
