@@ -346,7 +346,8 @@ def test_classic_api_offers_the_same_inputs_and_result(node_classes, models):
         schema_inputs = node_classes[v3].GET_SCHEMA().inputs
         assert list(inputs) == [i.id for i in schema_inputs]
         # Inputs added after the first release are optional in both APIs, so older prompts still validate.
-        assert set(types.get("optional", {})) == {i.id for i in schema_inputs if i.optional} == {"scope", "reuse_interval"}
+        optional = {i.id for i in schema_inputs if i.optional}
+        assert set(types.get("optional", {})) == optional == {"scope", "reuse_interval"}
         for spec in schema_inputs[1:]:
             assert inputs[spec.id][1]["default"] == spec.default
             assert inputs[spec.id][1]["tooltip"] == spec.tooltip
