@@ -53,6 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="time with this process's CPU time (on a machine shared with other work; use with --threads 1)",
     )
+    parser.add_argument(
+        "--calls-only",
+        default="",
+        help="a row name: time one unpatched call, one full and one reusing call of that row (no sampling run)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "results" / "steps"))
     return parser.parse_args(argv)
@@ -112,11 +117,69 @@ def sample(model, positive, negative, latent_hw, steps: int, seed: int, cpu: boo
     return seconds, timer
 
 
+def per_call(patcher, values: dict, family, latent_hw, seed: int) -> dict:
+    """``--calls-only``: the CPU seconds of one unpatched call, one full call of the row and one reusing call,
+    each a direct model call (batch 2, sigma of a mid step), for sizes where whole runs take too long."""
+    from tome_core.adapters.patcher_hooks import patched_clone
+    from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
+    from tome_core.settings import PatchSettings
+
+    percent_to_sigma = patcher.get_model_object("model_sampling").percent_to_sigma
+    generator = torch.Generator().manual_seed(seed + 2)
+    x = torch.randn(2, 4, *latent_hw, generator=generator)
+    context = torch.randn(2, 77, family.context_dim, generator=generator)
+    kwargs = {"y": torch.randn(2, family.adm_channels, generator=generator)} if family.adm_channels else {}
+    sigma = torch.full((2,), 3.0)
+    model = patched_clone(patcher, PatchSettings(**values), percent_to_sigma)
+    hooks = model.wrappers["apply_model"]["tome_patch_layer_reuse"][0].__self__
+    import comfy.patcher_extension
+
+    def call(m):
+        # No run in the options: the wrapper leaves the call alone, and the layers follow the run set below.
+        options = dict(m.model_options.get("transformer_options", {}))
+        options["wrappers"] = comfy.patcher_extension.merge_nested_dicts(
+            options.get("wrappers", {}), m.wrappers, copy_dict1=True
+        )
+        start = time.process_time()
+        with torch.no_grad():
+            m.model.apply_model(x, sigma, c_crossattn=context, transformer_options=options, **kwargs)
+        return time.process_time() - start
+
+    unpatched = call(patcher)
+    # One full call records the run's entry; the next step reuses it (the schedule has no full steps after 0).
+    run = LayerReuseRun(IntervalSchedule(values.get("reuse_interval", 3), full_start=0.0, full_end=0), 4, hooks.layers)
+    model.inject_model()
+    try:
+        run.begin_call(0, "probe")
+        hooks._current = run
+        full = call(model)
+        hooks._current = None
+        run.end_call()
+        assert run.begin_call(2, "probe"), "the probe's second call must reuse"
+        hooks._current = run
+        reusing = call(model)
+    finally:
+        hooks._current = None
+        model.eject_model()
+    return {"unpatched_call_s": unpatched, "full_call_s": full, "reusing_call_s": reusing}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     bench_host.setup_comfy("cpu")
+    if args.calls_only:
+        family = bench_host.FAMILIES[args.model]
+        patcher = bench_host.build_comfy_model(family, torch.float32, torch.device("cpu"), args.seed)
+        values = ROWS[args.calls_only]
+        costs = per_call(patcher, values, family, (args.resolution // 8, args.resolution // 8), args.seed)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = {"model": args.model, "resolution": args.resolution, "row": args.calls_only, **costs}
+        (out / f"calls-{args.model}-{args.resolution}.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result))
+        return result
     from tome_core.adapters.patcher_hooks import patched_clone
     from tome_core.layer_reuse import IntervalSchedule
     from tome_core.settings import PatchSettings
