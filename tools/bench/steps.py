@@ -5,9 +5,10 @@
 A real ComfyUI sampling run (Euler, CFG 5, cond and uncond batched: one model call of batch 2 per step, as a
 user's graph runs) on the full-size random-weight UNet, once per row: unpatched, ToDo 2, reuse_interval 2/3/4
 alone and with ToDo 2. Every model call is timed and marked as full or reusing (the run's own count), which gives
-each row's cost of a full call and of a reusing call; the schedule of layer reuse is fixed (it does not depend
-on the picture), so a whole run of any step count converts exactly from those two costs:
-``steps * unpatched call / (full calls * full call + reusing calls * reusing call)``. The run's own total is the
+each row's cost of a full step and of a reusing step (per step: ComfyUI runs cond and uncond as one call or two,
+as its memory estimate says); the schedule of layer reuse is fixed (it does not depend on the picture), so a
+whole run of any step count converts exactly from those two costs:
+``steps * unpatched step / (full steps * full step + reusing steps * reusing step)``. The run's own total is the
 direct timing the conversion is checked against (``direct`` vs ``converted at --steps``).
 
 The step caches (ComfyUI's EasyCache and LazyCache) decide from the picture which calls to skip, so their speed
@@ -206,12 +207,14 @@ def main(argv=None) -> dict:
         total, timer = sample(model, positive, negative, latent_hw, args.steps, args.seed, args.cpu_time)
         full = [s for s, reused in timer.calls if not reused]
         reusing = [s for s, reused in timer.calls if reused]
+        # Per step, not per call: ComfyUI may run cond and uncond as one call or as two (its memory estimate).
+        full_steps = IntervalSchedule(values.get("reuse_interval", 1)).full_steps(args.steps)
         results[name] = {
             "settings": values,
             "direct_s": total,
             "calls": len(timer.calls),
-            "full_call_s": sum(full) / len(full) if full else None,
-            "reusing_call_s": sum(reusing) / len(reusing) if reusing else None,
+            "full_call_s": sum(full) / full_steps,
+            "reusing_call_s": sum(reusing) / (args.steps - full_steps) if reusing else None,
             "reusing_calls": len(reusing),
             "peak_mib": timer.peak_mib,
             "cache_mib": timer.cache_bytes / 2**20,
@@ -244,7 +247,7 @@ def main(argv=None) -> dict:
     stem = f"steps-{args.model}-{args.resolution}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=2))
     steps_list = list(results["unpatched"]["converted"])
-    head = "| row | full call s | reusing call s | peak MiB | cache MiB | direct speed-up | " + " | ".join(
+    head = "| row | full step s | reusing step s | peak MiB | cache MiB | direct speed-up | " + " | ".join(
         f"converted {s} steps" for s in steps_list
     )
     lines = [head + " |", "|---" * (6 + len(steps_list)) + "|"]
