@@ -17,6 +17,7 @@ import logging
 
 from ..layer_reuse import DEFAULT_EXTRAPOLATE, OUTER_BLOCKS, IntervalSchedule, LayerReuseRun, SkippableLayer
 from ..schedule import call_sigmas, step_of
+from .sampling_run import sample_with_run
 from .unet_layout import inner_layers
 
 log = logging.getLogger("tome_patch")
@@ -63,17 +64,10 @@ class LayerReuseHooks:
             return executor(*args, **kwargs)
         sigmas = call_sigmas(args[3] if len(args) > 3 else kwargs.get("sigmas"))
         run = LayerReuseRun(self.schedule, len(sigmas), self.layers, self.extrapolate)
-        original = guider.model_options
-        options = dict(original)
-        options["transformer_options"] = {**original.get("transformer_options", {}), RUN_KEY: (run, sigmas)}
-        guider.model_options = options
-        try:
-            return executor(*args, **kwargs)
-        finally:
-            guider.model_options = original
-            run.drop()
-            self.last_run = run
-            log.info("ToMe reuse across steps: %s", run.summary())
+        return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
+
+    def _ended(self, run) -> None:
+        self.last_run = run
 
     def apply_model_wrapper(
         self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs

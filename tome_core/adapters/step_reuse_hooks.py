@@ -20,6 +20,7 @@ import logging
 from ..levels import find_level, reduced_levels
 from ..step_cache import ReuseRun, ReuseSchedule
 from . import patcher_hooks
+from .sampling_run import sample_with_run
 from .unet_layout import attention_levels
 
 log = logging.getLogger("tome_patch")
@@ -45,20 +46,12 @@ class ReuseHooks:
         return self
 
     def outer_sample_wrapper(self, executor, *args, **kwargs):
-        guider = executor.class_obj
         sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
-        original = guider.model_options
         run = ReuseRun(self.schedule, sigmas)
-        options = dict(original)
-        options["transformer_options"] = {**original.get("transformer_options", {}), RUN_KEY: run}
-        guider.model_options = options
-        try:
-            return executor(*args, **kwargs)
-        finally:
-            guider.model_options = original
-            run.drop()
-            self.last_run = run
-            log.info("ToMe reuse across steps: %s", run.summary())
+        return sample_with_run(executor, args, kwargs, RUN_KEY, run, run, self._ended)
+
+    def _ended(self, run) -> None:
+        self.last_run = run
 
     def apply_model_wrapper(
         self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs
