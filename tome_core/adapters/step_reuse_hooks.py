@@ -15,15 +15,11 @@ uncond batched together or apart, area conds and several prompts each get their 
 
 from __future__ import annotations
 
-import logging
-
 from ..levels import find_level, reduced_levels
 from ..step_cache import ReuseRun, ReuseSchedule
 from . import patcher_hooks
 from .sampling_run import sample_with_run
 from .unet_layout import attention_levels
-
-log = logging.getLogger("tome_patch")
 
 RUN_KEY = "tome_patch_reuse_run"  # transformer_options: the ReuseRun of the current sampling run
 CALL_KEY = "tome_patch_reuse_call"  # transformer_options: the CallPlan of the current model call
