@@ -39,9 +39,9 @@ def forwards_left(model) -> int:
     return sum("forward" in block.__dict__ for block in blocks_of(model))
 
 
-def test_scope_is_the_last_input_of_both_nodes(node_classes):
+def test_scope_is_the_input_before_reuse_interval_in_both_nodes(node_classes):
     for node_id in ("ToMePatch", "ToMePatchAdvanced"):
-        scope = node_classes[node_id].GET_SCHEMA().inputs[-1]
+        scope = node_classes[node_id].GET_SCHEMA().inputs[-2]
         assert scope.id == "scope" and scope.default == "self-attention"
         assert list(scope.options) == ["self-attention", "block", "reuse"]
         assert "whole transformer block" in scope.tooltip
