@@ -13,7 +13,9 @@ direct timing the conversion is checked against (``direct`` vs ``converted at --
 
 The step caches (ComfyUI's EasyCache and LazyCache) decide from the picture which calls to skip, so their speed
 is converted from the share of calls they computed on the trained reference models (the fidelity benchmark's
-``calls``): a skipped call costs next to nothing, so their speed-up is about 1 / calls.
+``calls``): a skipped call costs next to nothing, so their speed-up is about 1 / calls. ``--peers
+results/fidelity-ref-sd1.json`` adds those rows (and ToDo 2 followed by EasyCache: its calls at ToDo 2's cost),
+converted with this run's costs at the fidelity run's step count.
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--calls-only",
         default="",
         help="a row name: time one unpatched call, one full and one reusing call of that row (no sampling run)",
+    )
+    parser.add_argument(
+        "--peers",
+        default="",
+        help="a fidelity benchmark JSON: add the step caches' rows, converted from the calls they computed there",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "results" / "steps"))
@@ -166,6 +173,29 @@ def per_call(patcher, values: dict, family, latent_hw, seed: int) -> dict:
     return {"unpatched_call_s": unpatched, "full_call_s": full, "reusing_call_s": reusing}
 
 
+def peer_rows(fidelity_json: Path, results: dict) -> dict:
+    """The step caches' rows of a fidelity run, converted to this run's costs: each computed call costs a full
+    step of the row it follows (unpatched, or ToDo 2 where ours comes first), a skipped call nothing."""
+    fidelity = json.loads(fidelity_json.read_text())
+    base = results["unpatched"]["full_call_s"]
+    peers = {}
+    for record in fidelity["records"]:
+        name = record["row"]
+        if "Cache" not in name or record.get("work") is None or "reuse" in name:
+            continue  # layer reuse under a step cache stands down: not a setting a user gets
+        under = "ToDo 2" if name.startswith("ours ToDo 2 +") else "unpatched"
+        if under not in results:
+            raise SystemExit(f"--peers: the row {name!r} needs the row {under!r} in this run (see --only)")
+        calls = record["work"]["call_share"]
+        peers[name] = {
+            "calls": calls,
+            "steps": fidelity["settings"]["steps"],
+            "model": fidelity["model"],
+            "speedup": base / (calls * results[under]["full_call_s"]),
+        }
+    return peers
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
@@ -179,6 +209,13 @@ def main(argv=None) -> dict:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         result = {"model": args.model, "resolution": args.resolution, "row": args.calls_only, **costs}
+        if args.peers:
+            # The row's full call is the call its reduction in space makes (ToDo 2 where the row has it).
+            reduced = values.get("downsample_factor", 1.0) == 2.0 and values.get("method") == "todo"
+            results = {"unpatched": {"full_call_s": costs["unpatched_call_s"]}}
+            if reduced:
+                results["ToDo 2"] = {"full_call_s": costs["full_call_s"]}
+            result["peers"] = peer_rows(Path(args.peers), results)
         (out / f"calls-{args.model}-{args.resolution}.json").write_text(json.dumps(result, indent=2))
         print(json.dumps(result))
         return result
@@ -232,6 +269,7 @@ def main(argv=None) -> dict:
             reusing_cost = r["reusing_call_s"] if r["reusing_call_s"] is not None else r["full_call_s"]
             time_s = full * r["full_call_s"] + (steps - full) * reusing_cost
             r["converted"][str(steps)] = {"full_steps": full, "speedup": steps * base_call / time_s}
+    peers = peer_rows(Path(args.peers), results) if args.peers else {}
     meta = {
         "model": args.model,
         "resolution": args.resolution,
@@ -245,7 +283,7 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"steps-{args.model}-{args.resolution}"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=2))
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": results, "peers": peers}, indent=2))
     steps_list = list(results["unpatched"]["converted"])
     head = "| row | full step s | reusing step s | peak MiB | cache MiB | direct speed-up | " + " | ".join(
         f"converted {s} steps" for s in steps_list
@@ -261,6 +299,10 @@ def main(argv=None) -> dict:
             f"| {name} | {r['full_call_s']:.2f} | {reusing} | {peak} | {r['cache_mib']:.1f} | "
             f"{r['direct_speedup']:.2f}x | {conv} |"
         )
+    if peers:
+        lines += ["", "| row (calls computed in the fidelity run) | calls | converted speed-up |", "|---|---|---|"]
+        for name, p in peers.items():
+            lines.append(f"| {name} | {p['calls']:.2f} | {p['speedup']:.2f}x at {p['steps']} steps |")
     table = "\n".join(lines)
     (out / f"{stem}.md").write_text(
         f"{args.model} {args.resolution} px, {args.steps}-step runs, batch 2 (cond + uncond), "

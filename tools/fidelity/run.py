@@ -220,6 +220,11 @@ def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
         (3, {"full_end": 2}),
         (3, {"full_end": 2, "todo": 2.0}),
         (3, {"full_start": 0.3, "todo": 2.0}),
+        (3, {"full_start": 0.3}),
+        (3, {"full_start": 0.4}),
+        (3, {"full_end": 3}),
+        (3, {"full_start": 0.16, "todo": 2.0}),
+        (3, {"full_start": 0.12, "todo": 2.0}),
     )
     for interval, changes in changed:
         name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
