@@ -70,7 +70,11 @@ def test_the_readme_stays_short_and_links_the_documents():
 
 def test_every_picture_in_docs_is_shown():
     shown = {(doc.parent / target.partition("#")[0]).resolve() for doc in DOCUMENTS for target in links(doc)}
-    orphans = [p.name for p in sorted((ROOT / "docs").glob("*.png")) if p.resolve() not in shown]
+    orphans = [
+        p.name
+        for p in sorted([*(ROOT / "docs").glob("*.png"), *(ROOT / "docs").glob("*.jpg")])
+        if p.resolve() not in shown
+    ]
     assert not orphans, f"pictures in docs/ that no document shows: {orphans}"
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 HW = (15, 23)
-STEPS = 10  # IntervalSchedule(3): full steps 0, 1, 4, 7, 8, 9; reusing 2, 3, 5, 6
-REUSING_STEPS = 4
+STEPS = 10  # IntervalSchedule(3), a short run: full steps 0, 1, 3, 5, 7, 8, 9; reusing 2, 4, 6
+REUSING_STEPS = 3
 REUSE = {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 3}
 
 
@@ -158,13 +158,32 @@ def test_runs_back_to_back_with_other_sizes_step_counts_and_denoise_share_nothin
     assert torch.equal(after_other_runs, fresh)
 
 
+def test_the_schedule_and_its_short_runs():
+    """Full steps: the first fifth (two at least), the last three, one in N between; under 25 steps one in two at
+    least (the steps lie further apart there)."""
+    from tome_core.layer_reuse import IntervalSchedule
+
+    def pattern(schedule, steps):
+        return "".join("F" if schedule.is_full(step, steps) else "." for step in range(steps))
+
+    assert pattern(IntervalSchedule(3), 25) == "FFFFF..F..F..F..F..F..FFF"
+    assert pattern(IntervalSchedule(3), 30) == "FFFFFF..F..F..F..F..F..F..FFFF"
+    assert pattern(IntervalSchedule(3), 24) == pattern(IntervalSchedule(2), 24) == "FFFFF.F.F.F.F.F.F.F.FFFF"
+    assert pattern(IntervalSchedule(4), 12) == pattern(IntervalSchedule(2), 12) == "FFF.F.F.FFFF"
+    assert pattern(IntervalSchedule(3, short_run=0), 12) == "FFF..F..FFFF"
+    assert pattern(IntervalSchedule(1), 12) == "F" * 12
+    assert pattern(IntervalSchedule(3), 4) == "F" * 4  # no step between the first two and the last three
+    with pytest.raises(ValueError, match="short_run"):
+        IntervalSchedule(3, short_run=-1)
+
+
 def test_step_order_schedule_and_layout_changes_compute_in_full():
     from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
 
-    run = LayerReuseRun(IntervalSchedule(100, full_start=0.0, full_end=0), steps=6, layers=2)
-    assert [IntervalSchedule(100, full_start=0.0, full_end=0).is_full(s, 6) for s in range(6)] == [True, True] + [
-        False
-    ] * 4  # two full steps at least: a line to extrapolate on
+    schedule = IntervalSchedule(100, full_start=0.0, full_end=0, short_run=0)
+    run = LayerReuseRun(schedule, steps=6, layers=2)
+    # Two full steps at least: a line to extrapolate on.
+    assert [schedule.is_full(s, 6) for s in range(6)] == [True, True] + [False] * 4
     ran = []
 
     def layer(tag):
@@ -199,7 +218,8 @@ def test_a_reusing_call_with_unchanged_inner_features_equals_the_full_call():
     """Where the math says so the reuse is exact: the prediction from two equal recorded features is the feature."""
     from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
 
-    run = LayerReuseRun(IntervalSchedule(2, full_start=0.0, full_end=0), steps=4, layers=1, extrapolate=1.0)
+    schedule = IntervalSchedule(2, full_start=0.0, full_end=0, short_run=0)
+    run = LayerReuseRun(schedule, steps=4, layers=1, extrapolate=1.0)
     feature = torch.randn(1, 8, 5, 5)
     for step in (0, 1):
         run.begin_call(step, "a")
@@ -308,7 +328,7 @@ def test_half_precision_runs_and_reuses(node_classes, dtype):
     patched = patch(node_classes, model)
     out = run(patched, steps=6)
     assert torch.isfinite(out).all()
-    assert hooks_of(patched).last_run.reused_calls == 2  # steps 2, 3 of 6
+    assert hooks_of(patched).last_run.reused_calls == 1  # step 2 of 6 (a short run: the last three are full)
 
 
 def test_the_patched_unet_compiles(node_classes, models):
@@ -318,7 +338,7 @@ def test_the_patched_unet_compiles(node_classes, models):
 
     model = models["sdxl"]
     patched = patch(node_classes, model)
-    small = {"steps": 5, "latent_hw": (8, 8), "batch": 1}  # full steps 0, 1, 3, 4; reusing 2
+    small = {"steps": 6, "latent_hw": (8, 8), "batch": 1}  # full steps 0, 1, 3, 4, 5; reusing 2
     eager = run(patched, "sdxl", **small)
     compiled = patched.clone()
     set_torch_compile_wrapper(compiled, backend="eager", keys=["diffusion_model"])

@@ -225,6 +225,11 @@ def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
         (3, {"full_end": 3}),
         (3, {"full_start": 0.16, "todo": 2.0}),
         (3, {"full_start": 0.12, "todo": 2.0}),
+        (2, {"full_end": 3}),
+        (2, {"full_end": 3, "todo": 2.0}),
+        (3, {"full_end": 3, "full_start": 0.3}),
+        (3, {"full_end": 3, "todo": 2.0}),
+        (3, {"todo": 2.0}),
     )
     for interval, changes in changed:
         name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
@@ -245,7 +250,8 @@ def layer_reuse_variant(interval: int, extrapolate=0.5, outer=1, by_sigma=True, 
         todo_only = PatchSettings(method="todo", downsample_factor=todo, skip_when_slower=False)
         clone = patched_clone(model, todo_only, lambda p: p) if todo != 1.0 else model.clone()
         settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=interval)
-        schedule_ = IntervalSchedule(interval, **schedule)
+        # A variant's schedule is what it says: no short-run rule unless it names one.
+        schedule_ = IntervalSchedule(interval, **{"short_run": 0, **schedule})
         layer_reuse_hooks.install(clone, settings, everywhere, extrapolate, outer, schedule_, by_sigma)
         return clone
 
