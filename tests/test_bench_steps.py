@@ -40,7 +40,7 @@ def test_converts_the_schedule_and_the_peers(tmp_path):
     result = json.loads((tmp_path / "steps-tiny-64.json").read_text())
     rows, peers = result["rows"], result["peers"]
     assert set(rows) == {"unpatched", "ToDo 2", "ToDo 2 + reuse every 2", "ToDo 2 + reuse every 3"}
-    # The run's own count of reusing calls follows the fixed schedule: 6 steps, 2 full at the start, 2 at the end.
+    # The run's own count of reusing calls follows the fixed schedule: 6 steps, 2 full at the start, 3 at the end.
     assert (
         rows["ToDo 2 + reuse every 3"]["reusing_calls"]
         == 6 - rows["ToDo 2 + reuse every 3"]["converted"]["6"]["full_steps"]

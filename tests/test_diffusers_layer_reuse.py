@@ -177,7 +177,7 @@ def test_a_bare_unet_is_refused_and_left_as_it_was():
 def test_second_order_schedulers_count_each_model_call_as_a_step(pipes):
     """Heun lists each timestep but the first twice (19 UNet calls for 10 steps); the scheduler's step index
     tells the two calls apart. 19 calls, a short run: full calls 0-3 (a fifth of 19), every second after them (5,
-    7, 9, 11, 13), the last four (15-18)."""
+    7, ..., 15), the last three (16-18)."""
     from diffusers import HeunDiscreteScheduler
 
     pipe = pipeline(pipes, "txt2img")

@@ -67,9 +67,8 @@ class IntervalSchedule:
 
     def is_full(self, step: int, steps: int) -> bool:
         interval = min(self.interval, 2) if steps < self.short_run else self.interval
-        full_end = self.full_end
         start = max(math.ceil(self.full_start * steps), 2)  # two full steps at least: a line to extrapolate on
-        if interval == 1 or step < start or step >= steps - full_end:
+        if interval == 1 or step < start or step >= steps - self.full_end:
             return True
         return (step - start) % interval == interval - 1
 

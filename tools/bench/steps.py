@@ -182,7 +182,7 @@ def peer_rows(fidelity_json: Path, results: dict) -> dict:
     for record in fidelity["records"]:
         name = record["row"]
         if "Cache" not in name or record.get("work") is None or "reuse" in name:
-            continue  # layer reuse under a step cache stands down: not a setting a user gets
+            continue  # our reuse under a step cache: layer reuse stands down there, so not a setting a user gets
         under = "ToDo 2" if name.startswith("ours ToDo 2 +") else "unpatched"
         if under not in results:
             raise SystemExit(f"--peers: the row {name!r} needs the row {under!r} in this run (see --only)")

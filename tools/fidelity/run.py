@@ -250,8 +250,9 @@ def layer_reuse_variant(interval: int, extrapolate=0.5, outer=1, by_sigma=True, 
         todo_only = PatchSettings(method="todo", downsample_factor=todo, skip_when_slower=False)
         clone = patched_clone(model, todo_only, lambda p: p) if todo != 1.0 else model.clone()
         settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=interval)
-        # A variant's schedule is what it says: no short-run rule unless it names one.
-        schedule_ = IntervalSchedule(interval, **{"short_run": 0, **schedule})
+        # A variant changes the schedule its rows were measured against: the last two steps full and no short-run
+        # rule (docs/step-reuse.md, "before"); it names any other value.
+        schedule_ = IntervalSchedule(interval, **{"short_run": 0, "full_end": 2, **schedule})
         layer_reuse_hooks.install(clone, settings, everywhere, extrapolate, outer, schedule_, by_sigma)
         return clone
 
