@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from .tome_core.adapters import comfy_dit
-from .tome_core.adapters.patcher_hooks import NotAUNetError, patched_clone
+from .tome_core.hosts.comfyui import dit as comfy_dit
+from .tome_core.hosts.shared.model_patcher import NotAUNetError, patched_clone
 from .tome_core.settings import SPECS, PatchSettings
 
 log = logging.getLogger("tome_patch")

@@ -17,15 +17,18 @@ checkpoint), and removed after the job, at the start of the next one (an excepti
 
 Reuse across steps (``reuse_interval``) belongs to one sampling pass: it is set up with the patch and finished at
 the next pass, at the end of the job and wherever the patch is removed; the step of each model call comes from the
-``cfg_denoiser`` callbacks (see ``tome_core/adapters/webui_layer_reuse.py``).
+``cfg_denoiser`` callbacks (see ``tome_core/hosts/webui/layer_reuse.py``).
 """
 
 from __future__ import annotations
 
 from modules import script_callbacks, scripts
 
-from tome_core.adapters import layer_reuse_hooks, ldm_blocks, webui_args, webui_layer_reuse
-from tome_core.adapters.patcher_hooks import NotAUNetError, patched_clone
+from tome_core.hosts.comfyui import layer_reuse as layer_reuse_hooks
+from tome_core.hosts.shared.model_patcher import NotAUNetError, patched_clone
+from tome_core.hosts.webui import args as webui_args
+from tome_core.hosts.webui import layer_reuse as webui_layer_reuse
+from tome_core.hosts.webui import ldm_patch
 
 TITLE = "ToMe Patch"
 _JOB = "_tome_patch_job"  # per-job state on the processing object
@@ -58,10 +61,10 @@ def _unet_of(sd_model):
 def remove_everywhere(sd_model=None) -> None:
     """Leave no patch of ours on any UNet: those we patched, and ``sd_model``'s (it may be a reloaded object)."""
     webui_layer_reuse.end_pass()
-    ldm_blocks.remove_all()
+    ldm_patch.remove_all()
     unet = _unet_of(sd_model)
     if unet is not None and hasattr(unet, "modules"):
-        ldm_blocks.remove_patch(unet)
+        ldm_patch.remove_patch(unet)
 
 
 def _builtin_ratio(p, is_hr_pass: bool) -> float:
@@ -163,8 +166,8 @@ def _patch_ldm(p, sd_model, settings, job: _Job) -> bool:
         job.warn_once("a TensorRT UNet is active and bypasses the transformer blocks; generating without it.")
         return False
     try:
-        reduced = ldm_blocks.install_patch(unet, settings)  # False where the token reduction does nothing
-    except ldm_blocks.UnsupportedModelError as err:
+        reduced = ldm_patch.install_patch(unet, settings)  # False where the token reduction does nothing
+    except ldm_patch.UnsupportedModelError as err:
         job.warn_once(f"not applied: {err}.")
         return False
     reusing = webui_layer_reuse.install_ldm(unet, settings, p) is not None
@@ -199,7 +202,7 @@ class ToMePatchScript(scripts.Script):
         return scripts.AlwaysVisible
 
     def ui(self, is_img2img):
-        from tome_core.adapters.webui_ui import build_ui  # gradio only here
+        from tome_core.hosts.webui.ui import build_ui  # gradio only here
 
         components = build_ui(self, is_img2img)
         self.infotext_fields = _infotext_fields(components)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import time
 
-import browser as web
-import comfy_host as host  # noqa: I001  (puts ComfyUI on sys.path for the model files written below)
 import pytest
-from comfy_server import UNET_FILE, ComfyServer
+from hosts import browser as web
+from hosts import comfy_host as host  # noqa: I001  (puts ComfyUI on sys.path for the model files written below)
+from hosts.comfy_server import UNET_FILE, ComfyServer
 
 from tome_core.settings import SPECS
 

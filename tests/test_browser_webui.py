@@ -1,6 +1,6 @@
 """The WebUI script's accordion in the WebUI's own gradio (3.41.2), driven in headless Chromium.
 
-The page (``tests/webui_page.py``) runs in the second environment ``.venv-webui`` and builds the script's real
+The page (``tests/hosts/webui_page.py``) runs in the second environment ``.venv-webui`` and builds the script's real
 ``ui()``; its Generate button hands the controls' values to the script's hooks as the WebUI does. Controls are found
 by their element ids (``script.elem_id(name)``) and labels only, so the tests do not depend on their layout, and
 before touching a control that belongs to one method or to the highres pass, the method or the highres checkbox
@@ -16,10 +16,10 @@ import time
 import urllib.error
 import urllib.request
 
-import browser as web
 import pytest
+from hosts import browser as web
 
-from tome_core.adapters import webui_args
+from tome_core.hosts.webui import args as webui_args
 
 pytestmark = pytest.mark.browser
 
@@ -42,7 +42,7 @@ def page_url(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("webui") / "page.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [str(WEBUI_PYTHON), str(web.REPO_ROOT / "tests" / "webui_page.py"), "--port", str(port)],
+            [str(WEBUI_PYTHON), str(web.REPO_ROOT / "tests" / "hosts" / "webui_page.py"), "--port", str(port)],
             cwd=web.REPO_ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import copy
 
-import comfy_host as host  # noqa: I001  (first: puts ComfyUI on sys.path and sets CPU mode)
 import pytest
 import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
 FAMILIES = ("sd15", "sdxl")
 
@@ -266,7 +266,9 @@ def test_whole_graph_through_the_prompt_executor(node_classes, tmp_path):
     folder_paths.add_model_folder_path("diffusion_models", str(tmp_path / "unet"))
 
     ok = asyncio.run(
-        comfy_nodes.load_custom_node(str(host.REPO_ROOT / "tests" / "comfy_graph_nodes"), module_parent="custom_nodes")
+        comfy_nodes.load_custom_node(
+            str(host.REPO_ROOT / "tests" / "hosts" / "comfy_graph_nodes"), module_parent="custom_nodes"
+        )
     )
     assert ok
     captured = comfy_nodes.NODE_CLASS_MAPPINGS["TestCaptureLatent"].captured

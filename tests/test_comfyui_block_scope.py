@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 import sys
 
-import comfy_host as host  # noqa: I001  (first: puts ComfyUI on sys.path and sets CPU mode)
 import pytest
 import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
 FAMILIES = ("sd15", "sdxl")
 HW = (15, 23)

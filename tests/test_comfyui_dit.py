@@ -6,11 +6,11 @@ from __future__ import annotations
 import copy
 import logging
 
-import comfy_host as host  # noqa: I001  (first: puts ComfyUI on sys.path and sets CPU mode)
 import pytest
 import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
-from tome_core.adapters import comfy_dit
+from tome_core.hosts.comfyui import dit as comfy_dit
 from tome_core.joint_attention import ImageTokens
 from tome_core.settings import PatchSettings
 

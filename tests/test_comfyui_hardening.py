@@ -9,10 +9,10 @@ import sys
 import textwrap
 import threading
 
-import comfy_host as host  # noqa: I001  (first: puts ComfyUI on sys.path and sets CPU mode)
 import numpy as np
 import pytest
 import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
 HW = (16, 16)
 
@@ -157,7 +157,7 @@ SAMPLE_SCRIPT = textwrap.dedent(
     """
     import hashlib, sys
     sys.path.insert(0, "tests")
-    import comfy_host as host
+    from hosts import comfy_host as host
     nodes = host.load_our_package()
     node = nodes["ToMePatchAdvanced"]
     inputs = {spec.id: spec.default for spec in node.GET_SCHEMA().inputs[1:]}

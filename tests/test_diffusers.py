@@ -7,14 +7,14 @@ reduction with ``skip_when_slower=False`` (one test checks that the default leav
 
 from __future__ import annotations
 
-import diffusers_host as H
 import numpy as np
 import pytest
 import torch
+from hosts import diffusers_host as H
 
 import tome_core
 from tome_core import PatchSettings, Reducer
-from tome_core.adapters import diffusers_blocks
+from tome_core.hosts.diffusers import pipeline_patch
 
 FORCE = {"skip_when_slower": False}
 KINDS = ("txt2img", "img2img", "inpaint", "controlnet", "sdxl")
@@ -30,7 +30,7 @@ def pipeline(pipes, kind):
     if kind not in pipes:
         pipes[kind] = H.make_pipeline(kind)
     pipe = pipes[kind]
-    assert not diffusers_blocks.is_patched(pipe)
+    assert not pipeline_patch.is_patched(pipe)
     return pipe
 
 
@@ -113,8 +113,8 @@ def test_default_settings_leave_small_images_alone(pipes):
 def test_levels_follow_the_layout():
     """Automatic levels: the finest with attention, so SDXL (none at level 1) is reduced at level 2."""
     sd1, sdxl = H.sd1_unet(), H.sdxl_unet()
-    assert diffusers_blocks.attention_levels(sd1) == (1, 2)
-    assert diffusers_blocks.attention_levels(sdxl) == (2, 4)
+    assert pipeline_patch.attention_levels(sd1) == (1, 2)
+    assert pipeline_patch.attention_levels(sdxl) == (2, 4)
     seen = []
     original = Reducer.start_block
 
@@ -134,7 +134,7 @@ def test_levels_follow_the_layout():
             Reducer.start_block = original
             tome_core.remove_patch(unet)
         assert {tokens for _, tokens, reduced in seen if reduced} == {reduced_tokens}
-        assert len(seen) == len(diffusers_blocks.transformer_blocks(unet))
+        assert len(seen) == len(pipeline_patch.transformer_blocks(unet))
 
 
 # --- settings and models that are refused ------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def test_patching_twice_equals_once_and_removal_leaves_nothing(make):
     tome_core.apply_patch(unet, method="todo", **FORCE)
     tome_core.apply_patch(unet, method="tome", ratio=0.4, merge_crossattn=True, **FORCE)
     twice = call(unet, sample, kwargs)
-    for _, block in diffusers_blocks.transformer_blocks(unet):
+    for _, block in pipeline_patch.transformer_blocks(unet):
         assert [c.__name__ for c in type(block).__mro__].count("TomePatchDiffusersBlock") == 1
     assert len(unet._forward_pre_hooks) == 1
     tome_core.remove_patch(unet)
@@ -364,11 +364,11 @@ def test_step_range_of_edm_schedulers_is_sigma_based():
     from diffusers import EDMEulerScheduler
 
     scheduler = EDMEulerScheduler(sigma_min=0.002, sigma_max=80.0)
-    to_timestep = diffusers_blocks.percent_to_unet_timestep(scheduler)
+    to_timestep = pipeline_patch.percent_to_unet_timestep(scheduler)
     middle = (0.002 * 80.0) ** 0.5
     assert to_timestep(0.5) == pytest.approx(float(scheduler.precondition_noise(torch.tensor(middle))), abs=1e-6)
     assert to_timestep(0.2) > to_timestep(0.5) > to_timestep(0.8)  # noisier earlier
-    ddim = diffusers_blocks.percent_to_unet_timestep(H.ddim())
+    ddim = pipeline_patch.percent_to_unet_timestep(H.ddim())
     assert ddim(0.25) == pytest.approx(749.25)
 
 
@@ -379,7 +379,7 @@ def test_a_scheduler_swapped_after_patching_is_followed(pipes):
     original = pipe.scheduler
     tome_core.apply_patch(pipe, method="tome", ratio=0.5, end_percent=0.5, **FORCE)
     try:
-        step_range = pipe.unet.__dict__[diffusers_blocks._STATE].step_range
+        step_range = pipe.unet.__dict__[pipeline_patch._STATE].step_range
         assert step_range.contains(600.0) and not step_range.contains(400.0)
         pipe.scheduler = EDMEulerScheduler()
         threshold = float(pipe.scheduler.precondition_noise(torch.tensor((0.002 * 80.0) ** 0.5)))
@@ -489,7 +489,7 @@ def test_chunked_feed_forward_with_merged_mlp():
     # 256 -> 180 tokens, not a multiple of 8
     tome_core.apply_patch(unet, method="tome", ratio=0.3, merge_mlp=True, **FORCE)
     whole = call(unet, sample, kwargs)
-    for _, block in diffusers_blocks.transformer_blocks(unet):
+    for _, block in pipeline_patch.transformer_blocks(unet):
         block.set_chunk_feed_forward(chunk_size=8, dim=1)
     chunked = call(unet, sample, kwargs)
     tome_core.remove_patch(unet)

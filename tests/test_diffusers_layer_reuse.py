@@ -8,14 +8,15 @@ one) reuse the inner layers' output.
 
 from __future__ import annotations
 
-import diffusers_host as H
 import numpy as np
 import pytest
 import torch
+from hosts import diffusers_host as H
 from test_diffusers import module_snapshot, unet_inputs
 
 import tome_core
-from tome_core.adapters import diffusers_blocks, diffusers_layer_reuse
+from tome_core.hosts.diffusers import layer_reuse as diffusers_layer_reuse
+from tome_core.hosts.diffusers import pipeline_patch
 
 REUSE = {"reuse_interval": 3, "method": "tome", "ratio": 0.0}  # reuse alone, no token merging
 
@@ -29,7 +30,7 @@ def pipeline(pipes, kind):
     if kind not in pipes:
         pipes[kind] = H.make_pipeline(kind)
     pipe = pipes[kind]
-    assert not diffusers_blocks.is_patched(pipe)
+    assert not pipeline_patch.is_patched(pipe)
     return pipe
 
 
@@ -72,7 +73,7 @@ def test_reuse_skips_the_expected_calls_and_removal_is_exact(pipes, kind):
     before = module_snapshot(pipe.unet)
     plain = H.run(pipe, kind, steps=10)
     tome_core.apply_patch(pipe, **REUSE)
-    assert diffusers_blocks.is_patched(pipe)
+    assert pipeline_patch.is_patched(pipe)
     reused = H.run(pipe, kind, steps=10)
     run = last_run(pipe)
     assert (run.calls, run.reused_calls) == (10, 3)  # a short run: steps 2, 4, 6
@@ -90,7 +91,7 @@ def test_runs_where_every_step_is_full_are_bit_identical(pipes):
     pipe = pipeline(pipes, "txt2img")
     plain = H.run(pipe, "txt2img", steps=3)
     tome_core.apply_patch(pipe, **{**REUSE, "reuse_interval": 1})
-    assert not diffusers_blocks.is_patched(pipe)
+    assert not pipeline_patch.is_patched(pipe)
     tome_core.apply_patch(pipe, **REUSE)
     assert np.array_equal(H.run(pipe, "txt2img", steps=3), plain)
     assert last_run(pipe).reused_calls == 0

@@ -17,20 +17,20 @@ from __future__ import annotations
 
 import warnings
 
-import comfy_host  # noqa: I001  (first: puts ComfyUI on sys.path and sets CPU mode)
-import diffusers_host as H
 import numpy as np
 import pytest
 import tomesd
 import torch
 from diffusers import UNet2DConditionModel
 from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint, create_unet_diffusers_config_from_ldm
+from hosts import comfy_host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+from hosts import diffusers_host as H
 from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
 import tome_core
 from tome_core import PatchSettings
-from tome_core.adapters import ldm_blocks
-from tome_core.adapters.patcher_hooks import patched_clone
+from tome_core.hosts.shared.model_patcher import patched_clone
+from tome_core.hosts.webui import ldm_patch
 
 FORCE = {"skip_when_slower": False}
 BOUND = 2e-5  # of the output's scale, see the module docstring
@@ -127,12 +127,12 @@ class Hosts:
 
     def run_ldm(self, **settings):
         if settings:
-            ldm_blocks.install_patch(self.ldm, PatchSettings.from_values(**settings))
+            ldm_patch.install_patch(self.ldm, PatchSettings.from_values(**settings))
         try:
             with torch.no_grad():
                 return self.ldm(self.x, self.t, context=self.context)
         finally:
-            ldm_blocks.remove_patch(self.ldm)
+            ldm_patch.remove_patch(self.ldm)
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sys
 
-import comfy_host as host  # noqa: I001  (first: puts ComfyUI on sys.path and sets CPU mode)
 import pytest
 import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
 HW = (15, 23)
 STEPS = 10  # IntervalSchedule(3), a short run: full steps 0, 1, 3, 5, 7, 8, 9; reusing 2, 4, 6
@@ -58,11 +58,11 @@ def hooks_of(patched):
 
 def engine_of(hooks):
     """The engine module as ComfyUI loaded it (a submodule of the custom node package)."""
-    return sys.modules[type(hooks).__module__.replace("adapters.layer_reuse_hooks", "layer_reuse")]
+    return sys.modules[type(hooks).__module__.replace("hosts.comfyui.layer_reuse", "layer_reuse")]
 
 
 def inner_layers(model):
-    from tome_core.adapters.unet_layout import inner_layers as layers_of
+    from tome_core.hosts.shared.unet_layout import inner_layers as layers_of
 
     return [layer for _, layer in layers_of(model.model.diffusion_model)]
 

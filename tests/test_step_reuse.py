@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 
-import comfy_host as host  # noqa: I001  (first: puts ComfyUI on sys.path and sets CPU mode)
 import pytest
 import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
 HW = (15, 23)
 REUSE = {"method": "tome", "scope": "reuse", "ratio": 0.5, "skip_when_slower": False, "max_downsample": "4"}
@@ -54,7 +54,7 @@ def hooks_of(patched):
 def engine_of(hooks):
     """The engine modules as ComfyUI loaded them (submodules of the custom node package)."""
     adapter = sys.modules[type(hooks).__module__]
-    return adapter, sys.modules[type(hooks).__module__.replace("adapters.step_reuse_hooks", "step_cache")]
+    return adapter, sys.modules[type(hooks).__module__.replace("hosts.comfyui.step_reuse", "step_cache")]
 
 
 def blocks_of(model):
@@ -179,7 +179,7 @@ def test_computed_tokens_are_exactly_those_of_the_whole_block(node_classes, mode
     run = engine.ReuseRun(engine.ReuseSchedule(reuse=0.5, full_start=0.5, full_end=0), torch.tensor([2.0, 1.0, 0]))
     options = {"patches": {"attn1_patch": [hooks.attn1_patch]}, "tome_patch_owner": hooks, adapter.RUN_KEY: run}
     options.update(original_shape=[2, 4, *HW], uuids=["c", "u"])
-    forward = __import__(adapter.patcher_hooks.__name__, fromlist=["BlockForward"]).BlockForward(hooks, block)
+    forward = __import__(adapter.model_patcher.__name__, fromlist=["BlockForward"]).BlockForward(hooks, block)
 
     def call(x, sigma):
         options[adapter.CALL_KEY] = run.begin_call(sigma)
@@ -212,7 +212,7 @@ def test_composes_with_easycache(node_classes, models):
 
 def test_hosts_without_the_scope_do_not_offer_it_and_refuse_it_clearly():
     import tome_core
-    from tome_core.adapters import webui_args
+    from tome_core.hosts.webui import args as webui_args
 
     assert "reuse" not in webui_args.ARGS[webui_args.ARG_NAMES.index("scope")].choices
     with pytest.raises(ValueError, match="scope 'reuse' is available in ComfyUI only"):

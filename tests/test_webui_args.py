@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 import torch
-from webui_host import REPO, Host, SDModel, make_unet, run_job, script_args
+from hosts.webui_host import REPO, Host, SDModel, make_unet, run_job, script_args
 
-from tome_core.adapters import webui_args
+from tome_core.hosts.webui import args as webui_args
 from tome_core.settings import SPECS, PatchSettings
 
 
@@ -174,7 +174,7 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
     method_axis, ratio_axis, _, scope_axis, reuse_axis = host.xyz.axis_options
     assert method_axis.choices() == ["ToMe", "ToDo"]
     assert scope_axis.choices() == ["self-attention", "block"]
-    from webui_host import Processing, process_images
+    from hosts.webui_host import Processing, process_images
 
     outputs = {}
     for ratio in (0.25, 0.5):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hosts.webui_host import ForgeSDModel, Host, SDModel, make_unet, run_job, script_args
 from ldm.modules.attention import BasicTransformerBlock
-from webui_host import ForgeSDModel, Host, SDModel, make_unet, run_job, script_args
 
 from tome_core import PatchSettings
-from tome_core.adapters import ldm_blocks
-from tome_core.adapters.patcher_hooks import BlockForward
+from tome_core.hosts.shared.model_patcher import BlockForward
+from tome_core.hosts.webui import ldm_patch
 
 BLOCK = {"scope": "block", "max_downsample": "4"}
 
@@ -35,7 +35,7 @@ def test_block_scope_changes_output_then_leaves_nothing(host, layout):
     assert not torch.equal(patched, baseline) and not torch.equal(patched, self_attention)
     assert p.extra_generation_params["ToMe scope"] == "block"
     unet = sd_model.model.diffusion_model
-    assert not ldm_blocks.is_patched(unet) and not unet._forward_pre_hooks and not unet._forward_hooks
+    assert not ldm_patch.is_patched(unet) and not unet._forward_pre_hooks and not unet._forward_hooks
     again, _ = run_job(host, sd_model, script_args(enabled=False))
     assert torch.equal(again, baseline)
     assert not host.console
@@ -56,7 +56,7 @@ def test_plans_are_shared_per_level_within_a_call_and_dropped_after_it(monkeypat
     x, context = _inputs(16)
     t = torch.full((2,), 700.0)
     settings = PatchSettings(method="tome", scope="block", max_downsample=2, skip_when_slower=False)
-    assert ldm_blocks.install_patch(unet, settings)
+    assert ldm_patch.install_patch(unet, settings)
     state = unet.__dict__["_tome_patch_state"]
     blocks_seen = []
     with torch.no_grad():
@@ -65,7 +65,7 @@ def test_plans_are_shared_per_level_within_a_call_and_dropped_after_it(monkeypat
             blocks_seen.append(state.plans)
     assert made == [(2, 256, 32), (2, 64, 64)] * 2  # level 1 (16x16) and level 2 (8x8), once per call each
     assert blocks_seen == [{}, {}]  # no plan outlives its call
-    ldm_blocks.remove_patch(unet)
+    ldm_patch.remove_patch(unet)
     assert not unet._forward_hooks and not unet._forward_pre_hooks
 
 
@@ -75,18 +75,18 @@ def test_sgm_extra_arguments_still_pass_through_unreduced():
             return super()._forward(x, context)
 
     unet = make_unet("sd1")
-    block = next(m for _, m in ldm_blocks.transformer_blocks(unet))
+    block = next(m for _, m in ldm_patch.transformer_blocks(unet))
     block.__class__ = SgmLikeBlock
     x, context = torch.randn(2, 64, 32), torch.randn(2, 5, 32)
     with torch.no_grad():
         plain = block._forward(x, context, additional_tokens=x[:, :3], n_times_crossframe_attn_in_self=2)
-        assert ldm_blocks.install_patch(unet, PatchSettings(scope="block", max_downsample=1, skip_when_slower=False))
+        assert ldm_patch.install_patch(unet, PatchSettings(scope="block", max_downsample=1, skip_when_slower=False))
         unet.__dict__["_tome_patch_state"].latent_hw = (8, 8)
         passed = block._forward(x, context, additional_tokens=x[:, :3], n_times_crossframe_attn_in_self=2)
         assert torch.equal(passed, plain)
         reduced = block._forward(x, context)
         assert not torch.equal(reduced, SgmLikeBlock._forward(block, x, context))
-    ldm_blocks.remove_patch(unet)
+    ldm_patch.remove_patch(unet)
     assert type(block) is SgmLikeBlock
 
 

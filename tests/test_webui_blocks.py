@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from hosts.webui_host import make_unet
 from ldm.modules.attention import BasicTransformerBlock
-from webui_host import make_unet
 
 from tome_core import PatchSettings
-from tome_core.adapters import ldm_blocks
+from tome_core.hosts.webui import ldm_patch
 
 
 def _settings(**values):
@@ -31,13 +31,13 @@ class SgmLikeBlock(BasicTransformerBlock):
 
 def test_sgm_extra_arguments_are_passed_through_unreduced():
     unet = make_unet("sd1")
-    block = next(m for _, m in ldm_blocks.transformer_blocks(unet))
+    block = next(m for _, m in ldm_patch.transformer_blocks(unet))
     block.__class__ = SgmLikeBlock
     x, context = torch.randn(2, 64, 32), torch.randn(2, 5, 32)
     extra = torch.randn(2, 3, 32)
     with torch.no_grad():
         plain = block._forward(x, context, additional_tokens=extra, n_times_crossframe_attn_in_self=2)
-        assert ldm_blocks.install_patch(unet, _settings(max_downsample=1))
+        assert ldm_patch.install_patch(unet, _settings(max_downsample=1))
         state = unet.__dict__["_tome_patch_state"]
         state.latent_hw = (8, 8)  # as the UNet's pre-hook records it
         SgmLikeBlock.calls.clear()
@@ -47,7 +47,7 @@ def test_sgm_extra_arguments_are_passed_through_unreduced():
         reduced = block._forward(x, context)  # no extras: the reduced body runs, the parent's is not called
         assert SgmLikeBlock.calls == [(True, 2)]
         assert not torch.equal(reduced, block.__class__.__mro__[1]._forward(block, x, context))
-    ldm_blocks.remove_patch(unet)
+    ldm_patch.remove_patch(unet)
     assert type(block) is SgmLikeBlock
 
 
@@ -57,10 +57,10 @@ def test_step_range_follows_the_timestep_the_unet_receives():
     early, late = torch.full((2,), 900.0), torch.full((2,), 400.0)
     with torch.no_grad():
         plain_early, plain_late = unet(x, early, context=context), unet(x, late, context=context)
-        assert ldm_blocks.install_patch(unet, _settings(end_percent=0.5))  # stop at timestep 499.5
+        assert ldm_patch.install_patch(unet, _settings(end_percent=0.5))  # stop at timestep 499.5
         assert not torch.equal(unet(x, early, context=context), plain_early)
         assert torch.equal(unet(x, late, context=context), plain_late)
-    ldm_blocks.remove_patch(unet)
+    ldm_patch.remove_patch(unet)
 
 
 def test_patching_twice_replaces_and_removal_is_exact():
@@ -69,22 +69,22 @@ def test_patching_twice_replaces_and_removal_is_exact():
     t = torch.full((2,), 700.0)
     with torch.no_grad():
         plain = unet(x, t, context=context)
-        ldm_blocks.install_patch(unet, _settings(ratio=0.3))
-        assert ldm_blocks.install_patch(unet, _settings(ratio=0.6))
+        ldm_patch.install_patch(unet, _settings(ratio=0.3))
+        assert ldm_patch.install_patch(unet, _settings(ratio=0.6))
         once = unet(x, t, context=context)
-        for _, block in ldm_blocks.transformer_blocks(unet):
+        for _, block in ldm_patch.transformer_blocks(unet):
             assert [c.__name__ for c in type(block).__mro__].count("TomePatchReducedBlock") == 1
         assert len(unet._forward_pre_hooks) == 1
-        ldm_blocks.remove_patch(unet)
-        ldm_blocks.install_patch(unet, _settings(ratio=0.6))
+        ldm_patch.remove_patch(unet)
+        ldm_patch.install_patch(unet, _settings(ratio=0.6))
         assert torch.equal(unet(x, t, context=context), once)
-        ldm_blocks.remove_patch(unet)
+        ldm_patch.remove_patch(unet)
         assert torch.equal(unet(x, t, context=context), plain)
-    assert not ldm_blocks.is_patched(unet)
+    assert not ldm_patch.is_patched(unet)
 
 
 def test_settings_that_change_nothing_install_nothing():
     unet = make_unet("sd1")
-    assert not ldm_blocks.install_patch(unet, _settings(ratio=0.0))
-    assert not ldm_blocks.install_patch(unet, _settings(method="todo", downsample_factor=1.0))
-    assert not ldm_blocks.is_patched(unet)
+    assert not ldm_patch.install_patch(unet, _settings(ratio=0.0))
+    assert not ldm_patch.install_patch(unet, _settings(method="todo", downsample_factor=1.0))
+    assert not ldm_patch.is_patched(unet)

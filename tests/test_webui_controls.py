@@ -1,7 +1,7 @@
 """Which WebUI controls are shown: exactly those whose value acts for the chosen method, highres box and scope.
 
-The page itself (real gradio 3.41) is tested in tests/webui_gradio/; here the rule, the engine's view of it and the
-controls as ui() builds them.
+The page itself (real gradio 3.41) is tested in tests/hosts/webui_gradio/; here the rule, the engine's view of it
+and the controls as ui() builds them.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import itertools
 
 import pytest
 import torch
-from webui_host import Host, SDModel, make_unet, run_job, script_args
+from hosts.webui_host import Host, SDModel, make_unet, run_job, script_args
 
-from tome_core.adapters import webui_args, webui_ui
+from tome_core.hosts.webui import args as webui_args
+from tome_core.hosts.webui import ui as webui_ui
 from tome_core.settings import SPECS
 
 COMBINATIONS = list(itertools.product(("ToMe", "ToDo"), (True, False), ("self-attention", "block")))

@@ -1,4 +1,5 @@
-"""Runs tests/webui_gradio (the accordion in WebUI v1.10.1's own gradio 3.41.2) in its environment, .venv-webui."""
+"""Runs tests/hosts/webui_gradio (the accordion in WebUI v1.10.1's own gradio 3.41.2) in its environment,
+.venv-webui."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ PYTHON = REPO / ".venv-webui" / "bin" / "python"
 def test_the_accordion_in_the_webuis_gradio():
     assert PYTHON.exists(), f"{PYTHON} is missing: tools/setup_env.sh creates it"
     result = subprocess.run(
-        [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/webui_gradio"],
+        [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/hosts/webui_gradio"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -8,10 +8,11 @@ import types
 
 import pytest
 import torch
-from webui_host import ForgeSDModel, Host, Processing, SDModel, make_unet, process_images, run_job, script_args
+from hosts.webui_host import ForgeSDModel, Host, Processing, SDModel, make_unet, process_images, run_job, script_args
 
 from tome_core import PatchSettings
-from tome_core.adapters import ldm_blocks, webui_layer_reuse
+from tome_core.hosts.webui import layer_reuse as webui_layer_reuse
+from tome_core.hosts.webui import ldm_patch
 from tome_core.layer_reuse import IntervalSchedule, SkippableLayer
 
 STEPS = tuple(range(999, 0, -83))  # 13 DDPM timesteps, a short run: full steps 0-2, 4, 6, 8, 10-12
@@ -51,7 +52,7 @@ def skippable_layers(unet):
 def assert_clean(sd_model):
     """No layer forward, no hook, no pass of ours left (Forge: the forwards it put back compute the class's)."""
     unet = unet_of(sd_model)
-    assert not ldm_blocks.is_patched(unet)
+    assert not ldm_patch.is_patched(unet)
     assert not skippable_layers(unet) and not unet._forward_pre_hooks and not unet._forward_hooks
     for module in unet.modules():
         forward = module.__dict__.get("forward")
@@ -112,10 +113,10 @@ def test_with_todo_both_apply_and_removal_restores_the_unet(host):
     with torch.no_grad():
         plain = unet(x, t, context=context)
         settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=3)
-        for remove in (lambda: ldm_blocks.remove_patch(unet), ldm_blocks.remove_all):
-            assert not ldm_blocks.install_patch(unet, settings)  # the reduction does nothing ...
+        for remove in (lambda: ldm_patch.remove_patch(unet), ldm_patch.remove_all):
+            assert not ldm_patch.install_patch(unet, settings)  # the reduction does nothing ...
             assert webui_layer_reuse.install_ldm(unet, settings, p=None) is not None  # ... the reuse does
-            assert ldm_blocks.is_patched(unet) and skippable_layers(unet)
+            assert ldm_patch.is_patched(unet) and skippable_layers(unet)
             # A call outside a denoiser call has no known step: it runs in full.
             assert torch.equal(unet(x, t, context=context), plain)
             remove()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from webui_host import ForgeSDModel, Host, SDModel, make_unet, run_job, script_args
+from hosts.webui_host import ForgeSDModel, Host, SDModel, make_unet, run_job, script_args
 
-from tome_core.adapters.patcher_hooks import PatcherHooks
+from tome_core.hosts.shared.model_patcher import PatcherHooks
 
 
 def test_tome_path_agrees_with_tomesd_on_the_same_unet():
@@ -74,7 +74,7 @@ def test_forge_unsupported_model_warns_once(capsys):
     forge.forge_unet_original.model.diffusion_model = torch.nn.Identity()  # a DiT stand-in: no UNet layout
     forge.forge_objects.unet = forge.forge_unet_original
     args = script_args()
-    from webui_host import Processing, _reset_forge
+    from hosts.webui_host import Processing, _reset_forge
 
     p = Processing(forge, args, enable_hr=True)
     _reset_forge(p)

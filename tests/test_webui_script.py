@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import tomesd
 import torch
-from webui_host import Host, SDModel, make_unet, run_job, script_args
+from hosts.webui_host import Host, SDModel, make_unet, run_job, script_args
 
-from tome_core.adapters import ldm_blocks
+from tome_core.hosts.webui import ldm_patch
 
 OUR_ATTRS = ("_tome_patch_state", "_tome_patch_hook")
 
@@ -35,7 +35,7 @@ def sd1_hr_baseline(host, sd1):
 def assert_clean(sd_model):
     """Nothing of ours (or tomesd's) is left: original classes, no attributes, no hooks."""
     unet = sd_model.model.diffusion_model
-    assert not ldm_blocks.is_patched(unet)
+    assert not ldm_patch.is_patched(unet)
     for module in unet.modules():
         assert type(module).__name__ not in ("TomePatchReducedBlock", "ToMeBlock")
         assert not any(name in module.__dict__ for name in OUR_ATTRS)
@@ -86,7 +86,7 @@ def _probe_settings(sd_model, record):
 
 
 def _run_probed(host, sd_model, args, **kwargs):
-    from webui_host import Processing, process_images
+    from hosts.webui_host import Processing, process_images
 
     record = []
     p = Processing(sd_model, args, **kwargs)
@@ -134,11 +134,11 @@ def test_highres_pass_on_another_checkpoint_patches_that_one(host):
 
 
 def test_exception_while_sampling_leaves_nothing_for_the_next_job(host, sd1, sd1_baseline):
-    from webui_host import Processing, process_images
+    from hosts.webui_host import Processing, process_images
 
     def fail(p, step):
         if step == 1:
-            assert ldm_blocks.is_patched(sd1.model.diffusion_model)
+            assert ldm_patch.is_patched(sd1.model.diffusion_model)
             raise RuntimeError("out of memory")
 
     p = Processing(sd1, script_args())
@@ -151,10 +151,10 @@ def test_exception_while_sampling_leaves_nothing_for_the_next_job(host, sd1, sd1
 
 
 def test_model_load_and_script_reload_remove_the_patch(host, sd1):
-    assert ldm_blocks.install_patch(sd1.model.diffusion_model, _settings())
+    assert ldm_patch.install_patch(sd1.model.diffusion_model, _settings())
     host.fire("model_loaded", sd1)
     assert_clean(sd1)
-    assert ldm_blocks.install_patch(sd1.model.diffusion_model, _settings())
+    assert ldm_patch.install_patch(sd1.model.diffusion_model, _settings())
     host.fire("script_unloaded")
     assert_clean(sd1)
 
@@ -168,7 +168,7 @@ def _settings(**values):
 def test_builtin_token_merging_on_means_we_defer(host, sd1):
     builtin_only, _ = run_job(host, sd1, script_args(enabled=False), token_merging_ratio=0.5)
     record = []
-    from webui_host import Processing, process_images
+    from hosts.webui_host import Processing, process_images
 
     p = Processing(sd1, script_args(ratio=0.3))
     p.token_merging_ratio = 0.5
@@ -184,13 +184,13 @@ def test_builtin_token_merging_on_means_we_defer(host, sd1):
 def test_builtin_only_on_the_highres_pass(host, sd1):
     """Ours patches the first pass; the built-in applies its highres ratio on top of our class swap (1442),
     then we step aside: the built-in must keep working and its removal must leave the original classes."""
-    from webui_host import Processing, process_images
+    from hosts.webui_host import Processing, process_images
 
     seen = []
 
     def probe(p, step):
         if p.is_hr_pass:
-            for _, block in ldm_blocks.transformer_blocks(sd1.model.diffusion_model):
+            for _, block in ldm_patch.transformer_blocks(sd1.model.diffusion_model):
                 # tomesd's block class, whose own removal will restore the original class, not ours
                 seen.append((type(block).__name__, type(block)._parent.__name__, "_tome_patch_state" in block.__dict__))
 
@@ -208,11 +208,11 @@ def test_builtin_removal_never_touches_our_patch(host, sd1):
     unet = sd1.model.diffusion_model
     x, t, c = torch.randn(2, 4, 16, 16), torch.tensor([500.0, 500.0]), torch.randn(2, 5, 32)
     with torch.no_grad():
-        assert ldm_blocks.install_patch(unet, _settings())
+        assert ldm_patch.install_patch(unet, _settings())
         patched = unet(x, t, context=c)
         tomesd.remove_patch(sd1)  # what the built-in's finally runs
         assert torch.equal(unet(x, t, context=c), patched)
-        ldm_blocks.remove_patch(unet)
+        ldm_patch.remove_patch(unet)
     assert_clean(sd1)
 
 
@@ -256,7 +256,7 @@ def test_unsupported_models_and_conflicts_warn_once_and_run_unpatched(host, sd1,
     assert capsys.readouterr().out.count("[ToMe Patch]") == 1
 
     unet = sd1.model.diffusion_model
-    blocks = [m for _, m in ldm_blocks.transformer_blocks(unet)]
+    blocks = [m for _, m in ldm_patch.transformer_blocks(unet)]
     cases = {
         "Hypertile": lambda: setattr(blocks[0].attn1, "__webui_hypertile_params", type("P", (), {"enabled": True})()),
         "_forward": lambda: setattr(blocks[0], "_forward", blocks[0]._forward),

@@ -25,23 +25,23 @@ def apply_patch(pipe_or_unet, **settings):
     """Patch a diffusers pipeline or ``UNet2DConditionModel`` in place with ``settings`` (see ``SPECS``).
 
     Raises ValueError for a bad setting, TypeError for a model it cannot patch (both name what is allowed),
-    leaving the model unchanged. See ``tome_core.adapters.diffusers_blocks.apply_patch``.
+    leaving the model unchanged. See ``tome_core.adapters.pipeline_patch.apply_patch``.
     """
-    from .adapters import diffusers_blocks  # imported here: hosts other than diffusers never load it
+    from .hosts.diffusers import pipeline_patch  # imported here: hosts other than diffusers never load it
     from .settings import COMFYUI_ONLY_SCOPES
 
     if settings.get("scope") in COMFYUI_ONLY_SCOPES:
         raise ValueError(
             f"scope {settings['scope']!r} is available in ComfyUI only so far; use 'self-attention' or 'block'"
         )
-    return diffusers_blocks.apply_patch(pipe_or_unet, **settings)
+    return pipeline_patch.apply_patch(pipe_or_unet, **settings)
 
 
 def remove_patch(pipe_or_unet):
     """Undo ``apply_patch``: the UNet then computes bit-identically to one never patched."""
-    from .adapters import diffusers_blocks
+    from .hosts.diffusers import pipeline_patch
 
-    return diffusers_blocks.remove_patch(pipe_or_unet)
+    return pipeline_patch.remove_patch(pipe_or_unet)
 
 
 __all__ = [

@@ -105,7 +105,7 @@ def main(argv=None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     bench_host.setup_comfy("cpu")
-    from tome_core.adapters.unet_layout import attention_levels
+    from tome_core.hosts.shared.unet_layout import attention_levels
 
     from . import rows as R
 

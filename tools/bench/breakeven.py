@@ -75,7 +75,7 @@ def patch_variant(block, shared: bool = False, **values) -> dict:
     block of a level after the first within one UNet call).
     """
     from tome_core import PatchSettings, Reducer
-    from tome_core.adapters.patcher_hooks import OWNER_KEY, BlockForward, PatcherHooks
+    from tome_core.hosts.shared.model_patcher import OWNER_KEY, BlockForward, PatcherHooks
     from tome_core.schedule import NoiseRange
 
     settings = PatchSettings.from_values(skip_when_slower=False, **values)

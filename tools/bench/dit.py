@@ -156,7 +156,7 @@ class FreeKeysOverride:
 
 
 def bound_clone(patcher, free_attention: bool):
-    from tome_core.adapters import comfy_dit
+    from tome_core.hosts.comfyui import dit as comfy_dit
 
     family = comfy_dit.family_of(patcher.model.diffusion_model)
 
@@ -171,7 +171,7 @@ def bound_clone(patcher, free_attention: bool):
 
 
 def todo_clone(patcher, time_factor: float = 1.0):
-    from tome_core.adapters import comfy_dit
+    from tome_core.hosts.comfyui import dit as comfy_dit
     from tome_core.settings import PatchSettings
 
     settings = PatchSettings.from_values(method="todo", downsample_factor=2.0)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tome_core import PatchSettings, find_level, grid_at_level
-from tome_core.adapters.patcher_hooks import patched_clone
+from tome_core.hosts.shared.model_patcher import patched_clone
 
 
 def _nothing() -> None:

@@ -116,7 +116,7 @@ class Bench:
 
     def __init__(self, args, device, dtype):
         from tome_core import reduced_levels
-        from tome_core.adapters.unet_layout import attention_levels
+        from tome_core.hosts.shared.unet_layout import attention_levels
 
         self.args, self.device, self.dtype = args, device, dtype
         self.family = bench_host.FAMILIES[args.model]

@@ -94,7 +94,7 @@ class CallTimer:
         self.cache_bytes = 0  # the most the run's cache held after a call
 
     def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kw):
-        from tome_core.adapters.layer_reuse_hooks import RUN_KEY
+        from tome_core.hosts.comfyui.layer_reuse import RUN_KEY
 
         run = (transformer_options or {}).get(RUN_KEY, (None,))[0]
         before = run.reused_calls if run is not None else 0
@@ -128,7 +128,7 @@ def sample(model, positive, negative, latent_hw, steps: int, seed: int, cpu: boo
 def per_call(patcher, values: dict, family, latent_hw, seed: int) -> dict:
     """``--calls-only``: the CPU seconds of one unpatched call, one full call of the row and one reusing call,
     each a direct model call (batch 2, sigma of a mid step), for sizes where whole runs take too long."""
-    from tome_core.adapters.patcher_hooks import patched_clone
+    from tome_core.hosts.shared.model_patcher import patched_clone
     from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
     from tome_core.settings import PatchSettings
 
@@ -219,7 +219,7 @@ def main(argv=None) -> dict:
         (out / f"calls-{args.model}-{args.resolution}.json").write_text(json.dumps(result, indent=2))
         print(json.dumps(result))
         return result
-    from tome_core.adapters.patcher_hooks import patched_clone
+    from tome_core.hosts.shared.model_patcher import patched_clone
     from tome_core.layer_reuse import IntervalSchedule
     from tome_core.settings import PatchSettings
 

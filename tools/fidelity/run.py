@@ -247,8 +247,8 @@ def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
 def layer_reuse_variant(interval: int, extrapolate=0.5, outer=1, by_sigma=True, todo=1.0, **schedule) -> Callable:
     """Layer reuse with engine defaults overridden (the variants the setting's defaults were chosen from), after
     ToDo at factor ``todo`` (1: none)."""
-    from tome_core.adapters import layer_reuse_hooks
-    from tome_core.adapters.patcher_hooks import patched_clone
+    from tome_core.hosts.comfyui import layer_reuse as layer_reuse_hooks
+    from tome_core.hosts.shared.model_patcher import patched_clone
     from tome_core.layer_reuse import IntervalSchedule
     from tome_core.schedule import NoiseRange
 

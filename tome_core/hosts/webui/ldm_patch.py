@@ -22,12 +22,12 @@ import weakref
 
 import torch
 
-from ..reducer import Reducer
-from ..schedule import NoiseRange, timestep_of_percent
-from ..settings import PatchSettings
-from . import webui_layer_reuse
-from .class_swap import restore_classes
-from .unet_layout import attention_levels
+from ...reducer import Reducer
+from ...schedule import NoiseRange, timestep_of_percent
+from ...settings import PatchSettings
+from ..shared.class_swap import restore_classes
+from ..shared.unet_layout import attention_levels
+from . import layer_reuse as webui_layer_reuse
 
 BLOCK_CLASS_NAME = "BasicTransformerBlock"
 _STATE = "_tome_patch_state"  # on each patched block and on the UNet

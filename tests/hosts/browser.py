@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS = REPO_ROOT / "docs"
 UPDATE_SCREENSHOTS = os.environ.get("TOME_PATCH_UPDATE_SCREENSHOTS") == "1"
 TIMEOUT_MS = 30_000  # any one step on the page (a click, a wait for an element); generous for a busy 2-core CPU

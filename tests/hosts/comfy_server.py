@@ -3,7 +3,7 @@
 ``ComfyServer`` runs ComfyUI's own ``main.py`` in a subprocess, headless on the CPU on 127.0.0.1 with a free port,
 with every folder it writes to (models, custom nodes, input, output, user settings, database) in a temporary base
 directory. This repository is linked into that directory's ``custom_nodes`` the way a user clones it there, next
-to the two test helper nodes (``tests/comfy_graph_nodes``: conditioning without a text encoder).
+to the two test helper nodes (``tests/hosts/comfy_graph_nodes``: conditioning without a text encoder).
 
 The models are tiny and random: a UNet that ComfyUI's detection takes for SD1.5 (it needs 320 channels and a
 768-wide context; one level keeps it small) and a TAESD pair, ComfyUI's small VAE, so that a queued prompt runs
@@ -21,10 +21,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import comfy_host as host  # noqa: I001  (first: puts ComfyUI on sys.path)
 import safetensors.torch
 import torch
-from browser import free_port
+
+from . import comfy_host as host  # noqa: I001  (before anything of ComfyUI: puts it on sys.path)
+from .browser import free_port
 
 UNET_FILE = "tome_patch_tiny_sd15.safetensors"
 START_TIMEOUT_S = 120  # imports of torch and ComfyUI's nodes on a busy 2-core machine
@@ -87,7 +88,7 @@ class ComfyServer:
         custom_nodes.mkdir(parents=True, exist_ok=True)
         (custom_nodes / "tome-patch").symlink_to(host.REPO_ROOT, target_is_directory=True)
         (custom_nodes / "tome_patch_test_nodes").symlink_to(
-            host.REPO_ROOT / "tests" / "comfy_graph_nodes", target_is_directory=True
+            host.REPO_ROOT / "tests" / "hosts" / "comfy_graph_nodes", target_is_directory=True
         )
         for folder in ("diffusion_models", "vae_approx"):  # there from the start, filled while ComfyUI starts
             (self.base / "models" / folder).mkdir(parents=True)

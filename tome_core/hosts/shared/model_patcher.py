@@ -29,8 +29,8 @@ call in both hosts), tagged with that call's ``original_shape`` list, never on a
 
 from __future__ import annotations
 
-from ..reducer import Reducer
-from ..schedule import NoiseRange
+from ...reducer import Reducer
+from ...schedule import NoiseRange
 from .unet_layout import attention_levels, basic_transformer_blocks
 
 _PLAN_KEY = "tome_patch_reduction"
@@ -292,7 +292,8 @@ def patched_clone(patcher, settings, percent_to_sigma):
         raise NotAUNetError(type(unet).__name__ if unet is not None else type(patcher).__name__)
     clone = patcher.clone()
     remove_patch(clone)  # applying the patch again replaces the earlier one
-    from . import layer_reuse_hooks, step_reuse_hooks  # the reuse across steps builds on this module
+    from ..comfyui import layer_reuse as layer_reuse_hooks  # the reuse across steps builds on this module
+    from ..comfyui import step_reuse as step_reuse_hooks
 
     step_reuse_hooks.remove(clone)
     layer_reuse_hooks.remove(clone)

@@ -40,9 +40,9 @@ import weakref
 
 import torch
 
-from ..layer_reuse import DEFAULT_EXTRAPOLATE, OUTER_BLOCKS, IntervalSchedule, LayerReuseRun, SkippableLayer
-from ..schedule import NoiseRange, timestep_of_percent
-from .unet_layout import inner_layers
+from ...layer_reuse import DEFAULT_EXTRAPOLATE, OUTER_BLOCKS, IntervalSchedule, LayerReuseRun, SkippableLayer
+from ...schedule import NoiseRange, timestep_of_percent
+from ..shared.unet_layout import inner_layers
 
 _STATE = "_tome_patch_layer_reuse"  # on an ldm UNet: (PassReuse, hook handles, layers)
 _reusing_unets: weakref.WeakSet = weakref.WeakSet()

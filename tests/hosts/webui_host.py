@@ -59,7 +59,7 @@ from einops import rearrange
 from ldm.modules.attention import BasicTransformerBlock, SpatialTransformer
 from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # --- modules.* stand-ins ----------------------------------------------------------------------------------------
 
@@ -285,7 +285,7 @@ class Host:
 
 
 def _ui_len(script) -> int:
-    from tome_core.adapters.webui_args import ARGS
+    from tome_core.hosts.webui.args import ARGS
 
     return len(ARGS) if script.title() == "ToMe Patch" else 0
 
@@ -730,7 +730,7 @@ def script_args(enabled=True, **values) -> list:
     """Positional args of the script (UI/API order, UI values such as "ToDo" or "auto"): the defaults, on,
     reducing at any size, method ToMe unless given (most paths under test are ToMe's; the shipped default, ToDo,
     is checked where defaults are the subject), with ``values``."""
-    from tome_core.adapters import webui_args
+    from tome_core.hosts.webui import args as webui_args
 
     values.setdefault("skip_when_slower", False)
     values.setdefault("method", "ToMe")

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..layer_reuse import DEFAULT_EXTRAPOLATE, IntervalSchedule, LayerReuseRun, SkippableLayer
+from ...layer_reuse import DEFAULT_EXTRAPOLATE, IntervalSchedule, LayerReuseRun, SkippableLayer
 
 log = logging.getLogger("tome_patch")
 

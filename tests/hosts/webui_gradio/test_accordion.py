@@ -22,9 +22,9 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from tome_core.adapters import webui_args
+from tome_core.hosts.webui import args as webui_args
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 COMBINATIONS = [(m, h, s) for m in ("ToMe", "ToDo") for h in (True, False) for s in ("self-attention", "block")]
 
 

@@ -1,7 +1,7 @@
 """A small txt2img page of the AUTOMATIC1111 WebUI around this project's script, for the browser tests.
 
 Run with the WebUI's own gradio (3.41.2, environment ``.venv-webui``):
-``python tests/webui_page.py --port PORT``. It serves, on 127.0.0.1:
+``python tests/hosts/webui_page.py --port PORT``. It serves, on 127.0.0.1:
 - the script's real ``ui()``, built the way WebUI v1.10.1 builds an always-visible script's controls
   (modules/scripts.py ``ScriptRunner.setup_ui``: the script's components in ``ui()`` order, the script dropdown
   at position 0 of the generate call's script args, so this script's ``args_from`` is 1);
@@ -37,7 +37,7 @@ import types
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402

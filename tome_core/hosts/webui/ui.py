@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from .webui_args import ARGS, CONDITIONAL, VISIBILITY_INPUTS, controls_shown
+from .args import ARGS, CONDITIONAL, VISIBILITY_INPUTS, controls_shown
 
 # Controls shown outside the "Advanced" accordion, in ARGS order.
 MAIN = ("method", "ratio", "downsample_factor", "hr_same", "hr_ratio", "hr_downsample_factor", "hr_only")

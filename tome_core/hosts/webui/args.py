@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..settings import COMFYUI_ONLY_SCOPES, METHOD_LABELS, SPECS, PatchSettings
+from ...settings import COMFYUI_ONLY_SCOPES, METHOD_LABELS, SPECS, PatchSettings
 
 MAX_DOWNSAMPLE_LABELS = ("auto", "1", "2", "4", "8")  # "auto" is the engine's 0
 

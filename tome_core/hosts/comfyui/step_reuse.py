@@ -15,11 +15,11 @@ uncond batched together or apart, area conds and several prompts each get their 
 
 from __future__ import annotations
 
-from ..levels import find_level, reduced_levels
-from ..step_cache import ReuseRun, ReuseSchedule
-from . import patcher_hooks
+from ...levels import find_level, reduced_levels
+from ...step_cache import ReuseRun, ReuseSchedule
+from ..shared import model_patcher
+from ..shared.unet_layout import attention_levels
 from .sampling_run import sample_with_run
-from .unet_layout import attention_levels
 
 RUN_KEY = "tome_patch_reuse_run"  # transformer_options: the ReuseRun of the current sampling run
 CALL_KEY = "tome_patch_reuse_call"  # transformer_options: the CallPlan of the current model call
@@ -65,7 +65,7 @@ class ReuseHooks:
     def block_forward(self, forward, x, context, transformer_options, kwargs):
         """A transformer block's forward: the engine's ``run_block`` where the call is reduced, else the block."""
         options = transformer_options
-        plan = options.get(CALL_KEY) if options is not None and options.get(patcher_hooks.OWNER_KEY) is self else None
+        plan = options.get(CALL_KEY) if options is not None and options.get(model_patcher.OWNER_KEY) is self else None
         shape = options.get("original_shape") if plan is not None else None
         found = find_level((shape[2], shape[3]), x.shape[1]) if shape is not None and len(shape) == 4 else None
         if found is None or found[0] not in self.levels or x.dim() != 3 or self._foreign_attn1(options):
@@ -113,7 +113,7 @@ def install(clone, settings, noise_range, schedule: ReuseSchedule | None = None)
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)
     clone.set_model_attn1_patch(hooks.attn1_patch)
-    patcher_hooks.install_block_forwards(clone, hooks)
+    model_patcher.install_block_forwards(clone, hooks)
     return True
 
 

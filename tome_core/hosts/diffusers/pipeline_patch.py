@@ -36,11 +36,11 @@ from collections.abc import Callable
 
 import torch
 
-from ..reducer import Reducer
-from ..schedule import NoiseRange, timestep_of_percent
-from ..settings import PatchSettings
-from . import diffusers_layer_reuse
-from .class_swap import restore_classes
+from ...reducer import Reducer
+from ...schedule import NoiseRange, timestep_of_percent
+from ...settings import PatchSettings
+from ..shared.class_swap import restore_classes
+from . import layer_reuse as diffusers_layer_reuse
 
 BLOCK_CLASS_NAME = "BasicTransformerBlock"
 UNET_CLASS_NAME = "UNet2DConditionModel"

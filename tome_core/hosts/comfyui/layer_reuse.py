@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import logging
 
-from ..layer_reuse import DEFAULT_EXTRAPOLATE, OUTER_BLOCKS, IntervalSchedule, LayerReuseRun, SkippableLayer
-from ..schedule import call_sigmas, step_of
+from ...layer_reuse import DEFAULT_EXTRAPOLATE, OUTER_BLOCKS, IntervalSchedule, LayerReuseRun, SkippableLayer
+from ...schedule import call_sigmas, step_of
+from ..shared.unet_layout import inner_layers
 from .sampling_run import sample_with_run
-from .unet_layout import inner_layers
 
 log = logging.getLogger("tome_patch")
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..joint_attention import ImageTokens, SequenceDownsample
-from ..schedule import NoiseRange
+from ...joint_attention import ImageTokens, SequenceDownsample
+from ...schedule import NoiseRange
 
 OVERRIDE_KEY = "optimized_attention_override"
 WRAPPER_TYPE = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL

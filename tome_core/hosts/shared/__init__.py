@@ -1,0 +1,1 @@
+"""Shared by several hosts: the UNet layout, undoing a class swap, the ModelPatcher hooks (ComfyUI, Forge)."""
