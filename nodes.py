@@ -6,13 +6,8 @@ the engine's validation. Input names are public API: saved workflows refer to th
 
 from __future__ import annotations
 
-import logging
-
-from .tome_core.hosts.comfyui import dit as comfy_dit
-from .tome_core.hosts.shared.model_patcher import NotAUNetError, patched_clone
-from .tome_core.settings import SPECS, PatchSettings
-
-log = logging.getLogger("tome_patch")
+from .tome_core.hosts.comfyui import patch as comfyui_patch
+from .tome_core.settings import RETIRED_CHOICES, SPECS, PatchSettings
 
 NODE_ID = "ToMePatch"
 ADVANCED_NODE_ID = "ToMePatchAdvanced"
@@ -62,6 +57,20 @@ INT_OPTIONS = {"control_after_generate": False}
 MAX_DOWNSAMPLE_OPTIONS = ("auto", "1", "2", "4", "8")
 
 
+def _choices(name) -> list:
+    """A combo input's options: the setting's choices, then any retired ones, so that a workflow saved with one
+    still validates (it runs as the replacement, with a warning: ``settings.RETIRED_CHOICES``)."""
+    if name == "max_downsample":
+        return list(MAX_DOWNSAMPLE_OPTIONS)
+    return [*SPECS[name].choices, *RETIRED_CHOICES.get(name, ())]
+
+
+def _tooltip(name) -> str:
+    retired = RETIRED_CHOICES.get(name, {})
+    notes = [f" {value}: removed, runs as {replacement}." for value, (replacement, _) in retired.items()]
+    return SPECS[name].tooltip + "".join(notes)
+
+
 def _ui_value(name, value):
     if name == "max_downsample":
         return "auto" if value == 0 else str(value)
@@ -78,42 +87,7 @@ def _engine_values(values: dict) -> dict:
 
 def patch_model(model, **values):
     """Validate the inputs and return a patched clone of ``model`` (or ``model`` itself if it cannot be patched)."""
-    settings = PatchSettings.from_values(**_engine_values(values))
-    percent_to_sigma = model.get_model_object("model_sampling").percent_to_sigma
-    diffusion_model = getattr(getattr(model, "model", None), "diffusion_model", None)
-    if comfy_dit.family_of(diffusion_model) is not None:
-        return _patch_dit(model, settings, percent_to_sigma)
-    try:
-        return patched_clone(model, settings, percent_to_sigma)
-    except NotAUNetError as err:
-        log.warning(
-            "ToMe Patch: this model (%s) is neither a UNet with attention blocks (SD1.x, SD2.x, SDXL) nor a DiT "
-            "this patch supports (Flux, SD3/SD3.5, Wan 2.x); it is passed through unchanged.",
-            err,
-        )
-        return model
-
-
-def _patch_dit(model, settings, percent_to_sigma):
-    """Flux, SD3 and Wan: ToDo on the image tokens' keys and values; ToMe is not offered on DiTs yet."""
-    family = comfy_dit.family_of(model.model.diffusion_model)
-    if settings.method == "tome":
-        log.warning(
-            "ToMe Patch: method tome is not available for %s (DiT) models; choose method todo. The model is "
-            "passed through unchanged.",
-            family.name,
-        )
-        return model
-    if settings.max_downsample != SPECS["max_downsample"].default:
-        log.warning(
-            "ToMe Patch: max_downsample does not apply to %s (a DiT has one token grid, always reduced); ignored.",
-            family.name,
-        )
-    try:
-        return comfy_dit.patched_clone(model, settings, percent_to_sigma)
-    except comfy_dit.NotADitError as err:  # a patcher without model wrappers (an older ComfyUI)
-        log.warning("ToMe Patch: %s cannot be patched here (%s); it is passed through unchanged.", family.name, err)
-        return model
+    return comfyui_patch.patch_model(model, PatchSettings.from_values(**_engine_values(values)))
 
 
 def classic_input_types(names):
@@ -122,11 +96,10 @@ def classic_input_types(names):
     optional = {}
     for name in names:
         spec = SPECS[name]
-        options = {"default": _ui_value(name, spec.default), "tooltip": spec.tooltip}
+        options = {"default": _ui_value(name, spec.default), "tooltip": _tooltip(name)}
         group = optional if name in OPTIONAL_INPUTS else required
         if spec.kind == "choice":
-            choices = MAX_DOWNSAMPLE_OPTIONS if name == "max_downsample" else list(spec.choices)
-            group[name] = (list(choices), options)
+            group[name] = (_choices(name), options)
         elif spec.kind == "bool":
             group[name] = ("BOOLEAN", options)
         elif spec.kind == "int":
@@ -169,13 +142,12 @@ def v3_nodes():
             spec = SPECS[name]
             default = _ui_value(name, spec.default)
             if spec.kind == "choice":
-                choices = MAX_DOWNSAMPLE_OPTIONS if name == "max_downsample" else spec.choices
                 inputs.append(
                     io.Combo.Input(
                         name,
-                        options=list(choices),
+                        options=_choices(name),
                         default=default,
-                        tooltip=spec.tooltip,
+                        tooltip=_tooltip(name),
                         optional=name in OPTIONAL_INPUTS,
                     )
                 )

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from modules import script_callbacks, scripts
 
-from tome_core.hosts.comfyui import layer_reuse as layer_reuse_hooks
 from tome_core.hosts.shared.model_patcher import NotAUNetError, patched_clone
 from tome_core.hosts.webui import args as webui_args
 from tome_core.hosts.webui import layer_reuse as webui_layer_reuse
@@ -188,7 +187,6 @@ def _patch_forge(p, forge_objects, settings, job: _Job) -> bool:
         return False
     # The step of each call comes from the WebUI's callbacks here, not from a ComfyUI-style sampler wrapper (which
     # a reForge patcher may take but the WebUI's samplers never run).
-    layer_reuse_hooks.remove(clone)
     webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma)
     forge_objects.unet = clone
     return True

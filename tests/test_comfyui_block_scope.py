@@ -47,6 +47,21 @@ def test_scope_is_the_input_before_reuse_interval_in_both_nodes(node_classes):
         assert "whole transformer block" in scope.tooltip
 
 
+def test_a_saved_workflow_with_the_removed_scope_reuse_runs_as_self_attention_and_says_why(
+    node_classes, models, caplog
+):
+    """Scope "reuse" was removed; a workflow or API prompt saved with it still validates (it stays among the
+    options) and samples exactly as scope self-attention, with one warning naming the reason."""
+    model = models["sd15"]
+    settings = dict(BLOCK, max_downsample="auto")
+    with caplog.at_level("WARNING", logger="tome_patch"):
+        retired = run(patch(node_classes, model, **dict(settings, scope="reuse")))
+    assert any("scope 'reuse' was removed" in r.getMessage() for r in caplog.records)
+    self_attention = run(patch(node_classes, model, **dict(settings, scope="self-attention")))
+    assert torch.equal(retired, self_attention)
+    assert not torch.equal(retired, run(model))  # the reduction did run
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("batch", [1, 2, 3])
 def test_block_scope_changes_sampling_on_odd_sizes(node_classes, models, family, batch):

@@ -155,8 +155,8 @@ def test_reducer_todo_keeps_queries():
         ({"use_rand": "yes"}, "use_rand must be true or false"),
         ({"speed": 2}, "unknown setting(s) speed"),
         ({"sx": 1, "sy": 1}, "sx and sy must not both be 1"),
-        ({"scope": "all"}, "scope must be one of 'self-attention', 'block', 'reuse', got 'all'"),
-        ({"scope": None}, "scope must be one of 'self-attention', 'block', 'reuse', got None"),
+        ({"scope": "all"}, "scope must be one of 'self-attention', 'block', got 'all'"),
+        ({"scope": None}, "scope must be one of 'self-attention', 'block', got None"),
     ],
 )
 def test_bad_settings_name_the_setting_and_range(values, message):

@@ -25,15 +25,10 @@ def apply_patch(pipe_or_unet, **settings):
     """Patch a diffusers pipeline or ``UNet2DConditionModel`` in place with ``settings`` (see ``SPECS``).
 
     Raises ValueError for a bad setting, TypeError for a model it cannot patch (both name what is allowed),
-    leaving the model unchanged. See ``tome_core.adapters.pipeline_patch.apply_patch``.
+    leaving the model unchanged. See ``tome_core.hosts.diffusers.pipeline_patch.apply_patch``.
     """
     from .hosts.diffusers import pipeline_patch  # imported here: hosts other than diffusers never load it
-    from .settings import COMFYUI_ONLY_SCOPES
 
-    if settings.get("scope") in COMFYUI_ONLY_SCOPES:
-        raise ValueError(
-            f"scope {settings['scope']!r} is available in ComfyUI only so far; use 'self-attention' or 'block'"
-        )
     return pipeline_patch.apply_patch(pipe_or_unet, **settings)
 
 

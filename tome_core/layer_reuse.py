@@ -23,6 +23,10 @@ State: one ``LayerReuseRun`` per sampling run, made by the adapter when the run 
 ends. It holds per batch layout and input shape the boundary's last two outputs and every inner layer's
 output shape. A call reuses only when that entry is complete and was made in this run; otherwise it runs in
 full (and records).
+
+What every host shares is ``LayerReuse``: the owner of the inner layers' forwards (``attach_forwards`` /
+``detach_forwards``), which makes each run and knows the call in progress. A host door says only what differs:
+when a run starts and ends, and which step, batch layout and noise level each model call is.
 """
 
 from __future__ import annotations
@@ -219,6 +223,66 @@ def _zeros_like_spec(spec):
         return spec[1]
     kind, items = spec
     return kind(_zeros_like_spec(item) for item in items)
+
+
+class LayerReuse:
+    """The owner of one patch's ``SkippableLayer`` forwards: makes each sampling run's ``LayerReuseRun`` and holds
+    the run of the model call in progress (``layer_run``), which the forwards ask for. Hosts subclass it with
+    their way of finding runs and steps, or hold one."""
+
+    def __init__(self, schedule: IntervalSchedule, layers: int, extrapolate: float = DEFAULT_EXTRAPOLATE):
+        self.schedule = schedule
+        self.layers = layers  # how many inner layers there are; the last one is the boundary
+        self.extrapolate = extrapolate
+        self._current: LayerReuseRun | None = None
+
+    def __deepcopy__(self, memo):
+        return self  # shared by every copy of the model options that hold it, like a function
+
+    def layer_run(self) -> LayerReuseRun | None:
+        return self._current
+
+    def new_run(self, steps: int) -> LayerReuseRun:
+        return LayerReuseRun(self.schedule, steps, self.layers, self.extrapolate)
+
+    def begin_call(self, run: LayerReuseRun, step: int | None, key: object, allowed=True, position=None) -> bool:
+        """A model call of ``run`` starts (see ``LayerReuseRun.begin_call``); the layers follow it until
+        ``end_call``. Returns True when it reuses."""
+        reuse = run.begin_call(step, key, allowed=allowed, position=position)
+        self._current = run
+        return reuse
+
+    def end_call(self, failed: bool = False) -> LayerReuseRun | None:
+        """The model call is over; ``failed``: it raised, so what it recorded may be half-made and the run's cache
+        goes (the next calls run in full). Returns the call's run (None if no call was in progress)."""
+        run, self._current = self._current, None
+        if run is not None:
+            run.end_call()
+            if failed:
+                run.drop()
+        return run
+
+
+def attach_forwards(owner, layers) -> None:
+    """Give every inner layer (in call order) a ``SkippableLayer`` of ``owner`` as its instance ``forward``. One
+    left by another owner that was never detached (a clone's) is replaced, keeping what was there before it."""
+    for index, layer in enumerate(layers):
+        current = layer.__dict__.get("forward")
+        if isinstance(current, SkippableLayer):
+            current = current.inner
+        layer.__dict__["forward"] = SkippableLayer(owner, index, layer, current)
+
+
+def detach_forwards(modules, owned: Callable[[object], bool]) -> None:
+    """Remove every ``SkippableLayer`` forward whose owner ``owned(owner)`` accepts from ``modules``, putting back
+    what was there before it; the layers then compute exactly as before."""
+    for module in modules:
+        current = module.__dict__.get("forward")
+        if isinstance(current, SkippableLayer) and owned(current.owner):
+            if current.inner is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = current.inner
 
 
 class SkippableLayer:

@@ -139,8 +139,7 @@ class Reducer:
 
     def __init__(self, settings: PatchSettings, attention_levels: tuple[int, ...]):
         self.settings = settings
-        # Scope reuse works across steps and only where a host adapter runs it (ComfyUI's step_reuse_hooks).
-        off = settings.is_noop or settings.reduces_nothing or settings.reuses_across_steps
+        off = settings.is_noop or settings.reduces_nothing
         self.levels = frozenset() if off else reduced_levels(settings.max_downsample, attention_levels)
         self._patterns = PatternCache()
         self._nearest = NearestIndexCache()

@@ -9,6 +9,7 @@ shared by every hook of a patched model without being changed behind its back.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -16,11 +17,20 @@ from typing import Any
 METHODS = ("tome", "todo")
 METHOD_LABELS = {"tome": "ToMe", "todo": "ToDo"}
 DOWNSAMPLE_METHODS = ("nearest-exact", "avg_pool", "bilinear")
-# What of a transformer block ToMe runs on merged tokens (see reducer.py): only self-attention, or the whole block;
-# or, with "reuse", on part of the tokens of a step, reusing the others' updates from earlier steps (step_cache.py).
-SCOPES = ("self-attention", "block", "reuse")
-# Scopes that only the ComfyUI adapter runs so far: the WebUI does not offer them, diffusers refuses them.
-COMFYUI_ONLY_SCOPES = ("reuse",)
+# What of a transformer block ToMe runs on merged tokens (see reducer.py): only self-attention, or the whole block.
+SCOPES = ("self-attention", "block")
+# Values a saved workflow or prompt may still hold for a setting whose choice was removed: each runs as its
+# replacement, with a warning that says why. Scope "reuse" (reuse across steps token by token, ComfyUI only) did
+# less for the same picture than reuse_interval (0.73 of the tokens computed where layer reuse computes 0.52, at
+# the same SSIM; docs/step-reuse.md).
+RETIRED_CHOICES = {
+    "scope": {
+        "reuse": (
+            "self-attention",
+            "scope 'reuse' was removed (reuse_interval reuses across steps with less work for the same picture)",
+        )
+    }
+}
 # 0 means "automatic": the finest level of the UNet that has attention (see levels.reduced_levels).
 MAX_DOWNSAMPLE_CHOICES = (0, 1, 2, 4, 8)
 
@@ -233,6 +243,8 @@ _SPEC_LIST += (
 
 SPECS: dict[str, Spec] = {spec.name: spec for spec in _SPEC_LIST}
 
+log = logging.getLogger("tome_patch")
+
 
 def _coerce(spec: Spec, value: Any) -> Any:
     """Return the value as the setting's type, or raise a ValueError naming the setting and its range."""
@@ -309,7 +321,7 @@ class PatchSettings:
         unknown = sorted(set(values) - set(SPECS))
         if unknown:
             raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(SPECS)}")
-        return cls(**values)
+        return cls(**retire(values))
 
     @property
     def is_noop(self) -> bool:
@@ -333,10 +345,17 @@ class PatchSettings:
         """True for ToMe with scope block: the block runs on merged tokens and only its update is unmerged."""
         return self.method == "tome" and self.scope == "block"
 
-    @property
-    def reuses_across_steps(self) -> bool:
-        """True for ToMe with scope reuse: tokens are reduced in time, not merged (step_cache.py)."""
-        return self.method == "tome" and self.scope == "reuse"
-
     def replace(self, **changes: Any) -> PatchSettings:
         return dataclasses.replace(self, **changes)
+
+
+def retire(values: dict) -> dict:
+    """``values`` with every retired choice (``RETIRED_CHOICES``) replaced, each with one warning saying why."""
+    values = dict(values)
+    for name, retired in RETIRED_CHOICES.items():
+        value = values.get(name)
+        if isinstance(value, str) and value in retired:
+            replacement, why = retired[value]
+            log.warning("ToMe Patch: %s; running with %s %r instead.", why, name, replacement)
+            values[name] = replacement
+    return values

@@ -4,7 +4,7 @@
 
 The rows are those ``tools.bench.speed`` adds for this (``bench_rows.block_scope_rows``): the unpatched UNet,
 ToMe scope block and ToMe scope self-attention, both at the two finest attention levels (SD1.x: 1 and 2, SDXL:
-2 and 4, i.e. ``max_downsample`` 2 and 4) and the same ratio, each through the ``patched_clone`` the ComfyUI
+2 and 4, i.e. ``max_downsample`` 2 and 4) and the same ratio, each through the ``patched_unet`` the ComfyUI
 node calls, on the full-size ComfyUI UNet with random weights. Rows are interleaved as in the benchmark, the
 first call of each untimed. During every call the time spent making merge plans is summed (a timer around
 ``tome_core.matching.make_plan``), which gives the plans per evaluation and their share of it: scope block

@@ -4,7 +4,7 @@ A ``Row`` is a callable ``run(x, timesteps, context, y)`` plus ``enter``/``leave
 module in place (tomesd swaps block classes), so rows can be interleaved: each row is entered before its
 call and left after it, outside the timed region.
 
-Rows: the unpatched UNet; this project (through the same ``patched_clone`` that the ComfyUI node calls);
+Rows: the unpatched UNet; this project (through the same ``patched_unet`` that the ComfyUI node calls);
 ComfyUI's built-in TomePatchModel; tomesd 0.1.3 on the WebUI's ldm UNet; a ToDo reference-style downsampling
 (written here from the paper's description: a plain ``interpolate`` of keys/values in an attn1 patch, with the
 reference code's level guess); and the ceiling, whose self-attention at the reduced levels is an oracle that
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tome_core import PatchSettings, find_level, grid_at_level
-from tome_core.hosts.shared.model_patcher import patched_clone
+from tome_core.hosts.comfyui.patch import patched_unet
 
 
 def _nothing() -> None:
@@ -56,7 +56,7 @@ def ours(patcher, sigma_of, **values) -> Callable:
     """This project's patch, exactly as the ComfyUI node applies it."""
     settings = PatchSettings.from_values(**values)
     ms = patcher.get_model_object("model_sampling")
-    return comfy_runner(patched_clone(patcher, settings, ms.percent_to_sigma), sigma_of)
+    return comfy_runner(patched_unet(patcher, settings, ms.percent_to_sigma), sigma_of)
 
 
 def ours_loaded(name: str, patcher, sigma_of, **values) -> Row:
@@ -68,7 +68,7 @@ def ours_loaded(name: str, patcher, sigma_of, **values) -> Row:
     """
     settings = PatchSettings.from_values(**values)
     ms = patcher.get_model_object("model_sampling")
-    clone = patched_clone(patcher, settings, ms.percent_to_sigma)
+    clone = patched_unet(patcher, settings, ms.percent_to_sigma)
     return Row(
         name,
         "ours",

@@ -128,7 +128,7 @@ def sample(model, positive, negative, latent_hw, steps: int, seed: int, cpu: boo
 def per_call(patcher, values: dict, family, latent_hw, seed: int) -> dict:
     """``--calls-only``: the CPU seconds of one unpatched call, one full call of the row and one reusing call,
     each a direct model call (batch 2, sigma of a mid step), for sizes where whole runs take too long."""
-    from tome_core.hosts.shared.model_patcher import patched_clone
+    from tome_core.hosts.comfyui.patch import patched_unet
     from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
     from tome_core.settings import PatchSettings
 
@@ -138,7 +138,7 @@ def per_call(patcher, values: dict, family, latent_hw, seed: int) -> dict:
     context = torch.randn(2, 77, family.context_dim, generator=generator)
     kwargs = {"y": torch.randn(2, family.adm_channels, generator=generator)} if family.adm_channels else {}
     sigma = torch.full((2,), 3.0)
-    model = patched_clone(patcher, PatchSettings(**values), percent_to_sigma)
+    model = patched_unet(patcher, PatchSettings(**values), percent_to_sigma)
     hooks = model.wrappers["apply_model"]["tome_patch_layer_reuse"][0].__self__
     import comfy.patcher_extension
 
@@ -219,7 +219,7 @@ def main(argv=None) -> dict:
         (out / f"calls-{args.model}-{args.resolution}.json").write_text(json.dumps(result, indent=2))
         print(json.dumps(result))
         return result
-    from tome_core.hosts.shared.model_patcher import patched_clone
+    from tome_core.hosts.comfyui.patch import patched_unet
     from tome_core.layer_reuse import IntervalSchedule
     from tome_core.settings import PatchSettings
 
@@ -240,7 +240,7 @@ def main(argv=None) -> dict:
     sample(patcher, positive, negative, latent_hw, 2, args.seed, args.cpu_time)
     results = {}
     for name, values in rows.items():
-        model = patcher if not values else patched_clone(patcher, PatchSettings(**values), percent_to_sigma)
+        model = patcher if not values else patched_unet(patcher, PatchSettings(**values), percent_to_sigma)
         total, timer = sample(model, positive, negative, latent_hw, args.steps, args.seed, args.cpu_time)
         full = [s for s, reused in timer.calls if not reused]
         reusing = [s for s, reused in timer.calls if reused]

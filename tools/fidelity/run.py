@@ -337,11 +337,6 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
             rows.append(
                 ours(nodes, f"ours block {ratio}", method="tome", ratio=ratio, scope="block", max_downsample=finest * 2)
             )
-    if "reuse" in SPECS["scope"].choices:  # reuse across steps, token by token (tome_core/step_cache.py)
-        for ratio in (0.25, 0.5, 0.75):  # at the finest attention level (max_downsample auto)
-            rows.append(ours(nodes, f"ours reuse {ratio}", method="tome", ratio=ratio, scope="reuse"))
-        rows.append(ours(nodes, "ours reuse 0.5 all levels", method="tome", ratio=0.5, scope="reuse", max_downsample=8))
-        rows.append(followed_by_easycache(ours(nodes, "ours reuse 0.5", method="tome", ratio=0.5, scope="reuse")))
     if "reuse_interval" in SPECS:  # reuse across steps, layer by layer (tome_core/layer_reuse.py)
         rows += layer_reuse_rows(nodes, args.variants)
     rows += [comfy_builtin(0.5), todo_reference(2.0, finest)]

@@ -1,13 +1,13 @@
 """Counted work of a sampling run: how many model calls and transformer-block tokens were actually computed.
 
-A step cache (ComfyUI's EasyCache / LazyCache) or a token cache decides from the features how much to compute,
+A step cache (ComfyUI's EasyCache / LazyCache) decides from the features how much to compute,
 so its speed on the small reference models says little about full size; the work it did does. Counted here with
 forward pre-hooks on the UNet that really runs (ComfyUI's, or a UNet swapped in by an object patch):
 - model calls: calls of the UNet's first layer (its input convolution), in batch entries (a cond+uncond batch
   of 16 prompts at one step is 32), so a call that a cache answers without running the UNet is not counted;
 - tokens: the tokens that reach each transformer block's feed-forward layer (batch x tokens), summed over the
   run; the feed-forward layer runs on exactly the tokens the block computes (all of them unpatched and with
-  ToDo, the merged ones with scope block, the recomputed ones with scope reuse).
+  ToDo, the merged ones with scope block; none in the inner layers at a step that reuses them).
 Shares are against the unpatched row of the same run.
 """
 

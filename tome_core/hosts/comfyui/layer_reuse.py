@@ -15,7 +15,15 @@ from __future__ import annotations
 
 import logging
 
-from ...layer_reuse import DEFAULT_EXTRAPOLATE, OUTER_BLOCKS, IntervalSchedule, LayerReuseRun, SkippableLayer
+from ...layer_reuse import (
+    DEFAULT_EXTRAPOLATE,
+    OUTER_BLOCKS,
+    IntervalSchedule,
+    LayerReuse,
+    LayerReuseRun,
+    attach_forwards,
+    detach_forwards,
+)
 from ...schedule import call_sigmas, step_of
 from ..shared.unet_layout import inner_layers
 from .sampling_run import sample_with_run
@@ -30,26 +38,17 @@ APPLY_MODEL = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
 STEP_CACHE_KEY = "easycache"  # transformer_options: ComfyUI's EasyCache and LazyCache keep their state there
 
 
-class LayerReuseHooks:
-    """Shared by every clone of one patch (like functions). ``_current`` is the run of the model call in progress
-    (set and cleared around each call by the APPLY_MODEL wrapper), everything else is immutable."""
+class LayerReuseHooks(LayerReuse):
+    """Shared by every clone of one patch (like functions). The call in progress (``layer_run``) is set and cleared
+    around each call by the APPLY_MODEL wrapper; the run itself lives in the sampling run's options."""
 
     def __init__(
         self, schedule: IntervalSchedule, layers: int, noise_range, extrapolate=DEFAULT_EXTRAPOLATE, by_sigma=False
     ):
-        self.schedule = schedule
+        super().__init__(schedule, layers, extrapolate)
         self.by_sigma = by_sigma
-        self.layers = layers
         self.noise_range = noise_range
-        self.extrapolate = extrapolate
-        self._current: LayerReuseRun | None = None
         self.last_run: LayerReuseRun | None = None  # the last run, its cache dropped (for the log and the tests)
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def layer_run(self) -> LayerReuseRun | None:
-        return self._current
 
     def outer_sample_wrapper(self, executor, *args, **kwargs):
         guider = executor.class_obj
@@ -63,7 +62,7 @@ class LayerReuseHooks:
             )
             return executor(*args, **kwargs)
         sigmas = call_sigmas(args[3] if len(args) > 3 else kwargs.get("sigmas"))
-        run = LayerReuseRun(self.schedule, len(sigmas), self.layers, self.extrapolate)
+        run = self.new_run(len(sigmas))
         return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
 
     def _ended(self, run) -> None:
@@ -81,13 +80,11 @@ class LayerReuseHooks:
         layout = tuple(str(u) for u in transformer_options.get("uuids") or ())
         key = (layout, tuple(x.shape), x.dtype)
         position = sigma if self.by_sigma else None
-        run.begin_call(step, key, allowed=self.noise_range.contains(sigma), position=position)
-        self._current = run
+        self.begin_call(run, step, key, allowed=self.noise_range.contains(sigma), position=position)
         try:
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
         finally:
-            self._current = None
-            run.end_call()
+            self.end_call()
 
 
 class LayerInjection:
@@ -101,20 +98,10 @@ class LayerInjection:
         return self
 
     def inject(self, patcher) -> None:
-        for index, layer in enumerate(self.layers):
-            current = layer.__dict__.get("forward")
-            if isinstance(current, SkippableLayer):  # left by a clone that was never ejected: replace it
-                current = current.inner
-            layer.__dict__["forward"] = SkippableLayer(self.hooks, index, layer, current)
+        attach_forwards(self.hooks, self.layers)
 
     def eject(self, patcher) -> None:
-        for layer in self.layers:
-            current = layer.__dict__.get("forward")
-            if isinstance(current, SkippableLayer) and current.owner is self.hooks:
-                if current.inner is None:
-                    del layer.__dict__["forward"]
-                else:
-                    layer.__dict__["forward"] = current.inner
+        detach_forwards(self.layers, lambda owner: owner is self.hooks)
 
 
 def install(

@@ -1,9 +1,9 @@
 """ComfyUI: run a sampling run with an object of ours in its transformer options, and drop it after, always.
 
-Both reuses across steps (``step_reuse_hooks``, ``layer_reuse_hooks``) keep their cache in one object per sampling
-run. An OUTER_SAMPLE wrapper (comfy/patcher_extension.py ``WrappersMP.OUTER_SAMPLE``, where ComfyUI's EasyCache
-keeps its state too) puts it into a copy of the guider's model options for that run only; the guider gets its
-own options back when the run ends, however it ends, and the cache is dropped then.
+Reuse across steps (``layer_reuse``) keeps its cache in one object per sampling run. An OUTER_SAMPLE wrapper
+(comfy/patcher_extension.py ``WrappersMP.OUTER_SAMPLE``, where ComfyUI's EasyCache keeps its state too) puts it
+into a copy of the guider's model options for that run only; the guider gets its own options back when the run
+ends, however it ends, and the cache is dropped then.
 """
 
 from __future__ import annotations

@@ -31,11 +31,18 @@ from collections.abc import Callable
 
 import torch
 
-from ...layer_reuse import DEFAULT_EXTRAPOLATE, IntervalSchedule, LayerReuseRun, SkippableLayer
+from ...layer_reuse import (
+    DEFAULT_EXTRAPOLATE,
+    IntervalSchedule,
+    LayerReuse,
+    LayerReuseRun,
+    attach_forwards,
+    detach_forwards,
+)
 
 log = logging.getLogger("tome_patch")
 
-_STATE = "_tome_patch_layer_reuse"  # on the UNet: the LayerReuse object
+_STATE = "_tome_patch_layer_reuse"  # on the UNet: the PipelineReuse object
 _HOOKS = "_tome_patch_layer_reuse_hooks"  # on the UNet: the pre-hook's and the forward hook's handles
 # The last up block's classes whose forward runs resnet i, then attention i, reading skip i from the end.
 PAIRED_UP_BLOCKS = ("CrossAttnUpBlock2D", "UpBlock2D")
@@ -92,7 +99,7 @@ def _same(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
 
 
-class LayerReuse:
+class PipelineReuse(LayerReuse):
     """The owner of the UNet's ``SkippableLayer``s: follows the pipeline's runs and holds the current one."""
 
     def __init__(
@@ -103,20 +110,15 @@ class LayerReuse:
         allowed: Callable[[float], bool],
         extrapolate: float = DEFAULT_EXTRAPOLATE,
     ):
+        super().__init__(schedule, len(layers), extrapolate)
         self._pipeline = weakref.ref(pipeline)  # held weakly, its scheduler looked up at each call (swaps follow)
-        self.schedule = schedule
-        self.layers = layers
+        self.layer_modules = layers
         self.allowed = allowed
-        self.extrapolate = extrapolate
         self._timesteps: _Schedule | None = None
         self.run: LayerReuseRun | None = None  # the run in progress (kept after its end for its counts)
         self._first_step = 0  # the run's first step in the scheduler's timesteps
         self._last_step = -1
         self._logged: LayerReuseRun | None = None  # the run whose summary was logged (once per run)
-        self._current: LayerReuseRun | None = None  # set for the UNet call in progress only
-
-    def layer_run(self) -> LayerReuseRun | None:
-        return self._current
 
     def _scheduler_timesteps(self):
         pipeline = self._pipeline()
@@ -145,16 +147,13 @@ class LayerReuse:
         self._last_step = step
         key = (tuple(sample.shape), sample.dtype)
         position = _sigma_of(scheduler, step, t)
-        self.run.begin_call(step - self._first_step, key, allowed=self.allowed(t), position=position)
-        self._current = self.run
+        self.begin_call(self.run, step - self._first_step, key, allowed=self.allowed(t), position=position)
         return None
 
     def after_call(self, module, args, kwargs, output):
         """Also called when the UNet call raised (``always_call``): the next call starts clean."""
-        run, self._current = self._current, None
-        if run is None:
+        if self.end_call() is None:
             return None
-        run.end_call()
         if self._last_step >= len(self._timesteps.values) - 1:  # the last step: this run is over
             self._finish()
         return None
@@ -166,7 +165,7 @@ class LayerReuse:
         if first_step is not None:
             self._first_step = first_step
             steps = len(self._timesteps.values) - first_step
-            self.run = LayerReuseRun(self.schedule, steps, len(self.layers), self.extrapolate)
+            self.run = self.new_run(steps)
 
     def _finish(self) -> None:
         run = self.run
@@ -206,9 +205,8 @@ def install(unet, pipeline, settings, allowed: Callable[[float], bool]) -> bool:
     layers = inner_layers(unet)
     if settings.reuse_interval <= 1 or not layers:
         return False
-    owner = LayerReuse(pipeline, IntervalSchedule(settings.reuse_interval), layers, allowed)
-    for index, (_, layer) in enumerate(layers):
-        layer.__dict__["forward"] = SkippableLayer(owner, index, layer, layer.__dict__.get("forward"))
+    owner = PipelineReuse(pipeline, IntervalSchedule(settings.reuse_interval), layers, allowed)
+    attach_forwards(owner, [layer for _, layer in layers])
     unet.__dict__[_STATE] = owner
     unet.__dict__[_HOOKS] = (
         unet.register_forward_pre_hook(_disabled(owner.before_call), with_kwargs=True),
@@ -222,7 +220,7 @@ def _disabled(hook):
     return torch.compiler.disable(hook)
 
 
-def installed(unet) -> LayerReuse | None:
+def installed(unet) -> PipelineReuse | None:
     return unet.__dict__.get(_STATE)
 
 
@@ -231,12 +229,6 @@ def remove(unet) -> None:
     owner = unet.__dict__.pop(_STATE, None)  # our layers' forwards are removed even without it (a copied UNet)
     for handle in unet.__dict__.pop(_HOOKS, ()):
         handle.remove()
-    for module in unet.modules():
-        current = module.__dict__.get("forward")
-        if isinstance(current, SkippableLayer) and isinstance(current.owner, LayerReuse):
-            if current.inner is None:
-                del module.__dict__["forward"]
-            else:
-                module.__dict__["forward"] = current.inner
+    detach_forwards(unet.modules(), lambda other: isinstance(other, PipelineReuse))
     if owner is not None:
         owner.drop()

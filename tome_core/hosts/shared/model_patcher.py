@@ -281,7 +281,8 @@ class NotAUNetError(Exception):
 
 
 def patched_clone(patcher, settings, percent_to_sigma):
-    """A clone of ``patcher`` with the patch of ``settings``; ``patcher`` itself is never changed.
+    """A clone of ``patcher`` with the token reduction (ToMe or ToDo) of ``settings``; ``patcher`` itself is never
+    changed. Reuse across steps is each host's own wiring (``hosts.comfyui.patch``, ``hosts.webui.layer_reuse``).
 
     ``percent_to_sigma`` maps a sampling percent to the model's sigma (the host's model sampling object).
     Raises NotAUNetError (before cloning) for a model this patch cannot reduce.
@@ -292,22 +293,12 @@ def patched_clone(patcher, settings, percent_to_sigma):
         raise NotAUNetError(type(unet).__name__ if unet is not None else type(patcher).__name__)
     clone = patcher.clone()
     remove_patch(clone)  # applying the patch again replaces the earlier one
-    from ..comfyui import layer_reuse as layer_reuse_hooks  # the reuse across steps builds on this module
-    from ..comfyui import step_reuse as step_reuse_hooks
-
-    step_reuse_hooks.remove(clone)
-    layer_reuse_hooks.remove(clone)
     if settings.is_noop:
-        return clone
-    noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
-    if settings.reuse_interval > 1:
-        layer_reuse_hooks.install(clone, settings, noise_range)
-    if settings.reuses_across_steps:
-        step_reuse_hooks.install(clone, settings, noise_range)
         return clone
     reducer = Reducer(settings, levels)
     if reducer.does_nothing:
         return clone
+    noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
     install_hooks(
         clone,
         PatcherHooks(reducer, noise_range),

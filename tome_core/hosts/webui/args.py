@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ...settings import COMFYUI_ONLY_SCOPES, METHOD_LABELS, SPECS, PatchSettings
+from ...settings import METHOD_LABELS, SPECS, PatchSettings
 
 MAX_DOWNSAMPLE_LABELS = ("auto", "1", "2", "4", "8")  # "auto" is the engine's 0
 
@@ -54,7 +54,7 @@ def _from_spec(
         spec.minimum,
         spec.maximum,
         spec.step,
-        tuple(c for c in spec.choices if c not in COMFYUI_ONLY_SCOPES),  # not run by the WebUI's adapter
+        spec.choices,
         spec.method,
         spec.scope,
         own_hr,

@@ -40,7 +40,15 @@ import weakref
 
 import torch
 
-from ...layer_reuse import DEFAULT_EXTRAPOLATE, OUTER_BLOCKS, IntervalSchedule, LayerReuseRun, SkippableLayer
+from ...layer_reuse import (
+    OUTER_BLOCKS,
+    IntervalSchedule,
+    LayerReuse,
+    LayerReuseRun,
+    SkippableLayer,
+    attach_forwards,
+    detach_forwards,
+)
 from ...schedule import NoiseRange, timestep_of_percent
 from ..shared.unet_layout import inner_layers
 
@@ -75,27 +83,18 @@ def _noise_level(params) -> float | None:
         return None
 
 
-class PassReuse:
-    """One sampling pass's layer reuse: the owner of its ``SkippableLayer`` forwards (``layer_run``)."""
+class PassReuse(LayerReuse):
+    """One sampling pass's layer reuse: the owner of its ``SkippableLayer`` forwards."""
 
     def __init__(self, p, schedule: IntervalSchedule, layers: int, noise_range: NoiseRange):
+        super().__init__(schedule, layers)
         self.p = p
-        self.schedule = schedule
-        self.layers = layers
         self.noise_range = noise_range
-        self.extrapolate = DEFAULT_EXTRAPOLATE
         self.step: tuple[int, int] | None = None  # (step, steps) of the denoiser call in progress
         self.sigma: float | None = None  # its noise level, where the prediction draws its line (None: the step)
         self.unet_calls = 0  # UNet calls made so far within that denoiser call
         self.run: LayerReuseRun | None = None
         self.finished = False
-        self._current: LayerReuseRun | None = None
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def layer_run(self) -> LayerReuseRun | None:
-        return self._current
 
     def on_cfg_denoiser(self, params) -> None:
         owner_p = getattr(getattr(params, "denoiser", None), "p", None)
@@ -109,7 +108,7 @@ class PassReuse:
     def on_cfg_after_cfg(self, params) -> None:
         self.step = None
 
-    def begin_call(self, x, noise_level: float | None, layout=None) -> None:
+    def begin_unet_call(self, x, noise_level: float | None, layout=None) -> None:
         """A UNet call starts: ``noise_level`` (None: inside the range) decides the step range, ``layout`` names
         the conds of the call (None: its position within the denoiser call)."""
         position = self.unet_calls
@@ -122,19 +121,16 @@ class PassReuse:
             return
         step, steps = self.step
         if self.run is None or self.run.steps != steps:
-            self.run = LayerReuseRun(self.schedule, steps, self.layers, self.extrapolate)
+            self.run = self.new_run(steps)
         key = (position if layout is None else layout, tuple(x.shape), x.dtype)
         allowed = noise_level is None or self.noise_range.contains(noise_level)
-        self.run.begin_call(step, key, allowed=allowed, position=self.sigma)
-        self._current = self.run
+        self.begin_call(self.run, step, key, allowed=allowed, position=self.sigma)
 
-    def end_call(self, failed: bool = False) -> None:
-        run, self._current = self._current, None
-        if run is not None:
-            run.end_call()
-            if failed:  # what it recorded may be half-made: start again from full steps
-                run.drop()
-                self.run = None
+    def end_call(self, failed: bool = False) -> LayerReuseRun | None:
+        run = super().end_call(failed)
+        if run is not None and failed:  # start again from full steps, with a new run
+            self.run = None
+        return run
 
     def finish(self) -> LayerReuseRun | None:
         """End the pass: nothing reuses any more; returns its run (its cache dropped) for the log."""
@@ -205,15 +201,14 @@ def install_ldm(unet, settings, p, num_timesteps: int = 1000) -> PassReuse | Non
         level = None
         if timesteps is not None and not noise_range.everywhere:
             level = float(torch.as_tensor(timesteps).max())  # one host sync per UNet call
-        owner.begin_call(x, level)
+        owner.begin_unet_call(x, level)
         return None
 
     def after(module, args, output):
         owner.end_call(failed=output is None)  # always called; no output: the call raised
         return None
 
-    for index, layer in enumerate(layers):
-        layer.__dict__["forward"] = SkippableLayer(owner, index, layer, layer.__dict__.get("forward"))
+    attach_forwards(owner, layers)
     handles = (
         unet.register_forward_pre_hook(before, with_kwargs=True),
         unet.register_forward_hook(after, always_call=True),
@@ -236,13 +231,7 @@ def remove_ldm(unet) -> None:
     owner, handles, layers = state
     for handle in handles:
         handle.remove()
-    for layer in layers:
-        current = layer.__dict__.get("forward")
-        if isinstance(current, SkippableLayer) and current.owner is owner:
-            if current.inner is None:
-                del layer.__dict__["forward"]
-            else:
-                layer.__dict__["forward"] = current.inner
+    detach_forwards(layers, lambda other: other is owner)
     owner.finish()
 
 
@@ -272,7 +261,7 @@ class CallBoundary:
         if sigmas is not None and not self.owner.noise_range.everywhere:
             level = float(torch.as_tensor(sigmas).max())
         layout = options.get("cond_or_uncond")
-        self.owner.begin_call(x, level, None if layout is None else tuple(layout))
+        self.owner.begin_unet_call(x, level, None if layout is None else tuple(layout))
         try:
             if self.inner is not None:
                 out = self.inner(x, *args, **kwargs)
