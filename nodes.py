@@ -7,7 +7,7 @@ the engine's validation. Input names are public API: saved workflows refer to th
 from __future__ import annotations
 
 from .tome_core.hosts.comfyui import patch as comfyui_patch
-from .tome_core.settings import RETIRED_CHOICES, SPECS, PatchSettings
+from .tome_core.settings import IMPLIED_WHEN_ABSENT, RETIRED_CHOICES, SPECS, PatchSettings
 
 NODE_ID = "ToMePatch"
 ADVANCED_NODE_ID = "ToMePatchAdvanced"
@@ -86,7 +86,12 @@ def _engine_values(values: dict) -> dict:
 
 
 def patch_model(model, **values):
-    """Validate the inputs and return a patched clone of ``model`` (or ``model`` itself if it cannot be patched)."""
+    """Validate the inputs and return a patched clone of ``model`` (or ``model`` itself if it cannot be patched).
+
+    An optional input that a prompt does not name takes the value it meant when the prompt was saved
+    (``IMPLIED_WHEN_ABSENT``), not today's default: a node added anew sends every widget's value, today's
+    defaults included, so only prompts saved before the input existed leave it out."""
+    values = {**{k: v for k, v in IMPLIED_WHEN_ABSENT.items() if k in OPTIONAL_INPUTS}, **values}
     return comfyui_patch.patch_model(model, PatchSettings.from_values(**_engine_values(values)))
 
 

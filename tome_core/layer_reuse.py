@@ -6,8 +6,8 @@ output block, at full resolution) carry the fine detail through the skip connect
 the inner layers are not run at all: the last inner layer's output (the feature the outer output block
 receives) is predicted from the steps at which it was last computed, and only the outer layers run on the
 current input. *Full* steps run everything and record that feature: the first steps (the picture's layout),
-the last three steps (its finest detail) and every ``interval``-th step in between; in a run of fewer than 25
-steps every second step at least.
+the last four steps (its finest detail) and every ``interval``-th step in between; in a run of fewer than 25
+steps every second step at least, and in a run of fewer than 10 steps every step.
 
 The prediction is the feature of the last full step, moved half way on along the line through the last two full
 steps (a damped first-order extrapolation over the noise level, sigma), which follows the feature's drift over the
@@ -51,13 +51,17 @@ class IntervalSchedule:
 
     interval: int  # between the start and the end, one step in ``interval`` is full (1: every step)
     full_start: float = 0.2  # the steps up to this share of the schedule are full (the picture's layout)
-    # The last steps are full (the finest detail). Three: a reusing step right before the last two cost ref-sdxl's
-    # SSIM 0.926 -> 0.866 at 20 steps and 0.916 -> 0.816 at 12 (ToDo 2, interval 3; docs/step-reuse.md).
-    full_end: int = 3
+    # The last steps are full (the finest detail). Four: a reusing step right before the last two cost ref-sdxl's
+    # SSIM 0.926 -> 0.866 at 20 steps and 0.916 -> 0.816 at 12 (ToDo 2, interval 3), and one right before the last
+    # three its lowest image's SSIM 0.938 -> 0.842 at 25 steps (docs/step-reuse.md).
+    full_end: int = 4
     # A run of fewer steps takes bigger steps, which the prediction misses more: there one step in two at most
     # reuses. On ref-sdxl with ToDo 2 at 20 steps that keeps SSIM at 0.970 where interval 3 gives 0.926, and at 12
     # steps 0.963 against 0.916 (docs/step-reuse.md). 0: no such rule.
     short_run: int = 25
+    # A run of fewer steps (distilled models, Lightning/LCM LoRAs, Turbo) reuses nothing: each of its steps changes
+    # the picture a lot, and there is little to gain. 0: no such rule.
+    min_steps: int = 10
 
     def __post_init__(self):
         if self.interval < 1:
@@ -68,8 +72,12 @@ class IntervalSchedule:
             raise ValueError(f"full_end must be an integer from 0 up, got {self.full_end!r}")
         if self.short_run < 0:
             raise ValueError(f"short_run must be an integer from 0 up, got {self.short_run!r}")
+        if self.min_steps < 0:
+            raise ValueError(f"min_steps must be an integer from 0 up, got {self.min_steps!r}")
 
     def is_full(self, step: int, steps: int) -> bool:
+        if steps < self.min_steps:
+            return True
         interval = min(self.interval, 2) if steps < self.short_run else self.interval
         start = max(math.ceil(self.full_start * steps), 2)  # two full steps at least: a line to extrapolate on
         if interval == 1 or step < start or step >= steps - self.full_end:

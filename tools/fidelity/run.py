@@ -258,8 +258,8 @@ def layer_reuse_variant(interval: int, extrapolate=0.5, outer=1, by_sigma=True, 
         clone = patched_clone(model, todo_only, lambda p: p) if todo != 1.0 else model.clone()
         settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=interval)
         # A variant changes the schedule its rows were measured against: the last two steps full and no short-run
-        # rule (docs/step-reuse.md, "before"); it names any other value.
-        schedule_ = IntervalSchedule(interval, **{"short_run": 0, "full_end": 2, **schedule})
+        # or few-steps rule (docs/step-reuse.md, "before"); it names any other value.
+        schedule_ = IntervalSchedule(interval, **{"short_run": 0, "full_end": 2, "min_steps": 0, **schedule})
         layer_reuse_hooks.install(clone, settings, everywhere, extrapolate, outer, schedule_, by_sigma)
         return clone
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ...settings import METHOD_LABELS, SPECS, PatchSettings
+from ...settings import IMPLIED_WHEN_ABSENT, METHOD_LABELS, SPECS, PatchSettings
 
 MAX_DOWNSAMPLE_LABELS = ("auto", "1", "2", "4", "8")  # "auto" is the engine's 0
 
@@ -379,7 +379,8 @@ def infotext_params(args: ScriptArgs) -> dict[str, Any]:
         params[KEY_STOP] = args.end_percent
     if args.skip_when_slower != d.skip_when_slower:
         params[KEY_SKIP] = args.skip_when_slower
-    if args.reuse_interval != d.reuse_interval:
+    # Written unless it is what an infotext without it means (the value before reuse became the default).
+    if args.reuse_interval != IMPLIED_WHEN_ABSENT["reuse_interval"]:
         params[KEY_REUSE] = args.reuse_interval
     return params
 
@@ -388,7 +389,8 @@ def ui_values_from_infotext(params: dict) -> dict[str, Any]:
     """What pasting ``params`` (parsed generation parameters, values as text) sets each control to.
 
     Without our method key the only change is turning the patch off (the picture was made without it); with it,
-    every control is set, and a key that is absent means that setting's default (infotext omits defaults).
+    every control is set, and a key that is absent means that setting's default (infotext omits defaults), or
+    for a setting whose default changed, the value it meant before (``IMPLIED_WHEN_ABSENT``).
     Values that do not parse leave their control unchanged (None).
     """
     if KEY_METHOD not in params:
@@ -426,7 +428,9 @@ def ui_values_from_infotext(params: dict) -> dict[str, Any]:
     values["end_percent"] = read(KEY_STOP, "end_percent", d.end_percent)
     values["skip_when_slower"] = read(KEY_SKIP, "skip_when_slower", d.skip_when_slower)
     values["scope"] = read(KEY_SCOPE, "scope", d.scope)
-    values["reuse_interval"] = read(KEY_REUSE, "reuse_interval", d.reuse_interval)
+    # Absent: the value it had when infotexts left it out (off), not today's default, so a pasted infotext
+    # gives the picture it describes.
+    values["reuse_interval"] = read(KEY_REUSE, "reuse_interval", IMPLIED_WHEN_ABSENT["reuse_interval"])
     return values
 
 
