@@ -10,6 +10,9 @@ nothing.
 """
 
 if __package__:
+    # The front end's part (web/saved_defaults.js): a workflow saved before an input existed keeps its picture.
+    WEB_DIRECTORY = "./web"
+
     try:
         from comfy_api.latest import ComfyExtension
     except ImportError:  # ComfyUI before the V3 API

@@ -65,12 +65,6 @@ def _choices(name) -> list:
     return [*SPECS[name].choices, *RETIRED_CHOICES.get(name, ())]
 
 
-def _tooltip(name) -> str:
-    retired = RETIRED_CHOICES.get(name, {})
-    notes = [f" {value}: removed, runs as {replacement}." for value, (replacement, _) in retired.items()]
-    return SPECS[name].tooltip + "".join(notes)
-
-
 def _ui_value(name, value):
     if name == "max_downsample":
         return "auto" if value == 0 else str(value)
@@ -101,7 +95,7 @@ def classic_input_types(names):
     optional = {}
     for name in names:
         spec = SPECS[name]
-        options = {"default": _ui_value(name, spec.default), "tooltip": _tooltip(name)}
+        options = {"default": _ui_value(name, spec.default), "tooltip": spec.tooltip}
         group = optional if name in OPTIONAL_INPUTS else required
         if spec.kind == "choice":
             group[name] = (_choices(name), options)
@@ -152,7 +146,7 @@ def v3_nodes():
                         name,
                         options=_choices(name),
                         default=default,
-                        tooltip=_tooltip(name),
+                        tooltip=spec.tooltip,
                         optional=name in OPTIONAL_INPUTS,
                     )
                 )

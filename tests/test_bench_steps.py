@@ -33,19 +33,18 @@ def fidelity_json(tmp_path):
 
 
 def test_converts_the_schedule_and_the_peers(tmp_path):
-    flags = ["--model", "tiny", "--resolution", "64", "--steps", "6", "--threads", "1", "--cpu-time"]
+    flags = ["--model", "tiny", "--resolution", "64", "--steps", "12", "--threads", "1", "--cpu-time"]
     flags += ["--only", "ToDo 2", "--convert", "25", "--peers", str(fidelity_json(tmp_path)), "--out", str(tmp_path)]
     done = run_steps(*flags)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "steps-tiny-64.json").read_text())
     rows, peers = result["rows"], result["peers"]
     assert set(rows) == {"unpatched", "ToDo 2", "ToDo 2 + reuse every 2", "ToDo 2 + reuse every 3"}
-    # The run's own count of reusing calls follows the fixed schedule: 6 steps, 2 full at the start, 3 at the end.
-    assert (
-        rows["ToDo 2 + reuse every 3"]["reusing_calls"]
-        == 6 - rows["ToDo 2 + reuse every 3"]["converted"]["6"]["full_steps"]
-    )
-    assert rows["ToDo 2 + reuse every 3"]["converted"]["25"]["full_steps"] == 13
+    # The run's own count of reusing calls follows the fixed schedule: 12 steps, 3 full at the start, 4 at the end,
+    # one in two between them (a short run).
+    assert rows["ToDo 2 + reuse every 3"]["converted"]["12"]["full_steps"] == 9
+    assert rows["ToDo 2 + reuse every 3"]["reusing_calls"] == 12 - 9
+    assert rows["ToDo 2 + reuse every 3"]["converted"]["25"]["full_steps"] == 14
     assert rows["ToDo 2"]["reusing_calls"] == 0
     # Peers: a computed call costs a step of the row it follows, a skipped one nothing; reuse under a cache is left out.
     assert set(peers) == {"EasyCache 0.2", "ours ToDo 2 + EasyCache 0.2"}

@@ -1,5 +1,6 @@
-"""The main command's quick run, end to end on a tiny UNet and a two-step picture: both parts run, the summary
-names every row of both, and the side-by-side picture is written. Nothing here looks at timings."""
+"""The main command's quick run, end to end on a tiny UNet and a short picture run: every part runs, the summary
+has a line per row with a speed and an SSIM, the whole-run conversion follows the default's schedule, and the
+side-by-side picture is written. Nothing here looks at timings."""
 
 from __future__ import annotations
 
@@ -14,14 +15,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_quick_run_answers_speed_and_picture(tmp_path):
-    flags = ["--model", "tiny", "--resolution", "64", "--max-minutes", "0", "--steps", "2", "--out", str(tmp_path)]
+    flags = ["--model", "tiny", "--resolution", "64", "--max-minutes", "0", "--steps", "12", "--out", str(tmp_path)]
     command = [sys.executable, "-m", "tools.bench", *flags]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = done.stdout[done.stdout.index("How much faster") :]
-    for name in quick.SPEED_ROWS + quick.PICTURE_ROWS:
-        assert name in summary
-    assert "SSIM" in summary
+    for label in quick.LABELS.values():
+        assert any(line.strip().startswith(label) and line.rstrip().endswith(")") for line in summary.splitlines())
+    run = json.loads((tmp_path / "quick.json").read_text())
+    assert set(run["rows"]) == set(quick.LABELS)
+    assert run["rows"]["unpatched"]["ssim"] == 1.0 and run["rows"]["unpatched"]["speedup"] == 1.0
+    default = run["rows"][quick.DEFAULT_ROW]
+    assert default["full_steps"] == 9  # 12 steps: the first 3, every second after them, the last 4
+    todo = run["rows"][quick.TODO_ROW]["speedup"]
+    expected = 12 / (9 / todo + 3 * run["reusing_share"])
+    assert abs(default["speedup"] - expected) < 1e-9
+    easycache = run["rows"][quick.EASYCACHE_ROW]
+    assert abs(easycache["speedup"] - 1 / easycache["calls"]) < 1e-9
     # The verdict line follows the speed part's own verdict (whichever it is: it depends on the machine's noise).
     reliable = json.loads((tmp_path / "benchmark-tiny.json").read_text())["reliable"]
     assert ("Speed figures reliable." in summary) is reliable

@@ -17,7 +17,7 @@ from hosts import browser as web
 from hosts import comfy_host as host  # noqa: I001  (puts ComfyUI on sys.path for the model files written below)
 from hosts.comfy_server import UNET_FILE, ComfyServer
 
-from tome_core.settings import SPECS
+from tome_core.settings import RETIRED_CHOICES, SPECS
 
 pytestmark = pytest.mark.browser
 
@@ -204,7 +204,12 @@ def expected_widget(name):
     """What the page must show for one input: widget type, default and options, from the engine's table."""
     spec = SPECS[name]
     if spec.kind == "choice":
-        values = ["auto", "1", "2", "4", "8"] if name == "max_downsample" else list(spec.choices)
+        # A retired choice stays among the options so that saved workflows validate (settings.RETIRED_CHOICES).
+        values = (
+            ["auto", "1", "2", "4", "8"]
+            if name == "max_downsample"
+            else [*spec.choices, *RETIRED_CHOICES.get(name, ())]
+        )
         return "combo", ("auto" if name == "max_downsample" else spec.default), {"values": values}
     if spec.kind == "bool":
         return "toggle", spec.default, {}
@@ -305,6 +310,23 @@ def test_values_out_of_range_are_clamped_by_the_page_or_stopped_with_the_node_er
     (error,) = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
     assert error["node_type"] == "ToMePatch" and "start_percent" in error["exception_message"]
     assert not entry["outputs"]
+
+
+def test_a_workflow_saved_before_reuse_interval_was_the_default_opens_with_reuse_off(page, node_inputs):
+    """The front end restores widget values by position and leaves the rest at today's defaults; a workflow saved
+    before scope or reuse_interval existed meant reuse off, and opens so (web/saved_defaults.js), while one saved
+    with a value keeps it and a node added anew gets the default (the search test)."""
+    workflow = json.loads(next((host.REPO_ROOT / "example_workflows").glob("*SD1.5*.json")).read_text())
+    (ours,) = [n for n in workflow["nodes"] if n["type"] == "ToMePatch"]
+    complete = list(ours["widgets_values"])
+    index = node_inputs["ToMePatch"].index("reuse_interval")
+    for saved, expected in ((complete[:7], 1), (complete[:8], 1), (complete[:index] + [2], 2)):
+        ours["widgets_values"] = saved
+        page.evaluate("w => window.app.loadGraphData(w)", workflow)
+        page.wait_for_function("() => window.__tome.node('ToMePatch') !== undefined")
+        values = widget_values(page, "ToMePatch")
+        assert values["reuse_interval"] == expected, saved
+        assert list(values.values())[: len(saved)] == saved
 
 
 def test_example_workflow_opens_from_the_template_browser(page, tmp_path):

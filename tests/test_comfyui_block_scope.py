@@ -11,7 +11,8 @@ from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: 
 
 FAMILIES = ("sd15", "sdxl")
 HW = (15, 23)
-BLOCK = {"method": "tome", "scope": "block", "skip_when_slower": False, "max_downsample": "4"}
+# Reuse across steps off (the default is 3): these tests are about the token reduction alone.
+BLOCK = {"method": "tome", "scope": "block", "skip_when_slower": False, "max_downsample": "4", "reuse_interval": 1}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ def test_nothing_is_left_after_sampling_and_removal_is_bit_identical(node_classe
     assert torch.equal(run(model, family, batch=2), reference)
     assert forwards_left(model) == 0
     # Turning the patch off on the patched model removes all of it.
-    off = patch(node_classes, patched, method="tome", ratio=0.0)
+    off = patch(node_classes, patched, method="tome", ratio=0.0, reuse_interval=1)
     assert not off.injections and "tome_patch_owner" not in off.model_options["transformer_options"]
     assert torch.equal(run(off, family, batch=2), reference)
 

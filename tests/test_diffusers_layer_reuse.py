@@ -175,6 +175,25 @@ def test_a_bare_unet_is_refused_and_left_as_it_was():
     tome_core.remove_patch(unet)
 
 
+def test_the_default_reuses_on_a_pipeline_and_leaves_reuse_out_on_a_bare_unet(pipes, caplog):
+    """apply_patch with no settings: ToDo 2 with reuse every 3 on a pipeline; a bare UNet has no scheduler to
+    follow, so there the default's reuse is left out (with a log line) instead of refusing the call."""
+    pipe = pipeline(pipes, "txt2img")
+    tome_core.apply_patch(pipe)
+    try:
+        assert diffusers_layer_reuse.installed(pipe.unet).schedule.interval == 3
+    finally:
+        tome_core.remove_patch(pipe)
+    unet = H.sd1_unet()
+    with caplog.at_level("INFO", logger="tome_patch"):
+        tome_core.apply_patch(unet, skip_when_slower=False)
+    try:
+        assert diffusers_layer_reuse.installed(unet) is None and pipeline_patch.is_patched(unet)
+        assert any("is left out" in r.getMessage() for r in caplog.records)
+    finally:
+        tome_core.remove_patch(unet)
+
+
 def test_second_order_schedulers_count_each_model_call_as_a_step(pipes):
     """Heun lists each timestep but the first twice (19 UNet calls for 10 steps); the scheduler's step index
     tells the two calls apart. 19 calls, a short run: full calls 0-3 (a fifth of 19), every second after them (5,

@@ -153,6 +153,33 @@ def test_infotext_round_trip(host, sd1, values):
         assert pasted.settings_for_pass(is_hr_pass, 7) == original.settings_for_pass(is_hr_pass, 7)
 
 
+def test_an_infotext_written_before_reuse_became_the_default_pastes_back_without_reuse(host, sd1):
+    """Infotexts leave out a setting at its default; reuse_interval's default went from 1 to 3, so an infotext
+    without it (every infotext written before, with reuse off) pastes back with reuse off, as it was made, while
+    one written now says its interval."""
+    script = host.script()
+    components = host.ui(script)
+    index = webui_args.ARG_NAMES.index("reuse_interval")
+    before = _parse("Steps: 20, ToMe method: ToDo, ToMe downsample: 2.0")  # as the script wrote it for ToDo 2
+    assert _paste(components, script.infotext_fields, before)[index] == 1
+    ticked = webui_args.as_list(webui_args.parse_args([True]))  # the accordion ticked, today's defaults
+    _, p = run_job(host, sd1, ticked)
+    assert p.extra_generation_params[webui_args.KEY_REUSE] == SPECS["reuse_interval"].default == 3
+    now = _parse(_infotext(p.extra_generation_params))
+    assert _paste(components, script.infotext_fields, now)[index] == 3
+    off = _parse(_infotext(webui_args.infotext_params(webui_args.parse_args(script_args(reuse_interval=1)))))
+    assert webui_args.KEY_REUSE not in off and _paste(components, script.infotext_fields, off)[index] == 1
+
+
+def test_api_args_left_out_take_the_new_defaults_and_saved_ones_keep_theirs():
+    """An API call that leaves the trailing args out gets today's defaults (reuse every 3 with ToDo 2); one that
+    names all 20 as the script took them before keeps reuse off."""
+    assert webui_args.parse_args([True]).settings_for_pass(False, 0).reuse_interval == 3
+    saved = webui_args.as_list(webui_args.parse_args([True]))
+    saved[webui_args.ARG_NAMES.index("reuse_interval")] = 1
+    assert webui_args.parse_args(saved).settings_for_pass(False, 0).reuse_interval == 1
+
+
 def test_pasting_parameters_without_ours_turns_it_off_and_changes_nothing_else(host):
     script = host.script()
     components = host.ui(script)

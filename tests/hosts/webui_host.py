@@ -728,12 +728,14 @@ class ForgeSDModel(torch.nn.Module):
 
 def script_args(enabled=True, **values) -> list:
     """Positional args of the script (UI/API order, UI values such as "ToDo" or "auto"): the defaults, on,
-    reducing at any size, method ToMe unless given (most paths under test are ToMe's; the shipped default, ToDo,
-    is checked where defaults are the subject), with ``values``."""
+    reducing at any size, method ToMe and reuse across steps off unless given (most paths under test are the token
+    reduction's, ToMe's; the shipped defaults, ToDo 2 with reuse every 3, are checked where defaults are the
+    subject), with ``values``."""
     from tome_core.hosts.webui import args as webui_args
 
     values.setdefault("skip_when_slower", False)
     values.setdefault("method", "ToMe")
+    values.setdefault("reuse_interval", 1)
     args = webui_args.as_list(webui_args.defaults())
     for name, value in {"enabled": enabled, **values}.items():
         args[webui_args.ARG_NAMES.index(name)] = value

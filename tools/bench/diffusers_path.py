@@ -111,7 +111,7 @@ class DiffusersBench:
         ours += [(f"ToDo {f:g}", {"method": "todo", "downsample_factor": f}) for f in _factors(size)]
         for label, values in ours:
             name = f"ours {label}{suffix}"
-            settings = {**values, **force}
+            settings = {**values, "reuse_interval": 1, **force}  # single calls: the token reduction alone
             unet = self._patched_copy(name, lambda u, s=settings: tome_core.apply_patch(u, **s))
             rows.append(Row(name, "ours", HOST, _runner(unet), settings=settings))
         if not args.no_peers:

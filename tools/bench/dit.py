@@ -174,7 +174,7 @@ def todo_clone(patcher, time_factor: float = 1.0):
     from tome_core.hosts.comfyui import dit as comfy_dit
     from tome_core.settings import PatchSettings
 
-    settings = PatchSettings.from_values(method="todo", downsample_factor=2.0)
+    settings = PatchSettings.from_values(method="todo", downsample_factor=2.0, reuse_interval=1)
     sigma = patcher.get_model_object("model_sampling").percent_to_sigma
     return comfy_dit.patched_clone(patcher, settings, sigma, time_factor=time_factor)
 

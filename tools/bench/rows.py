@@ -53,8 +53,9 @@ def comfy_runner(patcher, sigma_of: Callable) -> Callable:
 
 
 def ours(patcher, sigma_of, **values) -> Callable:
-    """This project's patch, exactly as the ComfyUI node applies it."""
-    settings = PatchSettings.from_values(**values)
+    """This project's patch, exactly as the ComfyUI node applies it (reuse across steps off unless named: these
+    rows time single model calls, which the token reduction alone changes)."""
+    settings = PatchSettings.from_values(**{"reuse_interval": 1, **values})
     ms = patcher.get_model_object("model_sampling")
     return comfy_runner(patched_unet(patcher, settings, ms.percent_to_sigma), sigma_of)
 
@@ -66,7 +67,7 @@ def ours_loaded(name: str, patcher, sigma_of, **values) -> Row:
     (``ModelPatcher.patch_model`` -> ``inject_model``) and takes it away on ejection (``unpatch_model``); the other
     rows need no loading (their hooks travel in ``transformer_options``). Loading is outside the timed call.
     """
-    settings = PatchSettings.from_values(**values)
+    settings = PatchSettings.from_values(**{"reuse_interval": 1, **values})
     ms = patcher.get_model_object("model_sampling")
     clone = patched_unet(patcher, settings, ms.percent_to_sigma)
     return Row(

@@ -34,7 +34,7 @@ from .measure import PeakMemory
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = {
     "unpatched": {},
-    "ToDo 2": {"method": "todo", "downsample_factor": 2.0},
+    "ToDo 2": {"method": "todo", "downsample_factor": 2.0, "reuse_interval": 1},
     "reuse every 2": {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 2},
     "reuse every 3": {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 3},
     "reuse every 4": {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 4},
@@ -155,7 +155,9 @@ def per_call(patcher, values: dict, family, latent_hw, seed: int) -> dict:
 
     # One full call records the run's entry; the next step reuses it (the schedule has no full steps after 0).
     # The patched full call goes first: a first call's one-time costs then count against the patch.
-    run = LayerReuseRun(IntervalSchedule(values.get("reuse_interval", 3), full_start=0.0, full_end=0), 4, hooks.layers)
+    run = LayerReuseRun(
+        IntervalSchedule(values.get("reuse_interval", 3), full_start=0.0, full_end=0, min_steps=0), 4, hooks.layers
+    )
     model.inject_model()
     try:
         run.begin_call(0, "probe")

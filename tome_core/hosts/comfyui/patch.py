@@ -61,6 +61,10 @@ def _patch_dit(model, settings, percent_to_sigma):
             "ToMe Patch: max_downsample does not apply to %s (a DiT has one token grid, always reduced); ignored.",
             family.name,
         )
+    if settings.reuse_interval > 1:
+        log.info(
+            "ToMe Patch: reuse across steps (reuse_interval) is not available for %s (DiT) yet; ToDo only.", family.name
+        )
     try:
         return dit.patched_clone(model, settings, percent_to_sigma)
     except dit.NotADitError as err:  # a patcher without model wrappers (an older ComfyUI)

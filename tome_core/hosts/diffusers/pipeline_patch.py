@@ -30,6 +30,7 @@ so this module imports anywhere.
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from collections.abc import Callable
@@ -58,6 +59,8 @@ SUPPORTED = (
 )
 
 _subclasses: dict[type, type] = {}
+
+log = logging.getLogger("tome_patch")
 
 
 class UnsupportedModelError(TypeError):
@@ -401,8 +404,9 @@ def apply_patch(pipe_or_unet, **settings):
     conflicting patch (PatchConflictError, a ValueError), the model is left as it was. Applying again replaces
     the earlier patch; settings that can never change the output leave the UNet unpatched.
 
-    ``reuse_interval`` above 1 (reuse across steps, ``diffusers_layer_reuse``) needs a pipeline: on a bare UNet
-    it raises ValueError.
+    ``reuse_interval`` above 1 (reuse across steps, ``diffusers_layer_reuse``) needs a pipeline: on a bare UNet,
+    or a UNet layout it does not know, it raises when asked for by name; the default (3) is then left out with a
+    log line, and the token reduction alone applies.
 
     A ``ratio`` without a ``method`` means ToMe, as in tomesd's ``apply_patch`` (code written for tomesd keeps
     its meaning); with neither, the default method (ToDo) applies.
@@ -423,7 +427,14 @@ def apply_patch(pipe_or_unet, **settings):
         raise PatchConflictError(conflict)
     reuse = validated.reuse_interval > 1 and not validated.is_noop
     if reuse:
-        _check_layer_reuse(unet, pipeline)
+        try:
+            _check_layer_reuse(unet, pipeline)
+        except (ValueError, TypeError) as err:
+            if "reuse_interval" in settings:  # asked for by name: say why it cannot be
+                raise
+            log.info("ToMe Patch: reuse across steps (the default reuse_interval 3) is left out: %s", err)
+            reuse = False
+            validated = validated.replace(reuse_interval=1)
     remove_patch(unet)
     step_range = _StepRange(validated, pipeline)
     if reuse:

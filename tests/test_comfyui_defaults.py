@@ -1,0 +1,71 @@
+"""The default in ComfyUI (ToDo 2 with reuse_interval 3), and what was saved before it became the default.
+
+A node added anew sends every widget's value, so it gets today's defaults. A workflow saved with today's node
+stores reuse_interval (1 before the change) among its widget values, and an API prompt saved with it names it;
+a prompt saved before the input existed leaves it out, which means 1 (``settings.IMPLIED_WHEN_ABSENT``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+
+HW = (15, 23)
+# "ToMe Patch" as a workflow saved with the node before the change stores it: method, ratio, downsample_factor,
+# max_downsample, start_percent, end_percent, skip_when_slower, scope, reuse_interval (the defaults then).
+SAVED_WIDGETS = ["todo", 0.5, 2.0, "auto", 0.0, 1.0, True, "self-attention", 1]
+
+
+@pytest.fixture(scope="module")
+def node_classes():
+    return host.load_our_package()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return host.tiny_model("sd15")
+
+
+def reuse_interval_of(patched) -> int | None:
+    """The interval of the layer reuse a patched clone carries (None: no reuse across steps)."""
+    for wrapper in patched.wrappers.get("apply_model", {}).get("tome_patch_layer_reuse", []):
+        return wrapper.__self__.schedule.interval
+    return None
+
+
+def run(model, steps):
+    return host.sample(model, "sd15", latent_hw=HW, steps=steps, batch=2)
+
+
+@pytest.mark.parametrize("node_id", ["ToMePatch", "ToMePatchAdvanced"])
+def test_a_node_added_anew_gets_todo_2_with_reuse_every_third_step(node_classes, model, node_id):
+    inputs = {spec.id: spec.default for spec in node_classes[node_id].GET_SCHEMA().inputs[1:]}
+    assert (inputs["method"], inputs["downsample_factor"], inputs["reuse_interval"]) == ("todo", 2.0, 3)
+    assert reuse_interval_of(host.patch_with_node(node_classes, model, advanced=node_id.endswith("Advanced"))) == 3
+
+
+def test_a_workflow_saved_with_the_node_before_the_change_keeps_reuse_off(node_classes, model):
+    node = node_classes["ToMePatch"]
+    names = [spec.id for spec in node.GET_SCHEMA().inputs[1:]]
+    assert len(names) == len(SAVED_WIDGETS)  # widget values are positional: the front end maps them like this
+    patched = host.run_node(node, model=model, **dict(zip(names, SAVED_WIDGETS, strict=True)))
+    assert reuse_interval_of(patched) is None
+
+
+def test_api_prompts_saved_before_the_change_keep_reuse_off(node_classes, model):
+    node = node_classes["ToMePatch"]
+    today = dict(zip([spec.id for spec in node.GET_SCHEMA().inputs[1:]], SAVED_WIDGETS, strict=True))
+    older = {k: v for k, v in today.items() if k not in ("scope", "reuse_interval")}  # before the inputs existed
+    for inputs in (today, older):
+        assert reuse_interval_of(host.run_node(node, model=model, **inputs)) is None
+    assert reuse_interval_of(host.run_node(node, model=model, **dict(older, reuse_interval=3))) == 3
+
+
+def test_the_default_reuses_from_10_steps_and_leaves_shorter_runs_to_todo_alone(node_classes, model):
+    """Under 10 steps (distilled models, Lightning/LCM LoRAs) the default computes exactly what ToDo 2 alone
+    does; at 12 steps it reuses, and the picture differs from ToDo 2 alone."""
+    default = host.patch_with_node(node_classes, model)
+    todo_only = host.patch_with_node(node_classes, model, reuse_interval=1)
+    for steps in (4, 8):
+        assert torch.equal(run(default, steps), run(todo_only, steps))
+    assert not torch.equal(run(default, 12), run(todo_only, 12))
