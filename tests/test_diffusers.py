@@ -16,7 +16,8 @@ import tome_core
 from tome_core import PatchSettings, Reducer
 from tome_core.hosts.diffusers import pipeline_patch
 
-FORCE = {"skip_when_slower": False}
+# The token reduction alone, at every size (reuse across steps, on by default, has its own tests).
+FORCE = {"skip_when_slower": False, "reuse_interval": 1}
 KINDS = ("txt2img", "img2img", "inpaint", "controlnet", "sdxl")
 
 

@@ -76,7 +76,7 @@ def test_reuse_skips_the_expected_calls_and_removal_is_exact(pipes, kind):
     assert pipeline_patch.is_patched(pipe)
     reused = H.run(pipe, kind, steps=10)
     run = last_run(pipe)
-    assert (run.calls, run.reused_calls) == (10, 3)  # a short run: steps 2, 4, 6
+    assert (run.calls, run.reused_calls) == (10, 2)  # a short run: steps 2 and 4 (6-9 are the last four)
     assert not run.entries  # the cache is dropped after the last step
     tome_core.remove_patch(pipe)
     assert module_snapshot(pipe.unet) == before
@@ -137,15 +137,15 @@ def test_an_interrupted_call_leaves_nothing_for_the_next(pipes):
 
 
 def test_image_to_image_counts_steps_from_its_first_call(pipes):
-    """Strength 0.8 of 10 steps: the pipeline runs the last 8 of the scheduler's 10 timesteps; the run is those
-    8 (reusing: 2 and 4), as in ComfyUI, where the sampler gets the shortened schedule."""
+    """Strength 0.8 of 15 steps: the pipeline runs the last 12 of the scheduler's 15 timesteps; the run is those
+    12 (reusing: 3, 5 and 7), as in ComfyUI, where the sampler gets the shortened schedule."""
     pipe = pipeline(pipes, "img2img")
-    plain = H.run(pipe, "img2img", steps=10)
+    plain = H.run(pipe, "img2img", steps=15)
     tome_core.apply_patch(pipe, **REUSE)
     try:
-        reused = H.run(pipe, "img2img", steps=10)
+        reused = H.run(pipe, "img2img", steps=15)
         run = last_run(pipe)
-        assert (run.steps, run.calls, run.reused_calls) == (8, 8, 2)
+        assert (run.steps, run.calls, run.reused_calls) == (12, 12, 3)
     finally:
         tome_core.remove_patch(pipe)
     assert np.isfinite(reused).all() and not np.array_equal(reused, plain)
@@ -197,7 +197,7 @@ def test_the_default_reuses_on_a_pipeline_and_leaves_reuse_out_on_a_bare_unet(pi
 def test_second_order_schedulers_count_each_model_call_as_a_step(pipes):
     """Heun lists each timestep but the first twice (19 UNet calls for 10 steps); the scheduler's step index
     tells the two calls apart. 19 calls, a short run: full calls 0-3 (a fifth of 19), every second after them (5,
-    7, ..., 15), the last three (16-18)."""
+    7, ..., 13), the last four (15-18)."""
     from diffusers import HeunDiscreteScheduler
 
     pipe = pipeline(pipes, "txt2img")

@@ -32,7 +32,8 @@ from tome_core import PatchSettings
 from tome_core.hosts.shared.model_patcher import patched_clone
 from tome_core.hosts.webui import ldm_patch
 
-FORCE = {"skip_when_slower": False}
+# The token reduction alone, at every size (reuse across steps, on by default, has its own tests).
+FORCE = {"skip_when_slower": False, "reuse_interval": 1}
 BOUND = 2e-5  # of the output's scale, see the module docstring
 # Attention heads per level as ComfyUI builds them whatever the config says (its unet_extra_config): 8 heads in
 # SD1.x, 64 channels per head in SDXL (one head at these widths; the converter would divide 32 channels by 64).

@@ -172,7 +172,7 @@ def test_settings_accept_integer_choices_from_json():
 
 def test_scope_block_is_tome_only_and_ignores_the_sub_layer_switches():
     n = torch.randn(2, 16 * 16, 8)
-    block = PatchSettings(method="tome", scope="block", skip_when_slower=False)
+    block = PatchSettings(method="tome", scope="block", skip_when_slower=False, reuse_interval=1)  # no reuse
     assert block.merges_whole_block and not block.is_noop
     # The merge_* switches choose sub-layers for scope self-attention; scope block merges the whole block anyway.
     no_switches = block.replace(merge_attn=False, merge_crossattn=False, merge_mlp=False)

@@ -15,8 +15,8 @@ import torch
 from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
 HW = (15, 23)
-STEPS = 10  # IntervalSchedule(3), a short run: full steps 0, 1, 3, 5, 7, 8, 9; reusing 2, 4, 6
-REUSING_STEPS = 3
+STEPS = 10  # IntervalSchedule(3), a short run: full steps 0, 1, 3 and 5-9 (the last four); reusing 2, 4
+REUSING_STEPS = 2
 REUSE = {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 3}
 
 
@@ -159,28 +159,33 @@ def test_runs_back_to_back_with_other_sizes_step_counts_and_denoise_share_nothin
 
 
 def test_the_schedule_and_its_short_runs():
-    """Full steps: the first fifth (two at least), the last three, one in N between; under 25 steps one in two at
-    least (the steps lie further apart there)."""
+    """Full steps: the first fifth (two at least), the last four, one in N between; under 25 steps one in two at
+    least (the steps lie further apart there); under 10 steps every step."""
     from tome_core.layer_reuse import IntervalSchedule
 
     def pattern(schedule, steps):
         return "".join("F" if schedule.is_full(step, steps) else "." for step in range(steps))
 
-    assert pattern(IntervalSchedule(3), 25) == "FFFFF..F..F..F..F..F..FFF"
+    assert pattern(IntervalSchedule(3), 25) == "FFFFF..F..F..F..F..F.FFFF"
     assert pattern(IntervalSchedule(3), 30) == "FFFFFF..F..F..F..F..F..F..FFFF"
     assert pattern(IntervalSchedule(3), 24) == pattern(IntervalSchedule(2), 24) == "FFFFF.F.F.F.F.F.F.F.FFFF"
     assert pattern(IntervalSchedule(4), 12) == pattern(IntervalSchedule(2), 12) == "FFF.F.F.FFFF"
     assert pattern(IntervalSchedule(3, short_run=0), 12) == "FFF..F..FFFF"
+    assert pattern(IntervalSchedule(3), 10) == "FF.F.FFFFF"
     assert pattern(IntervalSchedule(1), 12) == "F" * 12
-    assert pattern(IntervalSchedule(3), 4) == "F" * 4  # no step between the first two and the last three
+    for steps in (4, 6, 8, 9):  # distilled models, Lightning/LCM LoRAs, Turbo: nothing reused
+        assert pattern(IntervalSchedule(3), steps) == "F" * steps
+    assert pattern(IntervalSchedule(3, min_steps=0), 8) == "FF.FFFFF"
     with pytest.raises(ValueError, match="short_run"):
         IntervalSchedule(3, short_run=-1)
+    with pytest.raises(ValueError, match="min_steps"):
+        IntervalSchedule(3, min_steps=-1)
 
 
 def test_step_order_schedule_and_layout_changes_compute_in_full():
     from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
 
-    schedule = IntervalSchedule(100, full_start=0.0, full_end=0, short_run=0)
+    schedule = IntervalSchedule(100, full_start=0.0, full_end=0, short_run=0, min_steps=0)
     run = LayerReuseRun(schedule, steps=6, layers=2)
     # Two full steps at least: a line to extrapolate on.
     assert [schedule.is_full(s, 6) for s in range(6)] == [True, True] + [False] * 4
@@ -218,7 +223,7 @@ def test_a_reusing_call_with_unchanged_inner_features_equals_the_full_call():
     """Where the math says so the reuse is exact: the prediction from two equal recorded features is the feature."""
     from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
 
-    schedule = IntervalSchedule(2, full_start=0.0, full_end=0, short_run=0)
+    schedule = IntervalSchedule(2, full_start=0.0, full_end=0, short_run=0, min_steps=0)
     run = LayerReuseRun(schedule, steps=4, layers=1, extrapolate=1.0)
     feature = torch.randn(1, 8, 5, 5)
     for step in (0, 1):

@@ -51,8 +51,8 @@ def test_ui_returns_the_documented_order_with_engine_defaults_and_ranges(host):
     assert by_name["scope"].kwargs["value"] == "self-attention" and by_name["scope"].kind == "Dropdown"
     assert webui_args.ARG_NAMES[19] == "reuse_interval" and by_name["reuse_interval"].kind == "Slider"
     reuse = by_name["reuse_interval"].kwargs
-    assert (reuse["minimum"], reuse["maximum"], reuse["step"], reuse["value"]) == (1, 8, 1, 1)
-    # The shipped default keeps the picture: ToDo, factor 2 (README "Which setting to use").
+    assert (reuse["minimum"], reuse["maximum"], reuse["step"], reuse["value"]) == (1, 8, 1, 3)
+    # The shipped default: ToDo, factor 2, with reuse every third step (README "Which setting to use").
     assert by_name["method"].kwargs["value"] == "ToDo" and webui_args.defaults().method == "todo"
     assert dataclasses.replace(webui_args.defaults(), enabled=True).settings_for_pass(False, 0) == PatchSettings()
 
