@@ -37,6 +37,7 @@ rewritten after each part so that a stopped run keeps what it measured; ``dit.md
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -446,7 +447,8 @@ def run_breakeven(model: str, args, device: torch.device, log) -> dict:
     log(f"break-even: one {shape} transformer block, sides {args.breakeven_sides}")
     argv = ["--model", shape, "--device", str(device), "--sides", args.breakeven_sides]
     argv += ["--repeats", str(args.breakeven_repeats)]
-    return breakeven.main(argv)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout: the table alone, at the end
+        return breakeven.main(argv)
 
 
 def main(argv=None) -> dict:
@@ -528,7 +530,8 @@ def main(argv=None) -> dict:
         if args.dit_depth == "full":
             dit_argv.append("--full-depth")
         log("DiT: " + " ".join(dit_argv))
-        report["dit"] = dit.main(dit_argv)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout: the table alone, at the end
+            report["dit"] = dit.main(dit_argv)
         report["dit_markdown"] = (out / "dit.md").read_text()
         gc.collect()
         if device.type == "cuda":
