@@ -61,7 +61,7 @@ install() {
       "run 'bash tools/gpu_bench.sh --pack' where there is internet and bring $wheels/ along." >&2
     exit 1
   fi
-  echo "Installing $wheels/*.whl into $site ..."
+  echo "Installing $wheels/*.whl into $site ..." >&2
   "$python" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target "$site" "$wheels"/*.whl
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
