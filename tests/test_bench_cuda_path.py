@@ -22,12 +22,12 @@ import torch
 from tools.bench import host, measure, report
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 8
+STEPS = 12  # reuse_interval reuses nothing in runs of fewer than 10 steps
 
 
 @pytest.fixture(scope="module")
 def gpu_table(tmp_path_factory):
-    """One run of the GPU table's command on the CPU: tiny UNet, 8-step runs, one pair, tiny Flux, one block."""
+    """One run of the GPU table's command on the CPU: tiny UNet, 12-step runs, one pair, tiny Flux, one block."""
     out = tmp_path_factory.mktemp("gpu")
     command = [sys.executable, "-m", "tools.bench.gpu", "--device", "cpu", "--configs", "tiny:64"]
     command += ["--steps", str(STEPS), "--repeats", "1", "--max-minutes", "0", "--out", str(out)]
@@ -45,9 +45,9 @@ def test_gpu_table_rows_have_time_memory_and_calls(gpu_table):
     rows = {row["row"]: row for row in block["rows"]}
     assert set(rows) == {
         "unpatched",
-        "ours default (ToDo 2)",
+        "ours default (ToDo 2 + reuse every 3)",
+        "ours ToDo 2",
         "ours ToDo 2 + reuse every 2",
-        "ours ToDo 2 + reuse every 3",
         "ours ToMe block 0.5 levels<=2",
         "ComfyUI TomePatchModel 0.5",
         "EasyCache 0.2 (its default)",
@@ -65,9 +65,9 @@ def test_gpu_table_rows_have_time_memory_and_calls(gpu_table):
     assert rows["unpatched"]["deviation"] == 0.0 and rows["unpatched (ldm UNet)"]["deviation"] == 0.0
     assert rows["tomesd 0.5"]["host"] == "ldm" and rows["tomesd 0.5"]["pairs"] == 1
     # Layer reuse: the run's own count of reusing calls; the others reuse nothing and EasyCache alone skips.
-    for name in ("ours ToDo 2 + reuse every 2", "ours ToDo 2 + reuse every 3"):
+    for name in ("ours ToDo 2 + reuse every 2", "ours default (ToDo 2 + reuse every 3)"):
         assert rows[name]["reusing_calls"] > 0 and rows[name]["reusing_step_s"] > 0
-    assert rows["ours default (ToDo 2)"]["reusing_calls"] == 0
+    assert rows["ours ToDo 2"]["reusing_calls"] == 0 and rows["ours ToMe block 0.5 levels<=2"]["reusing_calls"] == 0
     assert all(row["skipped_calls"] == 0 for name, row in rows.items() if not name.startswith("EasyCache"))
     assert 0 <= rows["EasyCache 0.2 (its default)"]["skipped_calls"] < STEPS
     # The table: a time and a memory column on every row, "-" where a figure does not exist on this device.

@@ -9,8 +9,10 @@ these rows, each a whole sampling run of ``--steps`` (25) through ComfyUI's own 
 normal schedule, CFG 5, one latent: ComfyUI runs cond and uncond as one call of batch 2 where its memory
 estimate allows, as for a user; the batch column says what it did):
 - unpatched;
-- ours: the default (ToDo 2, skip_when_slower on), ToDo 2 + reuse_interval 2 and 3, ToMe 0.5 with scope block
-  at the two finest attention levels, each through ``patched_clone`` as the ComfyUI node applies it;
+- ours: the node's defaults (today ToDo 2 with reuse_interval 3, skip_when_slower on), ToDo 2 alone and with
+  reuse_interval 2 and 3 (each setting once: the one the default already is is not repeated), ToMe 0.5 with
+  scope block at the two finest attention levels (no reuse), each through ``patched_unet`` as the ComfyUI node
+  applies it;
 - ComfyUI's built-in TomePatchModel 0.5 and EasyCache at its defaults (reuse_threshold 0.2, 15-95% of the
   steps), each applied through its node class;
 - SD1.x only: tomesd 0.5 on the WebUI's ldm UNet with the same weights (swapped in by an object patch, so the
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import sys
@@ -136,22 +139,23 @@ def table_rows(bench, size: tuple[int, int], only: str) -> list[WholeRow]:
     from comfy_extras.nodes_tomesd import TomePatchModel
 
     from tome_core import PatchSettings
-
-    from . import rows as bench_rows  # its patched_clone is the one the ComfyUI node calls
+    from tome_core.hosts.comfyui.patch import patched_unet
 
     patcher = bench.patcher
     percent_to_sigma = patcher.get_model_object("model_sampling").percent_to_sigma
 
     def ours(name: str, **values) -> WholeRow:
-        clone = bench_rows.patched_clone(patcher, PatchSettings.from_values(**values), percent_to_sigma)
+        clone = patched_unet(patcher, PatchSettings.from_values(**values), percent_to_sigma)
         return WholeRow(name, "ours", "comfy", clone, dict(values))
 
-    block = {"method": "tome", "ratio": 0.5, "scope": "block", "max_downsample": bench.block_level}
+    default = PatchSettings()
+    todo = [{"method": "todo", "downsample_factor": 2.0, "reuse_interval": n} for n in (1, 2, 3)]
+    # ToMe block on its own: no reuse across steps, whatever the default's.
+    block = {"method": "tome", "ratio": 0.5, "scope": "block", "max_downsample": bench.block_level, "reuse_interval": 1}
     rows = [
         WholeRow("unpatched", "unpatched", "comfy", patcher),
-        ours("ours default (ToDo 2)"),
-        ours("ours ToDo 2 + reuse every 2", reuse_interval=2),
-        ours("ours ToDo 2 + reuse every 3", reuse_interval=3),
+        ours(f"ours default ({describe(default)})", **dataclasses.asdict(default)),
+        *(ours(f"ours {describe(values)}", **values) for values in todo if PatchSettings(**values) != default),
         ours(f"ours ToMe block 0.5 levels<={bench.block_level}", **block),
         WholeRow(
             "ComfyUI TomePatchModel 0.5",
@@ -190,6 +194,15 @@ def table_rows(bench, size: tuple[int, int], only: str) -> list[WholeRow]:
     if keep:
         rows = [row for row in rows if row.group == "unpatched" or any(word in row.name for word in keep)]
     return rows
+
+
+def describe(values) -> str:
+    """'ToDo 2 + reuse every 3', 'ToDo 2', 'ToMe 0.5': a setting's name in the table."""
+    from tome_core import PatchSettings
+
+    settings = values if isinstance(values, PatchSettings) else PatchSettings.from_values(**values)
+    name = f"ToDo {settings.downsample_factor:g}" if settings.method == "todo" else f"ToMe {settings.ratio:g}"
+    return name + (f" + reuse every {settings.reuse_interval}" if settings.reuse_interval > 1 else "")
 
 
 class Config:
