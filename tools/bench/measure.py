@@ -1,8 +1,10 @@
 """Timing, peak memory and output deviation of one call, the same way for every row.
 
-Timing: wall clock (``time.perf_counter``) around one call, with the device synchronised before and after (GPU),
-garbage collected before; ``clocked`` also takes the process's CPU time (``time.process_time``: user and system
-time of all its threads), which does not grow while another process holds the cores, where wall time does.
+Timing: on a CUDA device, a pair of CUDA events (``torch.cuda.Event(enable_timing=True)``) recorded on the
+current stream before and after one call, the device synchronised before; elsewhere the wall clock
+(``time.perf_counter``) around the call. Garbage is collected before. ``clocked`` also takes the process's CPU
+time (``time.process_time``: user and system time of all its threads), which does not grow while another process
+holds the cores, where wall time does. ``clock_for`` says which clock a device gets.
 Spread: how far a median can be trusted (``spread_pct``). Peak memory: on CUDA the allocator's peak above what
 was allocated before the call; on the CPU the growth of the process's peak resident set (Linux: the peak is
 reset through /proc/self/clear_refs, and freed heap is handed back with malloc_trim first, so the figure is what
@@ -25,19 +27,65 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+CUDA_EVENTS = "cuda events"
+PERF_COUNTER = "perf_counter"
+
+
+def clock_for(device) -> str:
+    """The clock of a call on ``device``: CUDA events on a CUDA device, else the wall clock."""
+    return CUDA_EVENTS if getattr(device, "type", None) == "cuda" else PERF_COUNTER
+
+
 def timed(call, device: torch.device) -> tuple[float, object]:
     wall, _, result = clocked(call, device)
     return wall, result
 
 
 def clocked(call, device: torch.device) -> tuple[float, float, object]:
-    """(wall seconds, process CPU seconds, result) of one call."""
+    """(seconds, process CPU seconds, result) of one call; the seconds by ``clock_for(device)``."""
     gc.collect()
+    if clock_for(device) == CUDA_EVENTS:
+        return _clocked_cuda_events(call, device)
     synchronize(device)
     start, cpu_start = time.perf_counter(), time.process_time()
     result = call()
     synchronize(device)
     return time.perf_counter() - start, time.process_time() - cpu_start, result
+
+
+def _clocked_cuda_events(call, device: torch.device) -> tuple[float, float, object]:
+    """GPU time of one call: from an event recorded before it to one recorded after it on the current stream.
+
+    The device is idle when the first event is recorded (synchronised), so the interval also holds the time the
+    GPU waits for the host to launch work: it is the call's time as a user sees it, without the host's clock.
+    """
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.current_stream(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cpu_start = time.process_time()
+    start.record(stream)
+    result = call()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0, time.process_time() - cpu_start, result
+
+
+class EventClock:
+    """Many intervals on a CUDA stream without synchronising between them (the calls of a sampling run): ``mark``
+    records an event, ``seconds(a, b)`` reads the time between two marks once the work is done."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @staticmethod
+    def seconds(start, end) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
 
 
 def _status_kib(field: str) -> int | None:
@@ -58,11 +106,14 @@ def _trim_heap() -> None:
 
 
 class PeakMemory:
-    """Context manager: ``.mib`` is the extra peak memory of the code inside it, or None if unmeasurable."""
+    """Context manager: ``.mib`` is the extra peak memory of the code inside it, or None if unmeasurable;
+    ``.total_mib`` on CUDA the allocator's whole peak inside it (``torch.cuda.max_memory_allocated``: the weights
+    and everything else allocated, what the card must hold), None elsewhere."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.mib: float | None = None
+        self.total_mib: float | None = None
 
     def __enter__(self):
         gc.collect()
@@ -82,7 +133,8 @@ class PeakMemory:
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.mib = (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.mib, self.total_mib = (peak - self._base) / 2**20, peak / 2**20
         elif self._base is not None:
             peak = _status_kib("VmHWM")
             self.mib = None if peak is None else max(0, peak - self._base) / 1024

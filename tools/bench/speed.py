@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sample-resolution", default=None, help="size of the sampling run (default: the smallest)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    parser.add_argument(
+        "--attention", default="sdpa", choices=bench_host.ATTENTION_CHOICES, help="ComfyUI's attention (auto: its own)"
+    )
     parser.add_argument("--ratios", default="0.3,0.5", help="ToMe ratios of this project")
     parser.add_argument("--peer-ratios", default="0.5", help="ToMe ratios of ComfyUI's node and tomesd")
     parser.add_argument(
@@ -216,6 +219,7 @@ def warm_up(bench: Bench, size: tuple[int, int], log) -> tuple[bench_pairs.Block
             warm[row.name], _, out = clocked(lambda row=row: call_row(row, inputs), bench.device)
         outputs[row.name] = out.float().cpu()
         record = {"row": row.name, "group": row.group, "host": row.host, "peak_mib": memory.mib}
+        record["peak_total_mib"] = memory.total_mib  # CUDA: the allocator's whole peak, weights included
         if row.settings:
             record["settings"] = dict(row.settings)
         records.append(record)
@@ -306,7 +310,7 @@ def main(argv=None) -> dict:
     device = choose_device(args.device)
     dtype = choose_dtype(args.dtype, device)
     if args.host == "comfy":
-        bench_host.setup_comfy(device.type)
+        bench_host.setup_comfy(device.type, args.attention)
     torch.manual_seed(args.seed)
     sizes = [parse_size(part) for part in args.resolutions.split(",") if part.strip()]
     log(f"building {args.model} ({dtype}, {device}) ...")

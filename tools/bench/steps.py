@@ -11,6 +11,11 @@ whole run of any step count converts exactly from those two costs:
 ``steps * unpatched step / (full steps * full step + reusing steps * reusing step)``. The run's own total is the
 direct timing the conversion is checked against (``direct`` vs ``converted at --steps``).
 
+``--device`` and ``--dtype`` as in ``tools.bench.speed`` (auto: CUDA in fp16 where there is a GPU, else the CPU in
+fp32). On a CUDA device every row first makes an untimed 2-step run (kernel selection, first-call costs), the
+whole run is timed with CUDA events and each model call with events recorded without synchronising (read at the
+run's end), and the peak memory of each row is the allocator's (above the weights, and in all).
+
 The step caches (ComfyUI's EasyCache and LazyCache) decide from the picture which calls to skip, so their speed
 is converted from the share of calls they computed on the trained reference models (the fidelity benchmark's
 ``calls``): a skipped call costs next to nothing, so their speed-up is about 1 / calls. ``--peers
@@ -29,7 +34,7 @@ from pathlib import Path
 import torch
 
 from . import host as bench_host
-from .measure import PeakMemory
+from .measure import PeakMemory, clocked, timed
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = {
@@ -66,6 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="",
         help="a fidelity benchmark JSON: add the step caches' rows, converted from the calls they computed there",
     )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+    parser.add_argument(
+        "--attention", default="sdpa", choices=bench_host.ATTENTION_CHOICES, help="ComfyUI's attention (auto: its own)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "results" / "steps"))
     return parser.parse_args(argv)
@@ -86,12 +96,32 @@ def conditioning(family, seed: int) -> tuple[list, list]:
 
 
 class CallTimer:
-    """An APPLY_MODEL wrapper that times every model call and marks it reusing when the run counted it so."""
+    """An APPLY_MODEL wrapper that times every model call and marks it reusing when the run counted it so.
 
-    def __init__(self, cpu: bool):
+    On a CUDA device (``events``, a ``measure.EventClock``) each call is a pair of CUDA events, recorded without
+    synchronising and read when ``calls`` is first asked for after the run; elsewhere the wall clock or, with
+    ``cpu``, this process's CPU time."""
+
+    def __init__(self, cpu: bool, events=None):
         self.cpu = cpu  # this process's CPU time instead of wall time
-        self.calls: list[tuple[float, bool]] = []
+        self.events = events
+        self._calls: list[tuple[float, bool]] = []
+        self._pending: list[tuple[object, object, bool]] = []
         self.cache_bytes = 0  # the most the run's cache held after a call
+        self.batches: list[int] = []  # the batch of every call (2: cond and uncond in one call)
+
+    @property
+    def calls(self) -> list[tuple[float, bool]]:
+        """(seconds, reusing) of every call so far."""
+        if self._pending:
+            self._calls += [(self.events.seconds(start, end), reused) for start, end, reused in self._pending]
+            self._pending = []
+        return self._calls
+
+    def _now(self):
+        if self.events is not None:
+            return self.events.mark()
+        return time.process_time() if self.cpu else time.perf_counter()
 
     def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kw):
         from tome_core.hosts.comfyui.layer_reuse import RUN_KEY
@@ -99,45 +129,68 @@ class CallTimer:
         run = (transformer_options or {}).get(RUN_KEY, (None,))[0]
         before = run.reused_calls if run is not None else 0
         inside = run is not None and run.current is not None
-        start = time.process_time() if self.cpu else time.perf_counter()
+        self.batches.append(int(x.shape[0]))
+        start = self._now()
         out = executor(x, t, c_concat, c_crossattn, control, transformer_options, **kw)
+        end = self._now()
         # Inside our wrapper the run's current call says it; outside it, the run's count went up.
         reused = run.current.reuse if inside else (run is not None and run.reused_calls > before)
-        self.calls.append(((time.process_time() if self.cpu else time.perf_counter()) - start, reused))
+        if self.events is not None:
+            self._pending.append((start, end, reused))
+        else:
+            self._calls.append((end - start, reused))
         if run is not None:
             self.cache_bytes = max(self.cache_bytes, run.cache_bytes())
         return out
 
 
-def sample(model, positive, negative, latent_hw, steps: int, seed: int, cpu: bool) -> tuple[float, CallTimer]:
+def sample(
+    model, positive, negative, latent_hw, steps: int, seed: int, cpu: bool, device: torch.device | None = None
+) -> tuple[float, CallTimer]:
+    """One whole ComfyUI sampling run (Euler, CFG 5, normal schedule) of ``steps``: its seconds and the timer of
+    its calls, which also holds the run's peak memory (``peak_mib`` above what was allocated before, and on CUDA
+    ``peak_total_mib``) and, after it, the run's output (``latent``, on the CPU)."""
     import nodes as comfy_nodes
 
-    timer = CallTimer(cpu)
+    from .measure import EventClock, clock_for
+
+    device = device or torch.device("cpu")
+    events = EventClock(device) if clock_for(device) == "cuda events" else None
+    timer = CallTimer(cpu, events)
     model = model.clone()
     model.add_wrapper_with_key("apply_model", "tome_patch_bench_timer", timer)
     latent = {"samples": torch.zeros(1, 4, *latent_hw)}
-    clock = time.process_time if cpu else time.perf_counter
-    with PeakMemory(torch.device("cpu")) as peak:
-        start = clock()
-        comfy_nodes.common_ksampler(model, seed, steps, 5.0, "euler", "normal", positive, negative, latent)
-        seconds = clock() - start
-    timer.peak_mib = peak.mib
+
+    def run():
+        return comfy_nodes.common_ksampler(model, seed, steps, 5.0, "euler", "normal", positive, negative, latent)
+
+    with PeakMemory(device) as peak:
+        if cpu:
+            start = time.process_time()
+            out = run()
+            seconds = time.process_time() - start
+        else:
+            seconds, _, out = clocked(run, device)
+    timer.peak_mib, timer.peak_total_mib = peak.mib, peak.total_mib
+    timer.latent = out[0]["samples"].float().cpu()
     return seconds, timer
 
 
-def per_call(patcher, values: dict, family, latent_hw, seed: int) -> dict:
+def per_call(patcher, values: dict, family, latent_hw, seed: int, device: torch.device | None = None) -> dict:
     """``--calls-only``: the CPU seconds of one unpatched call, one full call of the row and one reusing call,
-    each a direct model call (batch 2, sigma of a mid step), for sizes where whole runs take too long."""
+    each a direct model call (batch 2, sigma of a mid step), for sizes where whole runs take too long. On a CUDA
+    device the seconds of CUDA events instead, each call made once untimed first."""
     from tome_core.hosts.comfyui.patch import patched_unet
     from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
     from tome_core.settings import PatchSettings
 
     percent_to_sigma = patcher.get_model_object("model_sampling").percent_to_sigma
     generator = torch.Generator().manual_seed(seed + 2)
-    x = torch.randn(2, 4, *latent_hw, generator=generator)
-    context = torch.randn(2, 77, family.context_dim, generator=generator)
-    kwargs = {"y": torch.randn(2, family.adm_channels, generator=generator)} if family.adm_channels else {}
-    sigma = torch.full((2,), 3.0)
+    device = device or torch.device("cpu")
+    x = torch.randn(2, 4, *latent_hw, generator=generator).to(device)
+    context = torch.randn(2, 77, family.context_dim, generator=generator).to(device)
+    kwargs = {"y": torch.randn(2, family.adm_channels, generator=generator).to(device)} if family.adm_channels else {}
+    sigma = torch.full((2,), 3.0, device=device)
     model = patched_unet(patcher, PatchSettings(**values), percent_to_sigma)
     hooks = model.wrappers["apply_model"]["tome_patch_layer_reuse"][0].__self__
     import comfy.patcher_extension
@@ -148,9 +201,15 @@ def per_call(patcher, values: dict, family, latent_hw, seed: int) -> dict:
         options["wrappers"] = comfy.patcher_extension.merge_nested_dicts(
             options.get("wrappers", {}), m.wrappers, copy_dict1=True
         )
+
+        def one():
+            with torch.no_grad():
+                return m.model.apply_model(x, sigma, c_crossattn=context, transformer_options=options, **kwargs)
+
+        if device.type == "cuda":
+            return timed(one, device)[0]
         start = time.process_time()
-        with torch.no_grad():
-            m.model.apply_model(x, sigma, c_crossattn=context, transformer_options=options, **kwargs)
+        one()
         return time.process_time() - start
 
     # One full call records the run's entry; the next step reuses it (the schedule has no full steps after 0).
@@ -160,6 +219,8 @@ def per_call(patcher, values: dict, family, latent_hw, seed: int) -> dict:
     )
     model.inject_model()
     try:
+        if device.type == "cuda":  # first-call costs (kernel selection) out of the timed calls
+            call(patcher)
         run.begin_call(0, "probe")
         hooks._current = run
         full = call(model)
@@ -199,18 +260,25 @@ def peer_rows(fidelity_json: Path, results: dict) -> dict:
 
 
 def main(argv=None) -> dict:
+    from .speed import choose_device, choose_dtype
+
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    bench_host.setup_comfy("cpu")
+    device = choose_device(args.device)
+    dtype = choose_dtype(args.dtype, device)
+    if args.cpu_time and device.type != "cpu":
+        raise SystemExit("--cpu-time times the CPU's work: it needs --device cpu")
+    bench_host.setup_comfy(device.type, args.attention)
     if args.calls_only:
         family = bench_host.FAMILIES[args.model]
-        patcher = bench_host.build_comfy_model(family, torch.float32, torch.device("cpu"), args.seed)
+        patcher = bench_host.build_comfy_model(family, dtype, device, args.seed)
         values = ROWS[args.calls_only]
-        costs = per_call(patcher, values, family, (args.resolution // 8, args.resolution // 8), args.seed)
+        costs = per_call(patcher, values, family, (args.resolution // 8, args.resolution // 8), args.seed, device)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         result = {"model": args.model, "resolution": args.resolution, "row": args.calls_only, **costs}
+        result.update(device=str(device), dtype=str(dtype).replace("torch.", ""))
         if args.peers:
             # The row's full call is the call its reduction in space makes (ToDo 2 where the row has it).
             reduced = values.get("downsample_factor", 1.0) == 2.0 and values.get("method") == "todo"
@@ -229,8 +297,8 @@ def main(argv=None) -> dict:
         print(message, file=sys.stderr, flush=True)
 
     family = bench_host.FAMILIES[args.model]
-    log(f"building {args.model} ...")
-    patcher = bench_host.build_comfy_model(family, torch.float32, torch.device("cpu"), args.seed)
+    log(f"building {args.model} ({dtype}, {device}) ...")
+    patcher = bench_host.build_comfy_model(family, dtype, device, args.seed)
     percent_to_sigma = patcher.get_model_object("model_sampling").percent_to_sigma
     positive, negative = conditioning(family, args.seed)
     latent_hw = (args.resolution // 8, args.resolution // 8)
@@ -239,11 +307,13 @@ def main(argv=None) -> dict:
         name: values for name, values in ROWS.items() if name == "unpatched" or not keep or any(w in name for w in keep)
     }
     log("warm-up (2 steps, unpatched) ...")
-    sample(patcher, positive, negative, latent_hw, 2, args.seed, args.cpu_time)
+    sample(patcher, positive, negative, latent_hw, 2, args.seed, args.cpu_time, device)
     results = {}
     for name, values in rows.items():
         model = patcher if not values else patched_unet(patcher, PatchSettings(**values), percent_to_sigma)
-        total, timer = sample(model, positive, negative, latent_hw, args.steps, args.seed, args.cpu_time)
+        if device.type == "cuda":  # the row's own first-call costs out of its timed run
+            sample(model, positive, negative, latent_hw, 2, args.seed, args.cpu_time, device)
+        total, timer = sample(model, positive, negative, latent_hw, args.steps, args.seed, args.cpu_time, device)
         full = [s for s, reused in timer.calls if not reused]
         reusing = [s for s, reused in timer.calls if reused]
         # Per step, not per call: ComfyUI may run cond and uncond as one call or as two (its memory estimate).
@@ -256,6 +326,7 @@ def main(argv=None) -> dict:
             "reusing_call_s": sum(reusing) / (args.steps - full_steps) if reusing else None,
             "reusing_calls": len(reusing),
             "peak_mib": timer.peak_mib,
+            "peak_total_mib": timer.peak_total_mib,
             "cache_mib": timer.cache_bytes / 2**20,
         }
         log(f"{name}: {total:.1f} s, {len(full)} full calls, {len(reusing)} reusing")
@@ -277,28 +348,30 @@ def main(argv=None) -> dict:
         "resolution": args.resolution,
         "steps": args.steps,
         "threads": torch.get_num_threads(),
-        "clock": "process CPU time" if args.cpu_time else "wall time",
+        "clock": "process CPU time" if args.cpu_time else ("CUDA events" if device.type == "cuda" else "wall time"),
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
     }
-    from .report import machine, versions
+    from .report import gpu_line, machine, versions
 
-    meta.update(machine=machine(torch.device("cpu")), versions=versions())
+    meta.update(machine=machine(device), versions=versions())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"steps-{args.model}-{args.resolution}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": results, "peers": peers}, indent=2))
     steps_list = list(results["unpatched"]["converted"])
-    head = "| row | full step s | reusing step s | peak MiB | cache MiB | direct speed-up | " + " | ".join(
-        f"converted {s} steps" for s in steps_list
-    )
-    lines = [head + " |", "|---" * (6 + len(steps_list)) + "|"]
+    head = "| row | full step s | reusing step s | peak MiB | peak total MiB | cache MiB | direct speed-up | "
+    head += " | ".join(f"converted {s} steps" for s in steps_list)
+    lines = [head + " |", "|---" * (7 + len(steps_list)) + "|"]
     for name, r in results.items():
         reusing = f"{r['reusing_call_s']:.2f}" if r["reusing_call_s"] is not None else "-"
         conv = " | ".join(
             f"{r['converted'][s]['speedup']:.2f}x ({r['converted'][s]['full_steps']} full)" for s in steps_list
         )
         peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
+        total = f"{r['peak_total_mib']:.0f}" if r["peak_total_mib"] is not None else "-"
         lines.append(
-            f"| {name} | {r['full_call_s']:.2f} | {reusing} | {peak} | {r['cache_mib']:.1f} | "
+            f"| {name} | {r['full_call_s']:.2f} | {reusing} | {peak} | {total} | {r['cache_mib']:.1f} | "
             f"{r['direct_speedup']:.2f}x | {conv} |"
         )
     if peers:
@@ -306,9 +379,10 @@ def main(argv=None) -> dict:
         for name, p in peers.items():
             lines.append(f"| {name} | {p['calls']:.2f} | {p['speedup']:.2f}x at {p['steps']} steps |")
     table = "\n".join(lines)
+    where = gpu_line(meta["machine"]) or f"{meta['threads']} threads"
     (out / f"{stem}.md").write_text(
-        f"{args.model} {args.resolution} px, {args.steps}-step runs, batch 2 (cond + uncond), "
-        f"{meta['threads']} threads, {meta['clock']}\n\n{table}\n"
+        f"{args.model} {args.resolution} px, {args.steps}-step runs, batch 2 (cond + uncond), {meta['dtype']} on "
+        f"{meta['device']}, {where}, {meta['clock']}\n\n{table}\n"
     )
     print(table)
     return {"meta": meta, "rows": results}
