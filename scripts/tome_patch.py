@@ -169,8 +169,17 @@ def _patch_ldm(p, sd_model, settings, job: _Job) -> bool:
     except ldm_patch.UnsupportedModelError as err:
         job.warn_once(f"not applied: {err}.")
         return False
+    _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
     reusing = webui_layer_reuse.install_ldm(unet, settings, p) is not None
     return reduced or reusing
+
+
+def _warn_if_the_sampler_keeps_reuse_off(p, settings, job: _Job) -> None:
+    if settings.reuse_interval > 1 and not webui_layer_reuse.sampler_keeps_the_picture(p):
+        job.warn_once(
+            f"reuse across steps is off with the sampler {getattr(p, 'sampler_name', None)!r} (it keeps the picture "
+            "with Euler, Heun and DDIM); every step runs in full, the token reduction still applies."
+        )
 
 
 def _patch_forge(p, forge_objects, settings, job: _Job) -> bool:
@@ -187,6 +196,7 @@ def _patch_forge(p, forge_objects, settings, job: _Job) -> bool:
         return False
     # The step of each call comes from the WebUI's callbacks here, not from a ComfyUI-style sampler wrapper (which
     # a reForge patcher may take but the WebUI's samplers never run).
+    _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
     webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma)
     forge_objects.unet = clone
     return True

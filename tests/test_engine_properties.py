@@ -52,7 +52,7 @@ def patch_settings(draw):
 
 def expected_to_reduce(s: PatchSettings, attention_levels, level: int, h: int, w: int) -> bool:
     """The documented rule, written out independently of the reducer."""
-    if s.is_noop:
+    if s.is_noop or s.reduces_nothing:  # (reuse across steps, on by default, is not a token reduction)
         return False
     if s.max_downsample == 0:
         chosen = {min(attention_levels)}

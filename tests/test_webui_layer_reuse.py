@@ -85,6 +85,17 @@ def test_interval_3_reuses_the_scheduled_calls_then_leaves_nothing(host, layout)
     assert not host.console
 
 
+def test_a_sampler_it_does_not_keep_the_picture_with_runs_every_step_in_full(host, capsys):
+    """With "DPM++ 2M" (or any sampler but Euler, Heun and DDIM) the pass reuses nothing: the output is that of
+    reuse off, and the console says why, once."""
+    sd_model = SDModel(make_unet("sd1"))
+    off, _ = job(host, sd_model, script_args(**{**REUSE, "reuse_interval": 1}), sampler="DPM++ 2M")
+    capsys.readouterr()
+    out, p = job(host, sd_model, script_args(**REUSE), sampler="DPM++ 2M")
+    assert not runs_of(p) and torch.equal(out, off)
+    assert capsys.readouterr().out.count("reuse across steps is off with the sampler 'DPM++ 2M'") == 1
+
+
 def test_interval_1_is_bit_identical_and_installs_nothing(host):
     sd_model = SDModel(make_unet("sd1"))
     baseline, _ = job(host, sd_model, script_args(enabled=False))

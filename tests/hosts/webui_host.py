@@ -428,6 +428,11 @@ def cfg_denoise(host, p, denoiser, apply_model, x, t, sigma, cond, uncond, cfg):
 class Processing:
     """The parts of StableDiffusionProcessingTxt2Img (modules/processing.py) a script and the job order use."""
 
+    @property
+    def sampler_name(self) -> str:
+        """The WebUI's label of the job's sampler (``p.sampler_name``), which this host's loop runs."""
+        return self.sampler
+
     def __init__(self, sd_model, script_args, *, seed=1234, enable_hr=False, hr_sd_model=None, size=8):
         self.sd_model = sd_model
         self.hr_sd_model = hr_sd_model  # highres checkpoint (line 1360 reloads it); None: same model

@@ -23,6 +23,7 @@ from ...layer_reuse import (
     LayerReuseRun,
     attach_forwards,
     detach_forwards,
+    keeps_the_picture_with,
 )
 from ...schedule import call_sigmas, step_of
 from ..shared.unet_layout import inner_layers
@@ -61,6 +62,14 @@ class LayerReuseHooks(LayerReuse):
                 "this model (the two together change the picture). ToDo/ToMe still apply."
             )
             return executor(*args, **kwargs)
+        name = sampler_name(args[2] if len(args) > 2 else kwargs.get("sampler"))
+        if not keeps_the_picture_with(name):
+            log.info(
+                "ToMe reuse across steps is off for this run: sampler %s is not one it keeps the picture with "
+                "(euler, heun, ddim); every step runs in full. ToDo/ToMe still apply.",
+                name or "(unknown)",
+            )
+            return executor(*args, **kwargs)
         sigmas = call_sigmas(args[3] if len(args) > 3 else kwargs.get("sigmas"))
         run = self.new_run(len(sigmas))
         return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
@@ -85,6 +94,14 @@ class LayerReuseHooks(LayerReuse):
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
         finally:
             self.end_call()
+
+
+def sampler_name(sampler) -> str | None:
+    """ComfyUI's name of a sampler object (``comfy.samplers.KSAMPLER``: its k-diffusion function ``sample_<name>``;
+    "ddim" is Euler there), or None where it cannot tell."""
+    function = getattr(sampler, "sampler_function", None)
+    name = getattr(function, "__name__", "")
+    return name[len("sample_") :] if name.startswith("sample_") else None
 
 
 class LayerInjection:

@@ -38,6 +38,7 @@ from ...layer_reuse import (
     LayerReuseRun,
     attach_forwards,
     detach_forwards,
+    keeps_the_picture_with,
 )
 
 log = logging.getLogger("tome_patch")
@@ -119,6 +120,7 @@ class PipelineReuse(LayerReuse):
         self._first_step = 0  # the run's first step in the scheduler's timesteps
         self._last_step = -1
         self._logged: LayerReuseRun | None = None  # the run whose summary was logged (once per run)
+        self._refused: type | None = None  # the scheduler class last refused (logged once)
 
     def _scheduler_timesteps(self):
         pipeline = self._pipeline()
@@ -134,6 +136,15 @@ class PipelineReuse(LayerReuse):
         timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
         scheduler, timesteps = self._scheduler_timesteps()
         if timesteps is None or timestep is None or not isinstance(sample, torch.Tensor):
+            return None
+        if not keeps_the_picture_with(type(scheduler).__name__):  # every step in full (layer_reuse.py)
+            if self._refused is not type(scheduler):
+                self._refused = type(scheduler)
+                log.info(
+                    "ToMe reuse across steps is off with %s (it keeps the picture with the Euler, Heun and DDIM "
+                    "schedulers); every step runs in full.",
+                    type(scheduler).__name__,
+                )
             return None
         if self._timesteps is None or not self._timesteps.is_current(timesteps):
             self._timesteps = _Schedule(timesteps)

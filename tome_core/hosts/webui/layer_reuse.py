@@ -48,6 +48,7 @@ from ...layer_reuse import (
     SkippableLayer,
     attach_forwards,
     detach_forwards,
+    keeps_the_picture_with,
 )
 from ...schedule import NoiseRange, timestep_of_percent
 from ..shared.unet_layout import inner_layers
@@ -143,6 +144,12 @@ class PassReuse(LayerReuse):
         return run
 
 
+def sampler_keeps_the_picture(p) -> bool:
+    """Whether the job's sampler (``p.sampler_name``, the WebUI's label: "Euler", "Heun", "DDIM", ...) is one that
+    reuse across steps keeps the picture with (``layer_reuse.SAMPLERS_THAT_KEEP_THE_PICTURE``)."""
+    return keeps_the_picture_with(getattr(p, "sampler_name", None))
+
+
 def _schedule(settings) -> IntervalSchedule:
     return IntervalSchedule(settings.reuse_interval)
 
@@ -187,7 +194,7 @@ def install_ldm(unet, settings, p, num_timesteps: int = 1000) -> PassReuse | Non
     """Give the WebUI's ``unet`` layer reuse for one pass of job ``p``; None where there is nothing to do."""
     remove_ldm(unet)
     layers = [layer for _, layer in inner_layers(unet, OUTER_BLOCKS)]
-    if settings.reuse_interval <= 1 or not layers:
+    if settings.reuse_interval <= 1 or not layers or not sampler_keeps_the_picture(p):
         return None
     # The WebUI's UNet receives the DDPM timestep (999 at the start of sampling, 0 at the end).
     noise_range = NoiseRange(
@@ -280,6 +287,8 @@ def install_forge(patcher, settings, p, percent_to_sigma) -> PassReuse | None:
     unet = patcher.model.diffusion_model
     layers = inner_layers(unet, OUTER_BLOCKS)
     if settings.reuse_interval <= 1 or not layers or not hasattr(patcher, "add_object_patch"):
+        return None
+    if not sampler_keeps_the_picture(p):
         return None
     if percent_to_sigma is None:
         noise_range = NoiseRange(0.0, 1.0, lambda q: math.nan)
