@@ -178,7 +178,7 @@ def _warn_if_the_sampler_keeps_reuse_off(p, settings, job: _Job) -> None:
     if settings.reuse_interval > 1 and not webui_layer_reuse.sampler_keeps_the_picture(p):
         job.warn_once(
             f"reuse across steps is off with the sampler {getattr(p, 'sampler_name', None)!r} (it keeps the picture "
-            "with Euler, Heun and DDIM); every step runs in full, the token reduction still applies."
+            "with Euler, Heun, DDIM and DPM++ SDE); every step runs in full, the token reduction still applies."
         )
 
 

@@ -214,7 +214,8 @@ def test_second_order_schedulers_count_each_model_call_as_a_step(pipes):
 
 
 def test_a_scheduler_it_does_not_keep_the_picture_with_runs_every_step_in_full(pipes):
-    """Euler ancestral (or any scheduler but Euler, Heun and DDIM): nothing reused, the output that of reuse off."""
+    """Euler ancestral (or any scheduler but Euler, Heun, DDIM and DPM++ SDE): nothing reused, the output that of
+    reuse off."""
     from diffusers import EulerAncestralDiscreteScheduler
 
     pipe = pipeline(pipes, "txt2img")

@@ -86,8 +86,8 @@ def test_interval_3_reuses_the_scheduled_calls_then_leaves_nothing(host, layout)
 
 
 def test_a_sampler_it_does_not_keep_the_picture_with_runs_every_step_in_full(host, capsys):
-    """With "DPM++ 2M" (or any sampler but Euler, Heun and DDIM) the pass reuses nothing: the output is that of
-    reuse off, and the console says why, once."""
+    """With "DPM++ 2M" (or any sampler but Euler, Heun, DDIM and DPM++ SDE) the pass reuses nothing: the output is
+    that of reuse off, and the console says why, once."""
     sd_model = SDModel(make_unet("sd1"))
     off, _ = job(host, sd_model, script_args(**{**REUSE, "reuse_interval": 1}), sampler="DPM++ 2M")
     capsys.readouterr()

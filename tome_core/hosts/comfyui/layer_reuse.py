@@ -66,7 +66,7 @@ class LayerReuseHooks(LayerReuse):
         if not keeps_the_picture_with(name):
             log.info(
                 "ToMe reuse across steps is off for this run: sampler %s is not one it keeps the picture with "
-                "(euler, heun, ddim); every step runs in full. ToDo/ToMe still apply.",
+                "(euler, heun, ddim, dpmpp_sde); every step runs in full. ToDo/ToMe still apply.",
                 name or "(unknown)",
             )
             return executor(*args, **kwargs)

@@ -141,8 +141,8 @@ class PipelineReuse(LayerReuse):
             if self._refused is not type(scheduler):
                 self._refused = type(scheduler)
                 log.info(
-                    "ToMe reuse across steps is off with %s (it keeps the picture with the Euler, Heun and DDIM "
-                    "schedulers); every step runs in full.",
+                    "ToMe reuse across steps is off with %s (it keeps the picture with the Euler, Heun, DDIM and "
+                    "DPM++ SDE schedulers); every step runs in full.",
                     type(scheduler).__name__,
                 )
             return None
