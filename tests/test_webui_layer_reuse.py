@@ -118,7 +118,7 @@ def test_with_todo_both_apply_and_removal_restores_the_unet(host):
     assert runs_of(p)[0].reused_calls == reused_calls(13, 3)
     assert not torch.equal(both, todo) and not torch.equal(both, baseline)
     assert_clean(sd_model)
-    # The adapter's own API: ldm_blocks' removal (remove_patch, remove_all) takes the layer forwards too.
+    # The adapter's own API: ldm_patch' removal (remove_patch, remove_all) takes the layer forwards too.
     unet = unet_of(sd_model)
     x, t, context = torch.randn(2, 4, 8, 8), torch.full((2,), 500.0), torch.randn(2, 5, 32)
     with torch.no_grad():
@@ -126,7 +126,8 @@ def test_with_todo_both_apply_and_removal_restores_the_unet(host):
         settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=3)
         for remove in (lambda: ldm_patch.remove_patch(unet), ldm_patch.remove_all):
             assert not ldm_patch.install_patch(unet, settings)  # the reduction does nothing ...
-            assert webui_layer_reuse.install_ldm(unet, settings, p=None) is not None  # ... the reuse does
+            euler = types.SimpleNamespace(sampler_name="Euler")  # a job of a sampler reuse keeps the picture with
+            assert webui_layer_reuse.install_ldm(unet, settings, p=euler) is not None  # ... the reuse does
             assert ldm_patch.is_patched(unet) and skippable_layers(unet)
             # A call outside a denoiser call has no known step: it runs in full.
             assert torch.equal(unet(x, t, context=context), plain)
