@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tools.bench import quick
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +26,9 @@ def test_quick_run_answers_speed_and_picture(tmp_path):
         assert any(line.strip().startswith(label) and line.rstrip().endswith(")") for line in summary.splitlines())
     run = json.loads((tmp_path / "quick.json").read_text())
     assert set(run["rows"]) == set(quick.LABELS)
-    assert run["rows"]["unpatched"]["ssim"] == 1.0 and run["rows"]["unpatched"]["speedup"] == 1.0
+    # Unpatched against its own picture: SSIM is 1 up to float32 rounding in the library's means and variances.
+    assert run["rows"]["unpatched"]["ssim"] == pytest.approx(1.0, abs=1e-6)
+    assert run["rows"]["unpatched"]["speedup"] == 1.0
     default = run["rows"][quick.DEFAULT_ROW]
     assert default["full_steps"] == 9  # 12 steps: the first 3, every second after them, the last 4
     todo = run["rows"][quick.TODO_ROW]["speedup"]

@@ -179,6 +179,7 @@ class Processing:
         self.script_args = script_args
         self.seed = 1234
         self.seeds = self.all_seeds = [1234]
+        self.sampler_name = "Euler"  # the WebUI's default sampler, as the infotext below says
         self.is_hr_pass = False
         self.extra_generation_params = {}
         self.comments = []
