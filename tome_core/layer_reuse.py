@@ -144,6 +144,7 @@ class _Call:
     position: float
     reuse: bool
     entry: _Entry
+    span_input: torch.Tensor | None = None  # a DiT's full call: the inner span's input (see ``start_span``)
 
 
 class LayerReuseRun:
@@ -159,6 +160,9 @@ class LayerReuseRun:
         self.last_step = -1
         self.calls = 0
         self.reused_calls = 0
+        # What the log calls the layers that always run and the prediction (a DiT door says "blocks").
+        self.outer_words = "the outer layers (the first input block and the last output block)"
+        self.inner_words = "layers' output"
 
     def drop(self) -> None:
         self.entries.clear()
@@ -216,6 +220,50 @@ class LayerReuseRun:
                 call.entry.record(call.position, feature.detach().clone())
         return out
 
+    # A DiT's blocks run one after the other, with no skip connection around them: there the inner blocks are one
+    # *span*, and what is predicted is the span's residual (its output minus its input), added at a reusing call
+    # to the input the outer blocks give the span at that call. The host door calls ``start_span`` at the span's
+    # first block and ``end_span`` / ``predicted_span_output`` at its last, with the streams joined into one tensor.
+
+    def start_span(self, joined_input: torch.Tensor) -> bool:
+        """The inner span's first block is about to run, on ``joined_input``. Returns True when the call reuses
+        (the span's blocks are to be skipped). A reusing call whose input does not have the recorded residual's
+        shape (another token layout) is turned into a full one here, before anything was skipped."""
+        call = self.current
+        if call is None:
+            return False
+        if call.reuse and tuple(joined_input.shape) != call.entry.shapes[0][0]:
+            self.reused_calls -= 1
+            call.reuse = False
+            call.entry.outputs.clear()
+            call.entry.shapes.clear()
+        if not call.reuse:
+            # A copy: the host may change its tensors in place later in the call (ControlNet residuals).
+            call.span_input = joined_input.detach().clone()
+        return call.reuse
+
+    def compute_in_full(self) -> None:
+        """The call in progress runs every block after all (asked before anything was skipped)."""
+        call = self.current
+        if call is not None and call.reuse:
+            self.reused_calls -= 1
+            call.reuse = False
+
+    def end_span(self, joined_output: torch.Tensor) -> None:
+        """A full call's span ended with ``joined_output``: record its residual."""
+        call = self.current
+        if call is None or call.span_input is None or joined_output.shape != call.span_input.shape:
+            return
+        residual = joined_output.detach() - call.span_input
+        call.span_input = None
+        call.entry.shapes[0] = _spec_of(residual)
+        call.entry.record(call.position, residual)
+
+    def predicted_span_output(self, joined_input: torch.Tensor) -> torch.Tensor:
+        """A reusing call: the span's output, its input plus the residual predicted from the last full calls."""
+        call = self.current
+        return joined_input + call.entry.predict(call.position, self.extrapolate).to(joined_input.dtype)
+
     def cache_bytes(self) -> int:
         """What the cache holds now: the recorded boundary outputs of every batch layout."""
         return sum(t.numel() * t.element_size() for entry in self.entries.values() for _, t in entry.outputs)
@@ -223,8 +271,7 @@ class LayerReuseRun:
     def summary(self) -> str:
         return (
             f"{self.calls - self.reused_calls} of {self.calls} model calls computed in full; {self.reused_calls} ran "
-            f"only the outer layers (the first input block and the last output block), with the inner layers' "
-            f"output predicted from earlier steps"
+            f"only {self.outer_words}, with the inner {self.inner_words} predicted from earlier steps"
         )
 
 

@@ -197,11 +197,12 @@ DIT_TINY = {
 }
 
 
-def tiny_dit(family: str, seed: int = 0) -> comfy.model_patcher.ModelPatcher:
-    """A ModelPatcher over a small random-weight DiT of ComfyUI's own classes (see ``DIT_TINY``)."""
+def tiny_dit(family: str, seed: int = 0, **config) -> comfy.model_patcher.ModelPatcher:
+    """A ModelPatcher over a small random-weight DiT of ComfyUI's own classes (see ``DIT_TINY``; ``config``
+    overrides its entries, e.g. more blocks)."""
     import comfy.model_detection
 
-    config = comfy.model_detection.model_config_from_unet_config(dict(DIT_TINY[family]))
+    config = comfy.model_detection.model_config_from_unet_config({**DIT_TINY[family], **config})
     config.set_inference_dtype(torch.float32, None)
     model = config.get_model({})
     initialise(model.diffusion_model, seed)

@@ -168,19 +168,51 @@ def tomesd_row(family, state_dict: dict, ratio: float, level: int, everywhere: b
 
 
 STEP_CACHE_THRESHOLDS = (0.1, 0.2, 0.4)  # 0.2 is the nodes' default
+FLUX_STEP_CACHE_THRESHOLDS = (0.05, 0.1, 0.2, 0.4)  # on ref-flux 0.2 already skips half of the calls
 
 
-def step_cache_rows() -> list[FidelityRow]:
+def step_cache_rows(thresholds=STEP_CACHE_THRESHOLDS) -> list[FidelityRow]:
     """ComfyUI's own step caches (comfy_extras/nodes_easycache.py) at three ``reuse_threshold`` values, applied
-    by running the node with its other inputs at their defaults, as a graph would."""
+    by running the node with its other inputs at their defaults, as a graph would. EasyCache runs with
+    ``easycache_on_a_copy`` (see there) in place."""
     from comfy_extras import nodes_easycache
 
     rows = []
     for label, node in (("EasyCache", nodes_easycache.EasyCacheNode), ("LazyCache", nodes_easycache.LazyCacheNode)):
-        for threshold in STEP_CACHE_THRESHOLDS:
+        for threshold in thresholds:
             inputs = {"reuse_threshold": threshold, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
-            rows.append(FidelityRow(f"{label} {threshold}", "peer", node_patch(node, **inputs), settings=inputs))
+            row = FidelityRow(f"{label} {threshold}", "peer", node_patch(node, **inputs), settings=inputs)
+            if label == "EasyCache":
+                row.enter, row.leave = easycache_on_a_copy()
+            rows.append(row)
     return rows
+
+
+def easycache_on_a_copy() -> tuple[Callable, Callable]:
+    """``enter`` / ``leave`` that make EasyCache add its cached difference to a copy of the model input.
+
+    ComfyUI's ``EasyCacheHolder.apply_cache_diff`` adds in place into the diffusion model's input. For flow models
+    (Flux, SD3, Wan: ``CONST.calculate_input`` returns its input) in float32, where the cast to the model's dtype
+    does not copy, that input is the very tensor ``calculate_denoised`` then reads, so every skipped step yields a
+    wrong latent and the picture is lost (ref-flux, 28 steps: SSIM 0.32 at threshold 0.05). In fp16 / bf16, where
+    users run it, the cast copies and nothing is changed; on eps-prediction UNets the input is scaled first (a new
+    tensor), so this changes nothing there. This harness samples in float32: the copy gives EasyCache what its
+    users get."""
+    from comfy_extras import nodes_easycache
+
+    holder = nodes_easycache.EasyCacheHolder
+    original = holder.apply_cache_diff
+
+    def on_a_copy(self, x, *args, **kwargs):
+        return original(self, x.clone(), *args, **kwargs)
+
+    def enter():
+        holder.apply_cache_diff = on_a_copy
+
+    def leave():
+        holder.apply_cache_diff = original
+
+    return enter, leave
 
 
 def followed_by_easycache(row: FidelityRow, threshold: float = 0.2) -> FidelityRow:
@@ -285,7 +317,7 @@ def broken_dit_patch(model):
     return clone
 
 
-def flux_rows(nodes: dict) -> list[FidelityRow]:
+def flux_rows(nodes: dict, variants: bool = False) -> list[FidelityRow]:
     """The rows of a Flux model: ours through the node, and ToMe through attention (``dit_tome``), which the nodes
     do not offer on DiTs; the other rows patch UNets only."""
     from tools.fidelity import dit_tome
@@ -302,7 +334,44 @@ def flux_rows(nodes: dict) -> list[FidelityRow]:
         rows.append(
             FidelityRow(f"ToMe attention {ratio} (not shipped)", "ours", dit_tome.patch(ratio), settings=settings)
         )
-    return rows
+    # Reuse across steps (tome_core/hosts/comfyui/dit_reuse.py): alone, and with ToDo 2 on the calls that run.
+    for interval in (2, 3, 4, 6, 8):
+        rows.append(
+            ours(nodes, f"ours reuse every {interval}", method="todo", downsample_factor=1.0, reuse_interval=interval)
+        )
+    for interval in (3,):
+        rows.append(ours(nodes, f"ours ToDo 2 + reuse every {interval}", method="todo", reuse_interval=interval))
+    if variants:
+        changed = (
+            (4, {"full_start": 0.1}),
+            (6, {"full_start": 0.1}),
+            (8, {"full_start": 0.1}),
+            (6, {"full_start": 0.1, "full_end": 2}),
+            (8, {"full_start": 0.1, "full_end": 2}),
+            (6, {"outer": 2}),
+            (6, {"extrapolate": 0.0}),
+            (6, {"extrapolate": 1.0}),
+        )
+        for interval, changes in changed:
+            name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
+            rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
+    return rows + step_cache_rows(FLUX_STEP_CACHE_THRESHOLDS)
+
+
+def dit_reuse_variant(interval: int, outer=1, extrapolate=0.5, **schedule) -> Callable:
+    """DiT reuse across steps with engine defaults overridden (the schedule, the prediction, the outer blocks)."""
+    from tome_core.hosts.comfyui import dit_reuse
+    from tome_core.layer_reuse import IntervalSchedule
+    from tome_core.schedule import NoiseRange
+
+    def patch(model):
+        clone = model.clone()
+        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=interval)
+        schedule_ = IntervalSchedule(interval, **schedule)
+        dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), outer, schedule_, extrapolate)
+        return clone
+
+    return patch
 
 
 def keep_asked_rows(rows: list[FidelityRow], args, broken=broken_patch) -> list[FidelityRow]:
@@ -324,7 +393,7 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
 
     nodes = load_our_nodes()
     if models.is_flux(name):
-        return keep_asked_rows(flux_rows(nodes), args, broken_dit_patch)
+        return keep_asked_rows(flux_rows(nodes, args.variants), args, broken_dit_patch)
     family = models.FAMILIES[name]
     finest = 1 if family.depth[0] else 2  # the finest level that has attention
     rows = [

@@ -1,6 +1,7 @@
 """ComfyUI: how a MODEL is patched. A UNet (SD1.x, SD2.x, SDXL) gets the token reduction through the ModelPatcher's
 attention hooks (``shared.model_patcher``) and reuse across steps (``layer_reuse``); a DiT (Flux, SD3, Wan) gets
-ToDo through its attention (``dit``); anything else is passed through unchanged with one warning.
+ToDo through its attention (``dit``) and reuse across steps through its block replacements (``dit_reuse``);
+anything else is passed through unchanged with one warning.
 
 Always a clone: the input MODEL is never changed, and applying the patch again replaces the earlier one.
 """
@@ -12,7 +13,7 @@ import logging
 from ...schedule import NoiseRange
 from ...settings import SPECS
 from ..shared import model_patcher
-from . import dit, layer_reuse
+from . import dit, dit_reuse, layer_reuse
 
 log = logging.getLogger("tome_patch")
 
@@ -61,12 +62,18 @@ def _patch_dit(model, settings, percent_to_sigma):
             "ToMe Patch: max_downsample does not apply to %s (a DiT has one token grid, always reduced); ignored.",
             family.name,
         )
-    if settings.reuse_interval > 1:
-        log.info(
-            "ToMe Patch: reuse across steps (reuse_interval) is not available for %s (DiT) yet; ToDo only.", family.name
-        )
     try:
-        return dit.patched_clone(model, settings, percent_to_sigma)
+        clone = dit.patched_clone(model, settings, percent_to_sigma)
     except dit.NotADitError as err:  # a patcher without model wrappers (an older ComfyUI)
         log.warning("ToMe Patch: %s cannot be patched here (%s); it is passed through unchanged.", family.name, err)
         return model
+    dit_reuse.remove(clone)  # an earlier patch's, on the model it was given
+    if not settings.is_noop and settings.reuse_interval > 1:
+        noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
+        if not dit_reuse.install(clone, settings, noise_range):
+            log.info(
+                "ToMe Patch: reuse across steps (reuse_interval) is not available for %s (%s); ToDo only.",
+                family.name,
+                dit.describe(model.model.diffusion_model),
+            )
+    return clone

@@ -47,7 +47,7 @@ MIN_SNR_GAMMA = 5.0  # min-SNR loss weighting for v (arXiv 2303.09556): faster c
 SAVE_EVERY = 250
 LOG_EVERY = 100
 # Per-model optimiser steps and peak learning rate, where ``--steps`` / ``--lr`` do not override them.
-RECIPES = {"ref-sd1": (1500, 1e-3), "ref-sdxl": (1500, 1e-3), "ref-flux": (2000, 1e-3)}
+RECIPES = {"ref-sd1": (1500, 1e-3), "ref-sdxl": (1500, 1e-3), "ref-flux": (2000, 1e-3), "ref-flux-deep": (2000, 1e-3)}
 
 
 def parse_args(argv=None):

@@ -1,0 +1,257 @@
+"""Reuse across steps on ComfyUI's DiTs (``tome_core/hosts/comfyui/dit_reuse.py``), in real ComfyUI with tiny
+random-weight models of its own classes, deep enough that a span lies between the first and the last block."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+
+from tome_core.hosts.comfyui import dit_reuse
+from tome_core.hosts.comfyui.layer_reuse import RUN_KEY
+from tome_core.layer_reuse import IntervalSchedule
+
+FAMILIES = ("flux", "chroma", "sd3", "wan")
+# Four blocks each: Flux and Chroma two double and two single (the span crosses from one kind to the other).
+SD3_CONTEXT = {"target": "torch.nn.Linear", "params": {"in_features": 64, "out_features": 256}}  # 64 x depth wide
+DEEPER = {
+    "flux": {"depth": 2, "depth_single_blocks": 2},
+    "chroma": {"depth": 2, "depth_single_blocks": 2},
+    "sd3": {"depth": 4, "context_embedder_config": SD3_CONTEXT},
+    "wan": {"num_layers": 4},
+}
+SHAPES = {"flux": (1, 9, 13), "chroma": (1, 7, 9), "sd3": (1, 11, 7), "wan": (1, 3, 9, 11)}
+STEPS = 12
+# The span's blocks, per family (first and last block run at every call).
+SPAN = {
+    "flux": [("double_block", 1), ("single_block", 0)],
+    "chroma": [("double_block", 1), ("single_block", 0)],
+    "sd3": [("double_block", 1), ("double_block", 2)],
+    "wan": [("double_block", 1), ("double_block", 2)],
+}
+REUSE = {"reuse_interval": 3, "downsample_factor": 1.0}  # reuse alone: ToDo has its own tests
+
+
+@pytest.fixture(scope="module")
+def node_classes():
+    return host.load_our_package()
+
+
+@pytest.fixture(scope="module")
+def dits():
+    return {family: host.tiny_dit(family, **DEEPER[family]) for family in FAMILIES}
+
+
+def patch(node_classes, model, **values):
+    return host.patch_with_node(node_classes, model, **{"skip_when_slower": False, **values})
+
+
+def blocks_of(model, family):
+    """The DiT's blocks in call order, each with its ``patches_replace["dit"]`` key."""
+    diffusion_model = model.model.diffusion_model
+    return dict(zip(dit_reuse.block_keys(diffusion_model), _modules(diffusion_model, family), strict=True))
+
+
+def _modules(diffusion_model, family):
+    if family in ("flux", "chroma"):
+        return [*diffusion_model.double_blocks, *diffusion_model.single_blocks]
+    return list(diffusion_model.joint_blocks if family == "sd3" else diffusion_model.blocks)
+
+
+class BlockCalls:
+    """Counts each block's forward calls (forward hooks, removed on exit)."""
+
+    def __init__(self, model, family):
+        self.blocks = blocks_of(model, family)
+
+    def __enter__(self):
+        self.counts = dict.fromkeys(self.blocks, 0)
+        self.handles = [
+            block.register_forward_hook(lambda *_, key=key: self.counts.__setitem__(key, self.counts[key] + 1))
+            for key, block in self.blocks.items()
+        ]
+        return self.counts
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+
+def passing_on(args, extra):
+    """Another node's block replacement that leaves the block out: the streams go on untouched."""
+    return {name: args[name] for name in ("img", "txt") if name in args}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_span_runs_at_full_steps_only(node_classes, dits, family):
+    patched = patch(node_classes, dits[family], **REUSE)
+    with BlockCalls(patched, family) as counts:
+        out = host.sample_dit(patched, family, SHAPES[family], steps=STEPS)
+    assert torch.isfinite(out).all()
+    keys = list(counts)
+    calls = counts[keys[0]]
+    assert calls % STEPS == 0 and counts[keys[-1]] == calls  # the outer blocks run at every call
+    per_step = calls // STEPS  # cond and uncond in one call or two
+    full = IntervalSchedule(3).full_steps(STEPS)
+    assert full < STEPS
+    assert {counts[key] for key in SPAN[family]} == {full * per_step}
+    assert keys[1:-1] == SPAN[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reusing_calls_add_the_span_residual_to_its_input_exactly(node_classes, dits, family):
+    """Where the span's blocks change nothing (another node's replacement passes them over), its residual is
+    zero, and a reusing call must give exactly what every block computing gives: the picture bit for bit. This
+    checks the streams passed on, joined and split (Flux: text and image joined for the single blocks)."""
+    foreign = dits[family].clone()
+    for block_type, index in SPAN[family]:
+        foreign.set_model_patch_replace(passing_on, "dit", block_type, index)
+    expected = host.sample_dit(foreign, family, SHAPES[family], steps=STEPS)
+    patched = patch(node_classes, foreign, **REUSE)
+    with BlockCalls(patched, family) as counts:
+        out = host.sample_dit(patched, family, SHAPES[family], steps=STEPS)
+    assert counts[next(iter(counts))] > 0
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("family", ("flux", "wan"))
+def test_reuse_changes_the_output_and_off_or_removed_is_bit_identical(node_classes, dits, family):
+    model = dits[family]
+    unpatched = host.sample_dit(model, family, SHAPES[family], steps=STEPS)
+    patched = patch(node_classes, model, **REUSE)
+    reused = host.sample_dit(patched, family, SHAPES[family], steps=STEPS)
+    assert not torch.equal(reused, unpatched)
+    off = patch(node_classes, model, reuse_interval=1, downsample_factor=1.0)
+    assert torch.equal(host.sample_dit(off, family, SHAPES[family], steps=STEPS), unpatched)
+    again = patch(node_classes, patched, reuse_interval=1, downsample_factor=2.0)  # the earlier patch goes
+    replaced = again.model_options["transformer_options"].get("patches_replace", {}).get("dit", {})
+    assert not any(isinstance(value, dit_reuse.SpanBlock) for value in replaced.values())
+    assert torch.equal(host.sample_dit(model, family, SHAPES[family], steps=STEPS), unpatched)  # input untouched
+
+
+def test_few_steps_reuse_nothing(node_classes, dits):
+    """Under 10 steps (distilled models, Lightning LoRAs) the default reuses nothing: ToDo alone, bit for bit."""
+    model = dits["flux"]
+    todo = host.sample_dit(patch(node_classes, model, reuse_interval=1), "flux", SHAPES["flux"], steps=8)
+    both = host.sample_dit(patch(node_classes, model, reuse_interval=3), "flux", SHAPES["flux"], steps=8)
+    assert torch.equal(both, todo)
+
+
+def test_another_nodes_replacement_set_after_ours_makes_every_call_full(node_classes, dits, caplog):
+    family = "flux"
+    patched = patch(node_classes, dits[family], **REUSE)
+    expected = host.sample_dit(patch(node_classes, dits[family], reuse_interval=1, downsample_factor=1.0), family,
+                               SHAPES[family], steps=STEPS)  # fmt: skip
+    later = patched.clone()
+
+    def computing(args, extra):
+        return extra["original_block"](args)
+
+    later.set_model_patch_replace(computing, "dit", *SPAN[family][1])
+    with caplog.at_level(logging.WARNING, logger="tome_patch"), BlockCalls(later, family) as counts:
+        out = host.sample_dit(later, family, SHAPES[family], steps=STEPS)
+    assert len(set(counts.values())) == 1  # every block at every call
+    assert torch.equal(out, expected)
+    assert "another node replaces one of the DiT's inner blocks" in caplog.text
+
+
+def test_a_replacement_set_before_ours_runs_on_full_calls_and_comes_back(node_classes, dits):
+    family = "wan"
+    runs = []
+
+    def computing(args, extra):
+        runs.append(1)
+        return extra["original_block"](args)
+
+    foreign = dits[family].clone()
+    foreign.set_model_patch_replace(computing, "dit", *SPAN[family][0])
+    patched = patch(node_classes, foreign, **REUSE)
+    host.sample_dit(patched, family, SHAPES[family], steps=STEPS)
+    assert 0 < len(runs) < STEPS * 2
+    off = patch(node_classes, patched, reuse_interval=1)
+    assert off.model_options["transformer_options"]["patches_replace"]["dit"][SPAN[family][0]] is computing
+
+
+def test_runs_back_to_back_and_after_an_interrupted_one_start_afresh(node_classes, dits):
+    """A run of another size and step count, and a run after one that failed half way, compute exactly what
+    they compute on a freshly patched model: nothing of the earlier run is reused."""
+    family = "flux"
+    shape_b = (1, 7, 11)
+    fresh = host.sample_dit(patch(node_classes, dits[family], **REUSE), family, shape_b, steps=15)
+
+    patched = patch(node_classes, dits[family], **REUSE)
+    host.sample_dit(patched, family, SHAPES[family], steps=STEPS)
+    assert torch.equal(host.sample_dit(patched, family, shape_b, steps=15), fresh)
+
+    calls = []
+
+    def failing(args, extra):  # on the first block, outside the span: fails at the 8th call
+        calls.append(1)
+        if len(calls) == 8:
+            raise RuntimeError("interrupted")
+        return extra["original_block"](args)
+
+    failing_model = dits[family].clone()
+    failing_model.set_model_patch_replace(failing, "dit", "double_block", 0)
+    patched = patch(node_classes, failing_model, **REUSE)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        host.sample_dit(patched, family, SHAPES[family], steps=STEPS)
+    assert torch.equal(host.sample_dit(patched, family, shape_b, steps=15), fresh)
+
+
+def test_a_controlnet_call_computes_every_block():
+    """ControlNet adds to the streams between blocks, which a skipped span would count twice: such a call runs
+    without the run, so every block computes."""
+    hooks = dit_reuse.DitReuseHooks(IntervalSchedule(3), SPAN["flux"], ("txt", "img"), noise_range=None)
+    seen = []
+
+    def executor(*args, **kwargs):
+        seen.append(hooks.layer_run())
+        return torch.zeros(1)
+
+    run = hooks.new_run(STEPS)
+    options = {RUN_KEY: (run, torch.linspace(1, 0, STEPS + 1))}
+    hooks.apply_model_wrapper(executor, torch.zeros(1, 16, 4, 4), torch.tensor([0.5]), control={"input": []},
+                              transformer_options=options)  # fmt: skip
+    assert seen == [None] and run.calls == 0
+
+
+def test_kontext_reference_latents_reuse(node_classes, dits):
+    family = "flux"
+    reference = torch.randn(1, 16, 6, 5, generator=torch.Generator().manual_seed(5))
+    patched = patch(node_classes, dits[family], **REUSE)
+    with BlockCalls(patched, family) as counts:
+        out = host.sample_dit(patched, family, SHAPES[family], steps=STEPS, reference_latents=[reference])
+    assert torch.isfinite(out).all()
+    assert counts[SPAN[family][0]] < counts[("double_block", 0)]
+
+
+def test_the_log_says_what_was_computed(node_classes, dits, caplog):
+    patched = patch(node_classes, dits["wan"], **REUSE)
+    with caplog.at_level(logging.INFO, logger="tome_patch"):
+        host.sample_dit(patched, "wan", SHAPES["wan"], steps=STEPS)
+    assert "ran only the first and the last block" in caplog.text
+
+
+def test_variants_that_add_between_blocks_are_not_reused():
+    """VACE adds hints between blocks, which a skipped span would count twice: no span there (ToDo still runs)."""
+    assert dit_reuse.block_keys(type("VaceWanModel", (torch.nn.Module,), {"blocks": [1, 2, 3, 4]})()) is None
+    assert dit_reuse.block_keys(type("WanModel", (torch.nn.Module,), {"blocks": [1, 2, 3, 4]})()) is not None
+
+
+def test_compiled_model_samples_the_same(node_classes, dits):
+    """torch.compile (ComfyUI's wrapper, eager backend) through the block replacements: the same picture."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    patched = patch(node_classes, dits["sd3"], **REUSE)
+    expected = host.sample_dit(patched, "sd3", SHAPES["sd3"], steps=STEPS)
+    compiled = patched.clone()
+    set_torch_compile_wrapper(compiled, backend="eager")
+    torch._dynamo.reset()
+    try:
+        out = host.sample_dit(compiled, "sd3", SHAPES["sd3"], steps=STEPS)
+    finally:
+        torch._dynamo.reset()
+    assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5)
