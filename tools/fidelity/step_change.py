@@ -1,0 +1,150 @@
+"""How fast a Flux reference model's blocks change their output from one sampling step to the next, against real
+Flux.1's published curve: does the reference behave like the real model where a step cache's gain is decided?
+
+``python -m tools.fidelity.step_change --models ref-flux,ref-flux-deep --steps 28`` samples 16 prompts with
+ComfyUI's KSampler (Euler, CFG 4, as the fidelity benchmark does) and records, at every step, the residual of
+the whole block stack: the last single block's output minus the first double block's input (text and image
+tokens joined, as Flux joins them). Per step it prints the ratio that MagCache calibrates (the mean over tokens
+of the residual's norm divided by the previous step's), beside real Flux.1's ratios as diffusers ships them
+(``diffusers.hooks.mag_cache.FLUX_MAG_RATIOS``, 28 steps), and the mean relative change of the residual
+(|r_t - r_t-1| / |r_t-1|, what reuse across steps must predict); the conditional and unconditional calls each on
+their own, averaged. Writes ``results/step-change.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tools.fidelity.step_change", description=__doc__)
+    parser.add_argument("--models", default="ref-flux", help="Flux reference models, comma-separated")
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--cfg", type=float, default=4.0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's choice)")
+    parser.add_argument("--out", default=str(ROOT / "results"))
+    return parser.parse_args(argv)
+
+
+def real_flux_ratios() -> list[float] | None:
+    """diffusers' FLUX_MAG_RATIOS (real Flux.1, 28 steps), or None where this diffusers lacks them."""
+    try:
+        from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+    except ImportError:
+        return None
+    return [float(r) for r in FLUX_MAG_RATIOS]
+
+
+class ResidualRecorder:
+    """Hooks on a ComfyUI Flux model: the stack's input at the first double block, its output after the last
+    single block, one residual per model call."""
+
+    def __init__(self, diffusion_model):
+        self.residuals: list[torch.Tensor] = []
+        self._input = None
+        first, last = diffusion_model.double_blocks[0], diffusion_model.single_blocks[-1]
+        self.handles = [
+            first.register_forward_pre_hook(self._on_input, with_kwargs=True),
+            last.register_forward_hook(self._on_output),
+        ]
+
+    def _on_input(self, module, args, kwargs):
+        self._input = torch.cat((kwargs["txt"], kwargs["img"]), 1).detach().clone()
+
+    def _on_output(self, module, args, output):
+        self.residuals.append((output.detach() - self._input).float())
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def ratios(residuals: list[torch.Tensor]) -> dict:
+    """MagCache's ratio (mean over tokens of the norm ratio) and the relative change, per step after the first."""
+    norm_ratio, change = [1.0], [None]
+    for previous, current in zip(residuals, residuals[1:], strict=False):
+        per_token = current.norm(dim=-1) / (previous.norm(dim=-1) + 1e-8)
+        norm_ratio.append(float(per_token.mean()))
+        change.append(float((current - previous).norm() / previous.norm()))
+    return {"norm_ratio": norm_ratio, "relative_change": change}
+
+
+def measure(name: str, args) -> dict:
+    import comfy.model_patcher
+    import nodes as comfy_nodes
+
+    from tools.fidelity.reference import data, models
+    from tools.fidelity.run import PROMPT_SEED, conditioning
+
+    if not models.is_flux(name):
+        raise ValueError(f"{name} is not a Flux reference model")
+    base, encoder = models.load_reference(name)
+    cpu = torch.device("cpu")
+    patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
+    every = data.all_prompts().as_tensor()
+    prompts = every[torch.randperm(len(every), generator=torch.Generator().manual_seed(PROMPT_SEED))[: args.prompts]]
+    positive = conditioning(name, base, encoder, prompts, models.TRAIN_SIZE)
+    negative = conditioning(name, base, encoder, models.PromptEncoder.empty(1), models.TRAIN_SIZE)
+    recorder = ResidualRecorder(base.diffusion_model)
+    try:
+        latent = {"samples": torch.zeros(len(prompts), data.CHANNELS, models.TRAIN_SIZE, models.TRAIN_SIZE)}
+        comfy_nodes.common_ksampler(patcher, 0, args.steps, args.cfg, "euler", "normal", positive, negative, latent)
+    finally:
+        recorder.remove()
+    calls = len(recorder.residuals)
+    if calls % args.steps:
+        raise RuntimeError(f"expected the same model calls at every step, got {calls} for {args.steps} steps")
+    # Cond and uncond in one call or in two (the empty prompt has another token count): each on its own, averaged.
+    per_step = calls // args.steps
+    streams = [ratios(recorder.residuals[k::per_step]) for k in range(per_step)]
+    return {
+        key: [None if v[0] is None else sum(v) / len(v) for v in zip(*(s[key] for s in streams), strict=True)]
+        for key in ("norm_ratio", "relative_change")
+    }
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from tools.bench.host import setup_comfy
+
+    setup_comfy("cpu")
+    result = {"steps": args.steps, "real_flux_norm_ratio": real_flux_ratios(), "models": {}}
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        result["models"][name] = measure(name, args)
+    real = result["real_flux_norm_ratio"] if args.steps == 28 else None
+    names = list(result["models"])
+    header = " | ".join(f"{n} ratio | {n} change" for n in names)
+    print(f"| step | {header}" + (" | real Flux.1 ratio |" if real else " |"))
+    print("|---" * (1 + 2 * len(names) + bool(real)) + "|")
+    for step in range(args.steps):
+        cells = []
+        for name in names:
+            record = result["models"][name]
+            change = record["relative_change"][step]
+            cells += [f"{record['norm_ratio'][step]:.3f}", "-" if change is None else f"{change:.3f}"]
+        if real:
+            cells.append(f"{real[step]:.3f}")
+        print(f"| {step} | " + " | ".join(cells) + " |")
+    if real:
+        for name in names:
+            ours = result["models"][name]["norm_ratio"]
+            gap = sum(abs(a - b) for a, b in zip(ours, real, strict=True)) / len(real)
+            result["models"][name]["mean_gap_to_real"] = gap
+            print(f"{name}: mean |ratio - real Flux.1's| = {gap:.3f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step-change.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
