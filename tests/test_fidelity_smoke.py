@@ -67,7 +67,7 @@ def flux_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("fidelity-flux")
     # 12 steps: reuse across steps reuses from 10 steps on.
     argv = ["--models", "ref-flux", "--scales", "1", "--prompts", "2", "--seeds", "1", "--steps", "12"]
-    argv += ["--only", "ToDo,ToMe,=ours reuse every 3,=EasyCache 0.1,broken"]
+    argv += ["--only", "ToDo,ToMe,=ours reuse every 3,=EasyCache 0.1,=First Block Cache 0.2,TaylorSeer,broken"]
     argv += ["--broken", "--real", "64", "--grid", "2", "--out", str(out)]
     return fidelity.main(argv)["ref-flux"], out
 
@@ -76,12 +76,16 @@ def test_flux_reference_has_the_dit_rows(flux_report):
     report, out = flux_report
     ours = ["ours ToDo 2", "ours ToDo 3", "ours ToDo 2 until 60%"]
     ours += ["ToMe attention 0.5 (not shipped)", "ToMe attention 0.25 (not shipped)", "ours reuse every 3"]
-    rows = ["unpatched", *ours, "ours ToDo 2 + reuse every 3", "EasyCache 0.1"]
+    rows = ["unpatched", *ours, "ours ToDo 2 + reuse every 3", "EasyCache 0.1", "First Block Cache 0.2"]
+    rows += ["TaylorSeer-style every 5"]
     assert [r["row"] for r in report["records"]] == [*rows, "broken (shifted tokens)"]
     # Reuse skips the inner blocks at some calls, EasyCache whole calls: the counted work shows both.
     reuse, easycache = _row(report, "ours reuse every 3")["work"], _row(report, "EasyCache 0.1")["work"]
     assert reuse["call_share"] == 1.0 and reuse["token_share"] < 1.0
     assert easycache["call_share"] < 1.0 and easycache["token_share"] == easycache["call_share"]
+    # The published ideas as rows: a forecast of every block skips them all between computed calls.
+    assert _row(report, "TaylorSeer-style every 5")["work"]["token_share"] < reuse["token_share"]
+    assert _row(report, "First Block Cache 0.2")["work"]["call_share"] == 1.0  # its first block always runs
     assert _row(report, "unpatched")["identical_to_unpatched"]
     broken = _row(report, "broken (shifted tokens)")
     assert not broken["identical_to_unpatched"]  # the attention override reaches Flux's joint attention

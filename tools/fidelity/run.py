@@ -355,7 +355,29 @@ def flux_rows(nodes: dict, variants: bool = False) -> list[FidelityRow]:
         for interval, changes in changed:
             name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
             rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
-    return rows + step_cache_rows(FLUX_STEP_CACHE_THRESHOLDS)
+    return rows + step_cache_rows(FLUX_STEP_CACHE_THRESHOLDS) + dit_peer_rows()
+
+
+def dit_peer_rows() -> list[FidelityRow]:
+    """The published DiT step caches ComfyUI does not ship (``dit_peers``: measured, not offered)."""
+    from tools.fidelity import dit_peers
+
+    rows = []
+    for threshold in (0.08, 0.12, 0.2):  # 0.08 and 0.12: the published Flux.1-dev figures (1.55x, 1.91x)
+        settings = {"threshold": threshold}
+        rows.append(
+            FidelityRow(
+                f"First Block Cache {threshold}",
+                "peer",
+                dit_peers.first_block_cache_patch(threshold),
+                settings=settings,
+            )
+        )
+    settings = {"interval": 5, "first": 3, "order": 1}
+    rows.append(
+        FidelityRow("TaylorSeer-style every 5", "peer", dit_peers.taylorseer_style_patch(5, 3), settings=settings)
+    )
+    return rows
 
 
 def dit_reuse_variant(interval: int, outer=1, extrapolate=0.5, **schedule) -> Callable:

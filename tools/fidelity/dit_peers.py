@@ -1,0 +1,120 @@
+"""Published step-cache ideas for DiTs that ComfyUI does not ship, as fidelity rows on the Flux references
+(measured, not offered): so that the front shows where reuse across steps stands against them.
+
+- **First Block Cache** (the idea of ParaAttention's and diffusers' ``FirstBlockCacheConfig``): the first block
+  runs at every call; when its residual (output minus input) changed by less than ``threshold`` (mean absolute
+  difference over mean absolute value) since the last call that computed everything, the other blocks are
+  skipped and their cached residual is added to the first block's output; otherwise every block runs and the
+  caches are renewed. Written here on ComfyUI's ``patches_replace["dit"]`` block replacements, one state per
+  batch layout (``uuids``), dropped when the noise level goes up (a new sampling run).
+- **TaylorSeer-style forecast** (diffusers' ``TaylorSeerCacheConfig`` defaults: every 5th call computed, the
+  first 3 too, first order): every block is forecast at the other calls, from the last two computed ones, one
+  whole step along the line (no damping, no block kept running). Built from this project's span machinery
+  with those settings (``dit_reuse.install`` with no outer blocks), so it differs from TaylorSeer in that the
+  line is drawn over the noise level rather than the step index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+PATCH_NAME = "dit"
+
+
+def _joined(state: dict) -> torch.Tensor:
+    present = [state[k] for k in ("txt", "img") if state.get(k) is not None]
+    return present[0] if len(present) == 1 else torch.cat(present, 1)
+
+
+class FirstBlockCache:
+    """The block replacements of one patched clone (see the module docstring)."""
+
+    def __init__(self, keys: list, threshold: float):
+        self.keys = keys
+        self.threshold = threshold
+        self.states: dict = {}  # batch layout -> {"head", "rest", "skip"}
+        self.last_sigma = None
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _state(self, args) -> dict:
+        options = args.get("transformer_options") or {}
+        sigmas = options.get("sigmas")
+        sigma = float(sigmas.max()) if sigmas is not None else None
+        if sigma is not None and self.last_sigma is not None and sigma > self.last_sigma:
+            self.states.clear()  # the noise went up: another sampling run
+        self.last_sigma = sigma
+        layout = tuple(str(u) for u in options.get("uuids") or ())
+        return self.states.setdefault(layout, {"head": None, "rest": None, "skip": False})
+
+    def replacement(self, position: int) -> Callable:
+        last = len(self.keys) - 1
+
+        def block(args, extra):
+            state = self._state(args)
+            if position == 0:
+                before = _joined(args).clone()  # ComfyUI's blocks may add to their input in place
+                out = extra["original_block"](args)
+                head = _joined(out) - before
+                previous = state["head"]
+                state["skip"] = (
+                    previous is not None
+                    and state["rest"] is not None
+                    and previous.shape == head.shape
+                    and float((head - previous).abs().mean() / previous.abs().mean()) < self.threshold
+                )
+                if not state["skip"]:
+                    state["head"] = head
+                state["out"] = _joined(out)
+                return out
+            if state["skip"]:
+                if position < last:
+                    return {k: args[k] for k in ("img", "txt") if k in args}
+                return {"img": state["out"] + state["rest"]}
+            out = extra["original_block"](args)
+            if position == last:
+                state["rest"] = _joined(out) - state["out"]
+            return out
+
+        return block
+
+
+def first_block_cache_patch(threshold: float) -> Callable:
+    """A fidelity row's patch: First Block Cache at ``threshold`` on a Flux model (every block replaced)."""
+    from tome_core.hosts.comfyui import dit_reuse
+
+    def patch(model):
+        clone = model.clone()
+        keys = dit_reuse.block_keys(clone.model.diffusion_model)
+        cache = FirstBlockCache(keys, threshold)
+        for position, (block_type, index) in enumerate(keys):
+            clone.set_model_patch_replace(cache.replacement(position), PATCH_NAME, block_type, index)
+        return clone
+
+    return patch
+
+
+def taylorseer_style_patch(interval: int = 5, first: int = 3) -> Callable:
+    """A fidelity row's patch: every ``interval``-th call and the first ``first`` computed, the others forecast
+    whole (first order, one full step along the line)."""
+    from tome_core.hosts.comfyui import dit_reuse
+    from tome_core.layer_reuse import IntervalSchedule
+    from tome_core.schedule import NoiseRange
+    from tome_core.settings import PatchSettings
+
+    def patch(model):
+        clone = model.clone()
+        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=interval)
+
+        class FromStep(IntervalSchedule):
+            def is_full(self, step: int, steps: int) -> bool:  # the first ``first`` steps, then every interval-th
+                return step < first or (step - first) % interval == interval - 1
+
+        schedule = FromStep(interval, full_start=0.0, full_end=0, short_run=0, min_steps=0)
+        dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), 0, schedule, 1.0)
+        return clone
+
+    return patch
