@@ -84,20 +84,55 @@ def passing_on(args, extra):
     return {name: args[name] for name in ("img", "txt") if name in args}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_span_runs_at_full_steps_only(node_classes, dits, family):
-    patched = patch(node_classes, dits[family], **REUSE)
-    with BlockCalls(patched, family) as counts:
-        out = host.sample_dit(patched, family, SHAPES[family], steps=STEPS)
-    assert torch.isfinite(out).all()
+def assert_span_ran_at_full_steps(counts, family, steps, calls_per_step):
     keys = list(counts)
-    calls = counts[keys[0]]
-    assert calls % STEPS == 0 and counts[keys[-1]] == calls  # the outer blocks run at every call
-    per_step = calls // STEPS  # cond and uncond in one call or two
-    full = IntervalSchedule(3).full_steps(STEPS)
-    assert full < STEPS
-    assert {counts[key] for key in SPAN[family]} == {full * per_step}
     assert keys[1:-1] == SPAN[family]
+    assert counts[keys[0]] == counts[keys[-1]] == steps * calls_per_step  # the outer blocks run at every call
+    full = IntervalSchedule(3).full_steps(steps)
+    assert full < steps
+    assert {counts[key] for key in SPAN[family]} == {full * calls_per_step}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("calls_per_step", (2, 1), ids=("cond-uncond-apart", "cond-uncond-batched"))
+def test_the_span_runs_at_full_steps_only(node_classes, dits, family, calls_per_step):
+    """Cond and uncond in two calls (prompts of other lengths) or batched into one (the same length)."""
+    patched = patch(node_classes, dits[family], **REUSE)
+    negative_tokens = 5 if calls_per_step == 2 else 9
+    with BlockCalls(patched, family) as counts:
+        out = host.sample_dit(patched, family, SHAPES[family], steps=STEPS, negative_tokens=negative_tokens)
+    assert torch.isfinite(out).all()
+    assert_span_ran_at_full_steps(counts, family, STEPS, calls_per_step)
+
+
+def test_bf16_keeps_the_arithmetic_exact(node_classes):
+    """In bf16 too (as users run Flux), where the span changes nothing a reusing call changes nothing."""
+    model = host.tiny_dit("flux", dtype=torch.bfloat16, **DEEPER["flux"])
+    foreign = model.clone()
+    for block_type, index in SPAN["flux"]:
+        foreign.set_model_patch_replace(passing_on, "dit", block_type, index)
+    expected = host.sample_dit(foreign, "flux", SHAPES["flux"], steps=STEPS)
+    patched = patch(node_classes, foreign, **REUSE)
+    with BlockCalls(patched, "flux") as counts:
+        out = host.sample_dit(patched, "flux", SHAPES["flux"], steps=STEPS)
+    assert counts[("double_block", 0)] == 2 * STEPS  # sampled, in bf16, every call through the first block
+    assert torch.equal(out, expected)
+
+
+def test_wan22_two_models_each_sample_their_part(node_classes):
+    """Wan 2.2: a high-noise and a low-noise model each sample part of one schedule (KSamplerAdvanced start and
+    end steps); each part is a sampling run of its own, reused on its own schedule."""
+    high = patch(node_classes, host.tiny_dit("wan", seed=1, **DEEPER["wan"]), **REUSE)
+    low = patch(node_classes, host.tiny_dit("wan", seed=2, **DEEPER["wan"]), **REUSE)
+    steps, switch = 24, 12
+    with BlockCalls(high, "wan") as first:
+        part = host.sample_dit(high, "wan", SHAPES["wan"], steps=steps, start_step=0, last_step=switch)
+    with BlockCalls(low, "wan") as second:
+        out = host.sample_dit(low, "wan", SHAPES["wan"], steps=steps, latent=part, start_step=switch,
+                              last_step=steps, disable_noise=True)  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert_span_ran_at_full_steps(first, "wan", switch, 2)
+    assert_span_ran_at_full_steps(second, "wan", steps - switch, 2)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -197,13 +197,13 @@ DIT_TINY = {
 }
 
 
-def tiny_dit(family: str, seed: int = 0, **config) -> comfy.model_patcher.ModelPatcher:
+def tiny_dit(family: str, seed: int = 0, dtype=torch.float32, **config) -> comfy.model_patcher.ModelPatcher:
     """A ModelPatcher over a small random-weight DiT of ComfyUI's own classes (see ``DIT_TINY``; ``config``
-    overrides its entries, e.g. more blocks)."""
+    overrides its entries, e.g. more blocks), computing in ``dtype``."""
     import comfy.model_detection
 
     config = comfy.model_detection.model_config_from_unet_config({**DIT_TINY[family], **config})
-    config.set_inference_dtype(torch.float32, None)
+    config.set_inference_dtype(dtype, None)
     model = config.get_model({})
     initialise(model.diffusion_model, seed)
     model.eval()
@@ -220,15 +220,30 @@ def dit_conditioning(family: str, seed: int = 1, tokens: int = 9, **extra) -> li
     return [[cond, extra]]
 
 
-def sample_dit(model, family: str, latent_shape, steps: int = 1, cfg: float = 3.0, seed: int = 42, **cond_extra):
+def sample_dit(
+    model,
+    family: str,
+    latent_shape,
+    steps: int = 1,
+    cfg: float = 3.0,
+    seed: int = 42,
+    negative_tokens: int = 5,
+    latent=None,
+    **advanced,
+):
     """Sample a DiT through ComfyUI's KSampler path (Euler); ``latent_shape`` without the channel axis:
-    (batch, h, w) for images, (batch, frames, h, w) for Wan."""
+    (batch, h, w) for images, (batch, frames, h, w) for Wan. ``negative_tokens`` 9 (the prompt's) lets ComfyUI
+    batch cond and uncond into one call. ``latent`` (a start latent) and ``start_step``, ``last_step``,
+    ``disable_noise``, ``force_full_denoise`` sample part of a schedule, as KSamplerAdvanced does; any other
+    keyword goes into the conditioning."""
     batch, *rest = latent_shape
-    latent = {"samples": torch.zeros(batch, 16, *rest)}
-    positive = dit_conditioning(family, 1, **cond_extra)
-    negative = dit_conditioning(family, 2, tokens=5, **cond_extra)
+    parts = ("start_step", "last_step", "disable_noise", "force_full_denoise")
+    sampling = {k: advanced.pop(k) for k in parts if k in advanced}
+    latent = {"samples": torch.zeros(batch, 16, *rest) if latent is None else latent}
+    positive = dit_conditioning(family, 1, **advanced)
+    negative = dit_conditioning(family, 2, tokens=negative_tokens, **advanced)
     (out,) = comfy_nodes.common_ksampler(
-        model, seed, steps, cfg, "euler", "normal", positive, negative, latent, denoise=1.0
+        model, seed, steps, cfg, "euler", "normal", positive, negative, latent, denoise=1.0, **sampling
     )
     return out["samples"]
 
