@@ -1,0 +1,15 @@
+"""The DiT reuse timing (``tools/bench/dit_reuse.py``) on a tiny Flux: it drives real reusing and full calls
+through the project's own code and converts them over whole runs. Nothing here looks at timings."""
+
+from __future__ import annotations
+
+from tools.bench import dit_reuse
+
+
+def test_reusing_and_full_calls_are_timed_and_converted(tmp_path):
+    result = dit_reuse.main(["--models", "tiny-flux", "--rounds", "1", "--out", str(tmp_path)])
+    record = result["models"]["tiny-flux"]
+    assert len(record["full_cpu_s"]) == len(record["reusing_cpu_s"]) == 1  # measure() checked it reused once
+    assert record["runs"][28]["full_steps"] == 16  # the default's schedule at 28 steps
+    assert record["depth"] == 57 and record["runs"][28]["speedup"] > 0
+    assert (tmp_path / "dit-reuse.json").is_file()
