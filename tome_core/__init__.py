@@ -1,7 +1,7 @@
 """The token merging engine: pure PyTorch, no host imports.
 
 ``PatchSettings`` validates what the user chose; ``Reducer`` decides per transformer block how to reduce it;
-the host adapters in ``tome_core.adapters`` call it from their hook points.
+the doors into the hosts, ``tome_core.hosts``, call it from their hook points.
 
 For diffusers (``pip install`` of this repository gives this package)::
 

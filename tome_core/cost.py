@@ -15,7 +15,7 @@ whole-UNet rows of ``python -m tools.bench.speed`` confirm it at 512 and 768 px.
 
 DiTs (``joint_attention.py``) weigh the image tokens of one attention call (frames x h x w for video) against
 this ToDo threshold, or against a family's own where it was measured higher (Flux, whose wide blocks spend
-little of their time in attention at small sizes: ``adapters/comfy_dit.MIN_IMAGE_TOKENS``, docs/dit.md).
+little of their time in attention at small sizes: ``hosts/comfyui/dit.MIN_IMAGE_TOKENS``, docs/dit.md).
 """
 
 from __future__ import annotations
