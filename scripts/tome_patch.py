@@ -176,9 +176,12 @@ def _patch_ldm(p, sd_model, settings, job: _Job) -> bool:
 
 def _warn_if_the_sampler_keeps_reuse_off(p, settings, job: _Job) -> None:
     if settings.reuse_interval > 1 and not webui_layer_reuse.sampler_keeps_the_picture(p):
+        scheduler = getattr(p, "scheduler", None)
+        on = f" on the schedule {scheduler!r}" if scheduler and scheduler != "Automatic" else ""
         job.warn_once(
-            f"reuse across steps is off with the sampler {getattr(p, 'sampler_name', None)!r} (it keeps the picture "
-            "with Euler, Heun, DDIM and DPM++ SDE); every step runs in full, the token reduction still applies."
+            f"reuse across steps is off with the sampler {getattr(p, 'sampler_name', None)!r}{on} (it keeps the "
+            "picture with Euler, Heun, DDIM and DPM++ SDE, not on Karras sigmas); every step runs in full, the token "
+            "reduction still applies."
         )
 
 

@@ -71,13 +71,36 @@ def test_the_default_reuses_from_10_steps_and_leaves_shorter_runs_to_todo_alone(
     assert not torch.equal(run(default, 12), run(todo_only, 12))
 
 
-@pytest.mark.parametrize("sampler", ["euler_ancestral", "dpmpp_2m"])
-def test_samplers_it_does_not_keep_the_picture_with_run_every_step_in_full(node_classes, model, sampler, caplog):
-    """Ancestral and multistep samplers lose the picture with reuse (docs/step-reuse.md): the default then
-    computes exactly what ToDo 2 alone does, and the log says why."""
+@pytest.mark.parametrize(
+    ("sampler", "scheduler", "said"),
+    [
+        ("euler_ancestral", "normal", "sampler euler_ancestral is not one"),
+        ("dpmpp_2m", "normal", "sampler dpmpp_2m is not one"),
+        ("euler", "karras", "sampler euler on karras sigmas is not one"),  # found from the sigmas themselves
+    ],
+)
+def test_samplers_it_does_not_keep_the_picture_with_run_every_step_in_full(
+    node_classes, model, sampler, scheduler, said, caplog
+):
+    """Ancestral and multistep samplers, and Karras sigmas, lose the picture with reuse (docs/step-reuse.md): the
+    default then computes exactly what ToDo 2 alone does, and the log says why."""
     default = host.patch_with_node(node_classes, model)
     todo_only = host.patch_with_node(node_classes, model, reuse_interval=1)
+    options = {"latent_hw": HW, "steps": 12, "batch": 2, "sampler": sampler, "scheduler": scheduler}
     with caplog.at_level("INFO", logger="tome_patch"):
-        out = host.sample(default, "sd15", latent_hw=HW, steps=12, batch=2, sampler=sampler)
-    assert any(f"sampler {sampler} is not one" in r.getMessage() for r in caplog.records)
-    assert torch.equal(out, host.sample(todo_only, "sd15", latent_hw=HW, steps=12, batch=2, sampler=sampler))
+        out = host.sample(default, "sd15", **options)
+    assert any(said in r.getMessage() for r in caplog.records)
+    assert torch.equal(out, host.sample(todo_only, "sd15", **options))
+
+
+def test_only_karras_sigmas_are_taken_for_karras(model):
+    """The Karras check on the levels each of ComfyUI's schedulers gives (the model's sigma range, 12 steps)."""
+    import comfy.samplers
+
+    from tome_core.layer_reuse import is_karras
+
+    sampling = model.get_model_object("model_sampling")
+    low, high = float(sampling.sigma_min), float(sampling.sigma_max)
+    for name in comfy.samplers.SCHEDULER_NAMES:
+        sigmas = comfy.samplers.calculate_sigmas(sampling, name, 12)
+        assert is_karras(sigmas, low, high) == (name == "karras"), name

@@ -232,6 +232,25 @@ def test_a_scheduler_it_does_not_keep_the_picture_with_runs_every_step_in_full(p
         pipe.scheduler = original
 
 
+def test_karras_sigmas_run_every_step_in_full(pipes):
+    """Euler on Karras sigmas (``use_karras_sigmas``) loses the picture with reuse: nothing reused, the output
+    that of reuse off."""
+    from diffusers import EulerDiscreteScheduler
+
+    pipe = pipeline(pipes, "txt2img")
+    original = pipe.scheduler
+    pipe.scheduler = EulerDiscreteScheduler.from_config(original.config, use_karras_sigmas=True)
+    try:
+        tome_core.apply_patch(pipe, **{**REUSE, "reuse_interval": 1})
+        off = H.run(pipe, "txt2img", steps=12)
+        tome_core.apply_patch(pipe, **REUSE)
+        assert np.array_equal(H.run(pipe, "txt2img", steps=12), off)
+        assert last_run(pipe) is None
+    finally:
+        tome_core.remove_patch(pipe)
+        pipe.scheduler = original
+
+
 def test_the_step_range_limits_reuse(pipes):
     """end_percent 0.5: only calls at timesteps above 499.5 (DDIM's 901 ... 501, steps 0-4) may reuse: 2 and 4."""
     pipe = pipeline(pipes, "txt2img")

@@ -96,6 +96,17 @@ def test_a_sampler_it_does_not_keep_the_picture_with_runs_every_step_in_full(hos
     assert capsys.readouterr().out.count("reuse across steps is off with the sampler 'DPM++ 2M'") == 1
 
 
+def test_karras_sigmas_run_every_step_in_full(host, capsys):
+    """Euler on the "Karras" schedule type (Euler on Karras sigmas lost the picture: ref-sdxl 0.946) reuses
+    nothing: the output is that of reuse off, and the console names the schedule, once."""
+    sd_model = SDModel(make_unet("sd1"))
+    off, _ = job(host, sd_model, script_args(**{**REUSE, "reuse_interval": 1}), scheduler="Karras")
+    capsys.readouterr()
+    out, p = job(host, sd_model, script_args(**REUSE), scheduler="Karras")
+    assert not runs_of(p) and torch.equal(out, off)
+    assert capsys.readouterr().out.count("reuse across steps is off with the sampler 'Euler' on the schedule") == 1
+
+
 def test_interval_1_is_bit_identical_and_installs_nothing(host):
     sd_model = SDModel(make_unet("sd1"))
     baseline, _ = job(host, sd_model, script_args(enabled=False))

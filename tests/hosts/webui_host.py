@@ -451,6 +451,8 @@ class Processing:
         self.hr_steps = (599, 299)
         self.on_step = None  # test probe: called at each sampler step with (p, step)
         self.sampler = "Euler"  # or "Heun" (second order: two model calls per step but the last)
+        # The schedule type (v1.9+: "Automatic", "Karras", ...): read by scripts; this host's loop keeps its sigmas.
+        self.scheduler = "Automatic"
         self.batch_cond_uncond = True  # Settings > Optimizations "Batch cond/uncond" (shared.opts.batch_cond_uncond)
         self.forge_objects_after_applying_lora = None
 
@@ -751,7 +753,7 @@ def script_args(enabled=True, **values) -> list:
 def run_job(host: Host, sd_model, args, **kwargs):
     """One generation through the host; returns the final latent and the processing object. Keyword arguments
     that are not Processing's own set attributes (token_merging_ratio, on_step, ...)."""
-    settable = ("token_merging_ratio", "token_merging_ratio_hr", "on_step", "steps", "hr_steps", "sampler")
+    settable = ("token_merging_ratio", "token_merging_ratio_hr", "on_step", "steps", "hr_steps", "sampler", "scheduler")
     attributes = {k: kwargs.pop(k) for k in list(kwargs) if k in (*settable, "batch_cond_uncond")}
     p = Processing(sd_model, args, **kwargs)
     for name, value in attributes.items():

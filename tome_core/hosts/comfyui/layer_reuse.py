@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from ...layer_reuse import (
     DEFAULT_EXTRAPOLATE,
     OUTER_BLOCKS,
@@ -23,6 +25,7 @@ from ...layer_reuse import (
     LayerReuseRun,
     attach_forwards,
     detach_forwards,
+    is_karras,
     keeps_the_picture_with,
 )
 from ...schedule import call_sigmas, step_of
@@ -63,14 +66,18 @@ class LayerReuseHooks(LayerReuse):
             )
             return executor(*args, **kwargs)
         name = sampler_name(args[2] if len(args) > 2 else kwargs.get("sampler"))
-        if not keeps_the_picture_with(name):
+        raw_sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+        schedule = schedule_name(guider, raw_sigmas)
+        if not keeps_the_picture_with(name, schedule):
             log.info(
-                "ToMe reuse across steps is off for this run: sampler %s is not one it keeps the picture with "
-                "(euler, heun, ddim, dpmpp_sde); every step runs in full. ToDo/ToMe still apply.",
+                "ToMe reuse across steps is off for this run: sampler %s%s is not one it keeps the picture with "
+                "(euler, heun, ddim, dpmpp_sde; not on karras sigmas); every step runs in full. ToDo/ToMe still "
+                "apply.",
                 name or "(unknown)",
+                f" on {schedule} sigmas" if schedule else "",
             )
             return executor(*args, **kwargs)
-        sigmas = call_sigmas(args[3] if len(args) > 3 else kwargs.get("sigmas"))
+        sigmas = call_sigmas(raw_sigmas)
         run = self.new_run(len(sigmas))
         return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
 
@@ -102,6 +109,20 @@ def sampler_name(sampler) -> str | None:
     function = getattr(sampler, "sampler_function", None)
     name = getattr(function, "__name__", "")
     return name[len("sample_") :] if name.startswith("sample_") else None
+
+
+def schedule_name(guider, sigmas) -> str | None:
+    """ "karras" when the run's sigmas are Karras sigmas of the model's range (ComfyUI hands the sampler the
+    levels, not the scheduler's name), else None."""
+    patcher = getattr(guider, "model_patcher", None)
+    try:
+        model_sampling = patcher.get_model_object("model_sampling")
+        low, high = float(model_sampling.sigma_min), float(model_sampling.sigma_max)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if not isinstance(sigmas, torch.Tensor):
+        return None
+    return "karras" if is_karras(sigmas, low, high) else None
 
 
 class LayerInjection:

@@ -137,13 +137,16 @@ class PipelineReuse(LayerReuse):
         scheduler, timesteps = self._scheduler_timesteps()
         if timesteps is None or timestep is None or not isinstance(sample, torch.Tensor):
             return None
-        if not keeps_the_picture_with(type(scheduler).__name__):  # every step in full (layer_reuse.py)
+        config = getattr(scheduler, "config", None)
+        schedule = "karras" if getattr(config, "use_karras_sigmas", False) else None
+        if not keeps_the_picture_with(type(scheduler).__name__, schedule):  # every step in full (layer_reuse.py)
             if self._refused is not type(scheduler):
                 self._refused = type(scheduler)
                 log.info(
-                    "ToMe reuse across steps is off with %s (it keeps the picture with the Euler, Heun, DDIM and "
-                    "DPM++ SDE schedulers); every step runs in full.",
+                    "ToMe reuse across steps is off with %s%s (it keeps the picture with the Euler, Heun, DDIM and "
+                    "DPM++ SDE schedulers, not on Karras sigmas); every step runs in full.",
                     type(scheduler).__name__,
+                    " on Karras sigmas" if schedule else "",
                 )
             return None
         if self._timesteps is None or not self._timesteps.is_current(timesteps):

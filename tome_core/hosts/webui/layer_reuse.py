@@ -145,9 +145,10 @@ class PassReuse(LayerReuse):
 
 
 def sampler_keeps_the_picture(p) -> bool:
-    """Whether the job's sampler (``p.sampler_name``, the WebUI's label: "Euler", "Heun", "DDIM", ...) is one that
-    reuse across steps keeps the picture with (``layer_reuse.SAMPLERS_THAT_KEEP_THE_PICTURE``)."""
-    return keeps_the_picture_with(getattr(p, "sampler_name", None))
+    """Whether the job's sampler (``p.sampler_name``, the WebUI's label: "Euler", "Heun", "DDIM", ...) on its
+    schedule type (``p.scheduler`` since v1.9: "Automatic", "Karras", ...) is one that reuse across steps keeps
+    the picture with (``layer_reuse.SAMPLERS_THAT_KEEP_THE_PICTURE``, ``SCHEDULES_THAT_LOSE_THE_PICTURE``)."""
+    return keeps_the_picture_with(getattr(p, "sampler_name", None), getattr(p, "scheduler", None))
 
 
 def _schedule(settings) -> IntervalSchedule:
