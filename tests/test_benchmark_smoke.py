@@ -97,7 +97,7 @@ def test_forced_rows_reduce_even_tiny_grids(tmp_path):
 def test_diffusers_host_rows(tmp_path):
     """``--host diffusers``: diffusers' own UNet2DConditionModel, rows unpatched, ours and tomesd on shared weights."""
     flags = ("--host", "diffusers", "--model", "tiny-xl", "--resolutions", "64", "--repeats", "1", "--steps", "1")
-    done = run_benchmark(tmp_path, *flags, "--force")
+    done = run_benchmark(tmp_path, *flags, "--max-minutes", "0", "--force")  # the pairs asked for, no more
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "benchmark-diffusers-tiny-xl.json").read_text())
     assert report["config"]["host"] == "diffusers" and report["versions"]["diffusers"]
