@@ -331,9 +331,9 @@ def test_composes_with_comfyuis_step_caches(node_classes, models, cache):
 def test_half_precision_runs_and_reuses(node_classes, dtype):
     model = host.tiny_model("sd15", dtype=dtype)
     patched = patch(node_classes, model)
-    out = run(patched, steps=6)
+    out = run(patched, steps=STEPS)
     assert torch.isfinite(out).all()
-    assert hooks_of(patched).last_run.reused_calls == 1  # step 2 of 6 (a short run: the last three are full)
+    assert hooks_of(patched).last_run.reused_calls == REUSING_STEPS
 
 
 def test_the_patched_unet_compiles(node_classes, models):
@@ -343,7 +343,7 @@ def test_the_patched_unet_compiles(node_classes, models):
 
     model = models["sdxl"]
     patched = patch(node_classes, model)
-    small = {"steps": 6, "latent_hw": (8, 8), "batch": 1}  # full steps 0, 1, 3, 4, 5; reusing 2
+    small = {"steps": STEPS, "latent_hw": (8, 8), "batch": 1}  # reusing steps 2 and 4
     eager = run(patched, "sdxl", **small)
     compiled = patched.clone()
     set_torch_compile_wrapper(compiled, backend="eager", keys=["diffusion_model"])
@@ -352,7 +352,7 @@ def test_the_patched_unet_compiles(node_classes, models):
         out = run(compiled, "sdxl", **small)
     finally:
         torch._dynamo.reset()
-    assert hooks_of(compiled).last_run.reused_calls == 1
+    assert hooks_of(compiled).last_run.reused_calls == REUSING_STEPS
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
 
 
