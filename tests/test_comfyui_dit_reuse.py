@@ -88,7 +88,7 @@ def assert_span_ran_at_full_steps(counts, family, steps, calls_per_step):
     keys = list(counts)
     assert keys[1:-1] == SPAN[family]
     assert counts[keys[0]] == counts[keys[-1]] == steps * calls_per_step  # the outer blocks run at every call
-    full = IntervalSchedule(3).full_steps(steps)
+    full = IntervalSchedule(3, full_start=dit_reuse.DIT_FULL_START).full_steps(steps)
     assert full < steps
     assert {counts[key] for key in SPAN[family]} == {full * calls_per_step}
 

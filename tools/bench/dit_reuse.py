@@ -8,8 +8,8 @@ blocks (Flux: 2 double + 2 single; SD3.5 Medium and Wan 2.1 1.3B: 4), through th
 in turn). The two timings give the cost of the span's two blocks (full minus reusing) and of everything a
 reusing call runs; the whole model's full call is then that plus the other blocks at the measured cost per
 block (Flux's double and single blocks counted alike: 12 multiply-adds per token and width squared each), and a
-whole run of N steps costs ``full calls x full + reusing calls x reusing`` with the default's schedule
-(``IntervalSchedule(3)``). Speed-ups are taken on process CPU time, as in ``tools.bench.dit``.
+whole run of N steps costs ``full calls x full + reusing calls x reusing`` with the DiT schedule at
+``reuse_interval`` 3 and 6. Speed-ups are taken on process CPU time, as in ``tools.bench.dit``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ FOUR_BLOCKS = {
     "wan": ({"num_layers": 4}, 30, (30,)),
     "tiny-flux": ({"depth": 2, "depth_single_blocks": 2}, 19 + 38, (28,)),  # the tests' plumbing check
 }
+INTERVALS = (3, 6)  # the default, and the setting docs/dit.md recommends for speed
 WAN_33_FRAMES = (16, 9, 60, 104)  # 480 x 832 px, 33 frames: (33 - 1) / 4 + 1 latent frames
 
 
@@ -90,6 +91,7 @@ def calls_of(patcher, name: str, steps: int):
 
 
 def measure(name: str, rounds: int, log) -> dict:
+    from tome_core.hosts.comfyui.dit_reuse import DIT_FULL_START
     from tome_core.layer_reuse import IntervalSchedule
 
     _, clone = reusing_model(name)
@@ -114,9 +116,10 @@ def measure(name: str, rounds: int, log) -> dict:
     whole_full = reuse + (depth - 2) * per_block
     runs = {}
     for n in step_counts:
-        full_steps = IntervalSchedule(3).full_steps(n)
-        cost = full_steps * whole_full + (n - full_steps) * reuse
-        runs[n] = {"full_steps": full_steps, "speedup": n * whole_full / cost}
+        for interval in INTERVALS:
+            full_steps = IntervalSchedule(interval, full_start=DIT_FULL_START).full_steps(n)
+            cost = full_steps * whole_full + (n - full_steps) * reuse
+            runs[f"{n} steps, every {interval}"] = {"full_steps": full_steps, "speedup": n * whole_full / cost}
     return {
         "title": MODELS[name]["title"].replace("1 double + 1 single block", "2 double + 2 single blocks"),
         "four_blocks_full_cpu_s": full,
@@ -151,7 +154,7 @@ def main(argv=None) -> dict:
     print("| model | full call (whole model) | reusing call | share | " + "whole run |")
     print("|---|---|---|---|---|")
     for r in results["models"].values():
-        runs = ", ".join(f"{n} steps {v['speedup']:.2f}x ({v['full_steps']} full)" for n, v in r["runs"].items())
+        runs = ", ".join(f"{n}: {v['speedup']:.2f}x ({v['full_steps']} full)" for n, v in r["runs"].items())
         print(
             f"| {r['title']} | {r['whole_model_full_cpu_s']:.1f} s | {r['four_blocks_reusing_cpu_s']:.1f} s | "
             f"{r['reusing_share_of_full']:.3f} | {runs} |"

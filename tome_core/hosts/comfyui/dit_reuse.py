@@ -3,7 +3,8 @@
 A DiT is a stack of blocks run one after the other. At a *reusing* call the first block and the last block run
 (``OUTER_BLOCKS`` each) and the blocks between them, the *span*, do not: the span's output is its input at this
 call plus its residual (output minus input) predicted from the last full calls (the engine's
-``LayerReuseRun.start_span`` / ``predicted_span_output``, the same schedule and prediction as on the UNets).
+``LayerReuseRun.start_span`` / ``predicted_span_output``, the UNets' prediction and schedule, with a shorter full
+start: ``DIT_FULL_START``).
 
 Hook point (checked in ComfyUI 0.3.75): every family's ``forward_orig`` hands block ``i`` to
 ``transformer_options["patches_replace"]["dit"][(block_type, i)]`` when that key is set, with the block's inputs
@@ -33,6 +34,11 @@ from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerReuseHooks
 log = logging.getLogger("tome_patch")
 
 OUTER_BLOCKS = 1  # the first and the last block run at every call
+# A DiT's schedule keeps the first tenth of the steps full, not the UNets' fifth: on ref-flux-deep at 28 steps
+# that computes less and keeps the picture as well or better at every interval measured (reuse every 4: SSIM
+# 0.996 at 0.52 of the blocks' work, against 0.993 at 0.58; every 6: 0.988 at 0.46 against 0.982 at 0.55;
+# docs/dit.md). The last four steps stay full: two only lost the picture (0.866 at every 6).
+DIT_FULL_START = 0.1
 PATCH_NAME = "dit"  # transformer_options["patches_replace"]["dit"]
 
 # Families whose blocks reuse can skip: the class names (any class in the MRO) and their block lists, in call
@@ -180,7 +186,7 @@ def install(
     if not (hasattr(clone, "add_wrapper_with_key") and hasattr(clone, "set_model_patch_replace")):
         return False
     span = keys[outer : len(keys) - outer]
-    schedule = IntervalSchedule(settings.reuse_interval) if schedule is None else schedule
+    schedule = IntervalSchedule(settings.reuse_interval, full_start=DIT_FULL_START) if schedule is None else schedule
     hooks = DitReuseHooks(schedule, span, _streams(diffusion_model), noise_range, extrapolate)
     replaced = _replacements(clone)
     for position, (block_type, index) in enumerate(span):
