@@ -213,33 +213,19 @@ def test_second_order_schedulers_count_each_model_call_as_a_step(pipes):
         pipe.scheduler = original
 
 
-def test_a_scheduler_it_does_not_keep_the_picture_with_runs_every_step_in_full(pipes):
-    """Euler ancestral (or any scheduler but Euler, Heun, DDIM and DPM++ SDE): nothing reused, the output that of
-    reuse off."""
-    from diffusers import EulerAncestralDiscreteScheduler
+@pytest.mark.parametrize(
+    ("scheduler", "options"),
+    [("EulerAncestralDiscreteScheduler", {}), ("EulerDiscreteScheduler", {"use_karras_sigmas": True})],
+    ids=("euler-ancestral", "euler-karras"),
+)
+def test_a_scheduler_it_does_not_keep_the_picture_with_runs_every_step_in_full(pipes, scheduler, options):
+    """Euler ancestral (or any scheduler but Euler, Heun, DDIM and DPM++ SDE), and Euler on Karras sigmas
+    (``use_karras_sigmas``): nothing reused, the output that of reuse off."""
+    import diffusers
 
     pipe = pipeline(pipes, "txt2img")
     original = pipe.scheduler
-    pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(original.config)
-    try:
-        tome_core.apply_patch(pipe, **{**REUSE, "reuse_interval": 1})
-        off = H.run(pipe, "txt2img", steps=12)
-        tome_core.apply_patch(pipe, **REUSE)
-        assert np.array_equal(H.run(pipe, "txt2img", steps=12), off)
-        assert last_run(pipe) is None
-    finally:
-        tome_core.remove_patch(pipe)
-        pipe.scheduler = original
-
-
-def test_karras_sigmas_run_every_step_in_full(pipes):
-    """Euler on Karras sigmas (``use_karras_sigmas``) loses the picture with reuse: nothing reused, the output
-    that of reuse off."""
-    from diffusers import EulerDiscreteScheduler
-
-    pipe = pipeline(pipes, "txt2img")
-    original = pipe.scheduler
-    pipe.scheduler = EulerDiscreteScheduler.from_config(original.config, use_karras_sigmas=True)
+    pipe.scheduler = getattr(diffusers, scheduler).from_config(original.config, **options)
     try:
         tome_core.apply_patch(pipe, **{**REUSE, "reuse_interval": 1})
         off = H.run(pipe, "txt2img", steps=12)

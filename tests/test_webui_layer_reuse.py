@@ -85,26 +85,24 @@ def test_interval_3_reuses_the_scheduled_calls_then_leaves_nothing(host, layout)
     assert not host.console
 
 
-def test_a_sampler_it_does_not_keep_the_picture_with_runs_every_step_in_full(host, capsys):
-    """With "DPM++ 2M" (or any sampler but Euler, Heun, DDIM and DPM++ SDE) the pass reuses nothing: the output is
-    that of reuse off, and the console says why, once."""
+@pytest.mark.parametrize(
+    ("job_of", "said"),
+    [
+        ({"sampler": "DPM++ 2M"}, "reuse across steps is off with the sampler 'DPM++ 2M'"),
+        ({"scheduler": "Karras"}, "reuse across steps is off with the sampler 'Euler' on the schedule"),
+    ],
+    ids=("dpmpp-2m", "euler-karras"),
+)
+def test_a_sampler_it_does_not_keep_the_picture_with_runs_every_step_in_full(host, capsys, job_of, said):
+    """With "DPM++ 2M" (or any sampler but Euler, Heun, DDIM and DPM++ SDE), and with Euler on the "Karras"
+    schedule type (ref-sdxl 0.946), the pass reuses nothing: the output is that of reuse off, and the console says
+    why, once."""
     sd_model = SDModel(make_unet("sd1"))
-    off, _ = job(host, sd_model, script_args(**{**REUSE, "reuse_interval": 1}), sampler="DPM++ 2M")
+    off, _ = job(host, sd_model, script_args(**{**REUSE, "reuse_interval": 1}), **job_of)
     capsys.readouterr()
-    out, p = job(host, sd_model, script_args(**REUSE), sampler="DPM++ 2M")
+    out, p = job(host, sd_model, script_args(**REUSE), **job_of)
     assert not runs_of(p) and torch.equal(out, off)
-    assert capsys.readouterr().out.count("reuse across steps is off with the sampler 'DPM++ 2M'") == 1
-
-
-def test_karras_sigmas_run_every_step_in_full(host, capsys):
-    """Euler on the "Karras" schedule type (Euler on Karras sigmas lost the picture: ref-sdxl 0.946) reuses
-    nothing: the output is that of reuse off, and the console names the schedule, once."""
-    sd_model = SDModel(make_unet("sd1"))
-    off, _ = job(host, sd_model, script_args(**{**REUSE, "reuse_interval": 1}), scheduler="Karras")
-    capsys.readouterr()
-    out, p = job(host, sd_model, script_args(**REUSE), scheduler="Karras")
-    assert not runs_of(p) and torch.equal(out, off)
-    assert capsys.readouterr().out.count("reuse across steps is off with the sampler 'Euler' on the schedule") == 1
+    assert capsys.readouterr().out.count(said) == 1
 
 
 def test_interval_1_is_bit_identical_and_installs_nothing(host):
