@@ -12,5 +12,7 @@ def test_reusing_and_full_calls_are_timed_and_converted(tmp_path):
     assert len(record["full_cpu_s"]) == len(record["reusing_cpu_s"]) == 1  # measure() checked it reused once
     assert record["runs"]["28 steps, every 3"]["full_steps"] == 14  # the DiT schedule at 28 steps
     assert record["runs"]["28 steps, every 6"]["full_steps"] == 10
-    assert record["depth"] == 57 and record["runs"]["28 steps, every 6"]["speedup"] > 0
+    assert record["depth"] == 57
+    # The tiny model's timings are noise: only that a speed-up is given exactly when the span cost something.
+    assert (record["runs"]["28 steps, every 6"]["speedup"] is not None) == record["measured"]
     assert (tmp_path / "dit-reuse.json").is_file()

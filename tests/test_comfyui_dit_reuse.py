@@ -11,7 +11,7 @@ from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: 
 
 from tome_core.hosts.comfyui import dit_reuse
 from tome_core.hosts.comfyui.layer_reuse import RUN_KEY
-from tome_core.layer_reuse import IntervalSchedule
+from tome_core.layer_reuse import DIT_FULL_START, IntervalSchedule
 
 FAMILIES = ("flux", "chroma", "sd3", "wan")
 # Four blocks each: Flux and Chroma two double and two single (the span crosses from one kind to the other).
@@ -88,7 +88,7 @@ def assert_span_ran_at_full_steps(counts, family, steps, calls_per_step):
     keys = list(counts)
     assert keys[1:-1] == SPAN[family]
     assert counts[keys[0]] == counts[keys[-1]] == steps * calls_per_step  # the outer blocks run at every call
-    full = IntervalSchedule(3, full_start=dit_reuse.DIT_FULL_START).full_steps(steps)
+    full = IntervalSchedule(3, full_start=DIT_FULL_START).full_steps(steps)
     assert full < steps
     assert {counts[key] for key in SPAN[family]} == {full * calls_per_step}
 

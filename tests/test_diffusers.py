@@ -164,50 +164,14 @@ def test_bad_settings_raise_the_engine_message_and_change_nothing(values):
     assert module_snapshot(unet) == before
 
 
-def _flux():
-    from diffusers import FluxPipeline, FluxTransformer2DModel
+def test_models_it_cannot_patch_are_refused_by_name():
+    """Flux, SD3 and Wan are patched (tests/test_diffusers_dit.py); other transformers and UNets are not."""
+    from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
 
-    transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        pooled_projection_dim=16,
-        axes_dims_rope=(2, 2, 4),
+    dit = DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1, sample_size=8, patch_size=2
     )
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    pipe = FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=None,
-        text_encoder=None,
-        tokenizer=None,
-        text_encoder_2=None,
-        tokenizer_2=None,
-        transformer=transformer,
-    )
-    return pipe, transformer
-
-
-def test_models_without_a_unet_are_refused_by_name():
-    from diffusers import SD3Transformer2DModel, UNet2DConditionModel, UNet2DModel
-
-    flux_pipe, flux = _flux()
-    sd3 = SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        num_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        caption_projection_dim=16,
-        pooled_projection_dim=16,
-        out_channels=4,
-    )
+    dit_pipe = DiTPipeline(transformer=dit, vae=None, scheduler=DDIMScheduler())
     no_attention = UNet2DConditionModel(
         block_out_channels=(32, 32),
         down_block_types=("DownBlock2D", "DownBlock2D"),
@@ -224,9 +188,8 @@ def test_models_without_a_unet_are_refused_by_name():
         norm_num_groups=8,
     )
     cases = [
-        (flux_pipe, "FluxPipeline (its denoiser is FluxTransformer2DModel)"),
-        (flux, "FluxTransformer2DModel"),
-        (sd3, "SD3Transformer2DModel"),
+        (dit_pipe, "DiTPipeline (its denoiser is DiTTransformer2DModel)"),
+        (dit, "DiTTransformer2DModel"),
         (unconditional, "UNet2DModel"),
         (no_attention, "has no transformer blocks"),
         (object(), "got object"),
@@ -237,6 +200,7 @@ def test_models_without_a_unet_are_refused_by_name():
             tome_core.apply_patch(model, method="tome", ratio=0.5)
         assert named in str(refused.value)
         assert "UNet2DConditionModel" in str(refused.value)  # names what is supported
+        assert "FluxTransformer2DModel" in str(refused.value) and "WanTransformer3DModel" in str(refused.value)
         if before is not None:
             assert module_snapshot(model) == before
         assert tome_core.remove_patch(model) is model  # removing from anything is harmless

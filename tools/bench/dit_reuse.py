@@ -91,8 +91,7 @@ def calls_of(patcher, name: str, steps: int):
 
 
 def measure(name: str, rounds: int, log) -> dict:
-    from tome_core.hosts.comfyui.dit_reuse import DIT_FULL_START
-    from tome_core.layer_reuse import IntervalSchedule
+    from tome_core.layer_reuse import DIT_FULL_START, IntervalSchedule
 
     _, clone = reusing_model(name)
     steps = 2 + 2 * rounds
@@ -114,12 +113,16 @@ def measure(name: str, rounds: int, log) -> dict:
     per_block = (full - reuse) / 2  # the span of the four-block model: its two middle blocks
     _, depth, step_counts = FOUR_BLOCKS[name]
     whole_full = reuse + (depth - 2) * per_block
+    # A span that timed no dearer than the reusing call (timing noise on a small model or a busy machine) gives
+    # no cost per block to convert with: the speed-ups are then left out (None) and the record says so.
+    measured = per_block > 0
     runs = {}
     for n in step_counts:
         for interval in INTERVALS:
             full_steps = IntervalSchedule(interval, full_start=DIT_FULL_START).full_steps(n)
             cost = full_steps * whole_full + (n - full_steps) * reuse
-            runs[f"{n} steps, every {interval}"] = {"full_steps": full_steps, "speedup": n * whole_full / cost}
+            speedup = n * whole_full / cost if measured else None
+            runs[f"{n} steps, every {interval}"] = {"full_steps": full_steps, "speedup": speedup}
     return {
         "title": MODELS[name]["title"].replace("1 double + 1 single block", "2 double + 2 single blocks"),
         "four_blocks_full_cpu_s": full,
@@ -129,6 +132,7 @@ def measure(name: str, rounds: int, log) -> dict:
         "whole_model_full_cpu_s": whole_full,
         "reusing_share_of_full": reuse / whole_full,
         "runs": runs,
+        "measured": measured,
         "full_cpu_s": full_cpu,
         "reusing_cpu_s": reuse_cpu,
     }
@@ -154,7 +158,10 @@ def main(argv=None) -> dict:
     print("| model | full call (whole model) | reusing call | share | " + "whole run |")
     print("|---|---|---|---|---|")
     for r in results["models"].values():
-        runs = ", ".join(f"{n}: {v['speedup']:.2f}x ({v['full_steps']} full)" for n, v in r["runs"].items())
+        runs = ", ".join(
+            f"{n}: {v['speedup']:.2f}x ({v['full_steps']} full)" if r["measured"] else f"{n}: not measured"
+            for n, v in r["runs"].items()
+        )
         print(
             f"| {r['title']} | {r['whole_model_full_cpu_s']:.1f} s | {r['four_blocks_reusing_cpu_s']:.1f} s | "
             f"{r['reusing_share_of_full']:.3f} | {runs} |"

@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--scales", default="1,2", help="image sizes as multiples of the training size")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per seed (one sampling batch)")
     parser.add_argument("--seeds", type=int, default=4, help="seeds: images = prompts x seeds")
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="the first seed (another set of seeds: unpatched's own spread)"
+    )
     parser.add_argument("--steps", type=int, default=12, help="sampling steps")
     parser.add_argument("--sampler", default="euler", help="ComfyUI sampler name (euler, euler_ancestral, heun, ...)")
     parser.add_argument("--scheduler", default="normal", help="ComfyUI scheduler name (normal, karras, ...)")
@@ -468,7 +471,7 @@ def sample_row(row: FidelityRow, patcher, positive, negative, size: int, args, n
     try:
         wall, cpu = time.perf_counter(), time.process_time()
         images = []
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             latent = {"samples": torch.zeros(n_prompts, CHANNELS, size, size)}
             (out,) = comfy_nodes.common_ksampler(
                 model, seed, args.steps, args.cfg, args.sampler, args.scheduler, positive, negative, latent

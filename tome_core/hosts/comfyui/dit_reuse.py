@@ -26,19 +26,11 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
-from ...layer_reuse import DEFAULT_EXTRAPOLATE, IntervalSchedule, LayerReuseRun
+from ...layer_reuse import DEFAULT_EXTRAPOLATE, DIT_FULL_START, OUTER_BLOCKS, IntervalSchedule, LayerReuseRun
 from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerReuseHooks
 
 log = logging.getLogger("tome_patch")
 
-OUTER_BLOCKS = 1  # the first and the last block run at every call
-# A DiT's schedule keeps the first tenth of the steps full, not the UNets' fifth: on ref-flux-deep at 28 steps
-# that computes less and keeps the picture as well or better at every interval measured (reuse every 4: SSIM
-# 0.996 at 0.52 of the blocks' work, against 0.993 at 0.58; every 6: 0.988 at 0.46 against 0.982 at 0.55;
-# docs/dit.md). The last four steps stay full: two only lost the picture (0.866 at every 6).
-DIT_FULL_START = 0.1
 PATCH_NAME = "dit"  # transformer_options["patches_replace"]["dit"]
 
 # Families whose blocks reuse can skip: the class names (any class in the MRO) and their block lists, in call
@@ -75,21 +67,6 @@ def block_keys(diffusion_model) -> list[tuple[str, int]] | None:
 def _streams(diffusion_model) -> tuple[str, ...]:
     names = {c.__name__ for c in type(diffusion_model).__mro__}
     return _STREAMS["Wan"] if names & {"WanModel", "CameraWanModel"} else _STREAMS["other"]
-
-
-def _joined(state: dict, streams: tuple[str, ...]) -> torch.Tensor:
-    """A block's streams as one tensor, tokens after tokens (Flux joins ``txt`` and ``img`` the same way)."""
-    present = [state[name] for name in streams if state.get(name) is not None]
-    return present[0] if len(present) == 1 else torch.cat(present, 1)
-
-
-def _split(joined: torch.Tensor, like: dict, streams: tuple[str, ...]) -> dict:
-    """The inverse of ``_joined`` for the streams of ``like`` (a block's inputs)."""
-    present = [name for name in streams if like.get(name) is not None]
-    if len(present) == 1:
-        return {present[0]: joined}
-    sizes = [like[name].shape[1] for name in present]
-    return dict(zip(present, torch.split(joined, sizes, 1), strict=True))
 
 
 class DitReuseHooks(LayerReuseHooks):
@@ -154,23 +131,15 @@ class SpanBlock:
         run = hooks.layer_run()
         if run is None or run.current is None:
             return self.run_block(args, extra)
-        streams = hooks.streams
-        last = self.position == len(hooks.keys) - 1
-        if self.position == 0:
-            if not hooks.ours_everywhere(args.get("transformer_options")):
-                run.compute_in_full()
-            reuse = run.start_span(_joined(args, streams))
-        else:
-            reuse = run.current.reuse
-        if not reuse:
-            out = self.run_block(args, extra)
-            if last:
-                run.end_span(_joined(out, streams))
-            return out
-        passed = {name: args[name] for name in streams if name in args}
-        if not last:
-            return passed
-        return _split(run.predicted_span_output(_joined(args, streams)), args, streams)
+        streams = {name: args.get(name) for name in hooks.streams}
+        return run.span_block(
+            first=self.position == 0,
+            last=self.position == len(hooks.keys) - 1,
+            streams=streams,
+            run_block=lambda: self.run_block(args, extra),
+            streams_of=lambda out: {name: out.get(name) for name in streams},
+            in_full=lambda: not hooks.ours_everywhere(args.get("transformer_options")),
+        )
 
 
 def install(

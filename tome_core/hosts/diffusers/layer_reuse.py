@@ -78,11 +78,11 @@ class _Schedule:
 
     def __init__(self, timesteps: torch.Tensor):
         self.tensor = timesteps
-        self.version = timesteps._version  # changes when the tensor is written in place
+        self.version = _version(timesteps)  # changes when the tensor is written in place
         self.values = [float(t) for t in timesteps.flatten().tolist()]
 
     def is_current(self, timesteps) -> bool:
-        return timesteps is self.tensor and timesteps._version == self.version
+        return timesteps is self.tensor and _version(timesteps) == self.version
 
     def step_of(self, timestep: float, step_index) -> int | None:
         """Index of the call's timestep; the scheduler's own step index where it agrees (second-order schedulers
@@ -96,12 +96,26 @@ class _Schedule:
         return None
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for a tensor made under ``torch.inference_mode`` (it has none)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
 def _same(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
 
 
 class PipelineReuse(LayerReuse):
-    """The owner of the UNet's ``SkippableLayer``s: follows the pipeline's runs and holds the current one."""
+    """The owner of the UNet's ``SkippableLayer``s: follows the pipeline's runs and holds the current one.
+
+    The DiT door (``dit_reuse``) subclasses it: the names of the model's input, the scale of its timestep and the
+    calls that must run every layer are what differ."""
+
+    SAMPLE = "sample"  # the keyword of the model's noisy input (also its first positional argument)
+    TIMESTEP_SCALE = 1.0  # the pipeline passes the scheduler's timestep divided by this (Flux: 1000)
 
     def __init__(
         self,
@@ -119,6 +133,7 @@ class PipelineReuse(LayerReuse):
         self.run: LayerReuseRun | None = None  # the run in progress (kept after its end for its counts)
         self._first_step = 0  # the run's first step in the scheduler's timesteps
         self._last_step = -1
+        self._call_in_step = 0  # calls at the same step with the same layout (cond, then uncond) keep apart
         self._logged: LayerReuseRun | None = None  # the run whose summary was logged (once per run)
         self._refused: type | None = None  # the scheduler class last refused (logged once)
 
@@ -132,7 +147,7 @@ class PipelineReuse(LayerReuse):
 
     def before_call(self, module, args, kwargs):
         self._current = None
-        sample = args[0] if args else kwargs.get("sample")
+        sample = args[0] if args else kwargs.get(self.SAMPLE)
         timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
         scheduler, timesteps = self._scheduler_timesteps()
         if timesteps is None or timestep is None or not isinstance(sample, torch.Tensor):
@@ -152,17 +167,25 @@ class PipelineReuse(LayerReuse):
         if self._timesteps is None or not self._timesteps.is_current(timesteps):
             self._timesteps = _Schedule(timesteps)
             self._new_run(None)
-        t = float(torch.as_tensor(timestep).max())
+        t = float(torch.as_tensor(timestep).max()) * self.TIMESTEP_SCALE
         step = self._timesteps.step_of(t, getattr(scheduler, "_step_index", None))
         if step is None:  # not on the schedule (a call of the user's own): run in full, leave the run as it is
             return None
         if self.run is None or step < self._last_step:
             self._new_run(step)
+        self._call_in_step = self._call_in_step + 1 if step == self._last_step else 0
         self._last_step = step
-        key = (tuple(sample.shape), sample.dtype)
+        # Pipelines that run the prompt and the negative prompt as two calls of one step (Wan, Flux's true CFG)
+        # make them in the same order at every step: the call's place in its step tells them apart.
+        key = (tuple(sample.shape), sample.dtype, self._call_in_step)
         position = _sigma_of(scheduler, step, t)
-        self.begin_call(self.run, step - self._first_step, key, allowed=self.allowed(t), position=position)
+        allowed = self.allowed(t) and not self.must_run_in_full(module, kwargs)
+        self.begin_call(self.run, step - self._first_step, key, allowed=allowed, position=position)
         return None
+
+    def must_run_in_full(self, module, kwargs) -> bool:
+        """Whether this call computes every layer whatever the schedule says (see the DiT door)."""
+        return False
 
     def after_call(self, module, args, kwargs, output):
         """Also called when the UNet call raised (``always_call``): the next call starts clean."""

@@ -41,6 +41,7 @@ from ...reducer import Reducer
 from ...schedule import NoiseRange, timestep_of_percent
 from ...settings import PatchSettings
 from ..shared.class_swap import restore_classes
+from . import dit_patch
 from . import layer_reuse as diffusers_layer_reuse
 
 BLOCK_CLASS_NAME = "BasicTransformerBlock"
@@ -55,7 +56,8 @@ _PARENT_FORWARD = "_tome_patch_diffusers_parent_forward"
 
 SUPPORTED = (
     "a diffusers pipeline whose denoiser is a UNet2DConditionModel (Stable Diffusion 1.x/2.x, SDXL and their "
-    "text-to-image, image-to-image, inpainting and ControlNet pipelines) or a UNet2DConditionModel itself"
+    "text-to-image, image-to-image, inpainting and ControlNet pipelines) or a UNet2DConditionModel itself, and "
+    + dit_patch.SUPPORTED
 )
 
 _subclasses: dict[type, type] = {}
@@ -348,6 +350,9 @@ def find_conflict(unet) -> str | None:
 
 
 def is_patched(pipe_or_unet) -> bool:
+    dits = dit_patch.find_transformers(pipe_or_unet)
+    if dits is not None:
+        return any(dit_patch.is_patched(t) for t in dits[0])
     unet = _unet_or_none(pipe_or_unet)
     if unet is None:
         return False
@@ -367,6 +372,11 @@ def _unet_or_none(pipe_or_unet):
 
 def remove_patch(pipe_or_unet):
     """Undo ``apply_patch``; a no-op on anything not patched. Returns what it was given."""
+    dits = dit_patch.find_transformers(pipe_or_unet)
+    if dits is not None:
+        for transformer in dits[0]:
+            dit_patch.remove(transformer)
+        return pipe_or_unet
     unet = _unet_or_none(pipe_or_unet)
     if unet is None:
         return pipe_or_unet
@@ -414,6 +424,10 @@ def apply_patch(pipe_or_unet, **settings):
     if "ratio" in settings and "method" not in settings:
         settings = {"method": "tome", **settings}
     validated = PatchSettings.from_values(**settings)
+    dits = dit_patch.find_transformers(pipe_or_unet)
+    if dits is not None:  # Flux, SD3, Wan: ToDo on the image tokens and reuse across steps (dit_patch)
+        dit_patch.apply_patch(dits, validated, settings)
+        return pipe_or_unet
     unet, pipeline = find_unet(pipe_or_unet)
     levels = attention_levels(unet)
     blocks = transformer_blocks(unet)

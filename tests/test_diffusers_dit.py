@@ -1,0 +1,271 @@
+"""``tome_core.apply_patch`` on diffusers' DiT pipelines (Flux, SD3 / SD3.5, Wan 2.1 and 2.2), assembled offline
+from the real diffusers classes with random weights (``hosts/diffusers_dit_host.py``).
+
+At 12 steps and the default ``reuse_interval`` 3 the DiT schedule (a run under 25 steps reuses one step in two at
+most; full: the first tenth, two at least, and the last four) computes steps 0, 1, 3, 5, 7 and 8-11 in full and
+reuses 2, 4 and 6: three of twelve steps.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hosts import diffusers_dit_host as D
+from test_diffusers import module_snapshot
+
+import tome_core
+from tome_core.hosts.diffusers import dit_attention, dit_reuse, pipeline_patch
+from tome_core.layer_reuse import LayerReuseRun
+
+FORCE = {"skip_when_slower": False}  # the tiny grids are far below the break-even: reduce them anyway
+KINDS = ("flux", "sd3", "wan", "wan2.2")
+MAKERS = {
+    "flux": D.flux_pipeline,
+    "sd3": D.sd3_pipeline,
+    "wan": D.wan_pipeline,
+    "wan2.2": lambda: D.wan_pipeline(two_models=True),
+}
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    return {}
+
+
+def pipeline(pipes, kind):
+    if kind not in pipes:
+        pipes[kind] = MAKERS[kind]()
+    pipe = pipes[kind]
+    assert not pipeline_patch.is_patched(pipe)
+    return pipe
+
+
+def transformers(pipe):
+    return [t for t in (pipe.transformer, getattr(pipe, "transformer_2", None)) if t is not None]
+
+
+def snapshot(pipe):
+    return [
+        (*module_snapshot(t), [type(getattr(m, "processor", None)) for m in t.modules()]) for t in transformers(pipe)
+    ]
+
+
+def counting_runs(monkeypatch) -> list:
+    """Every LayerReuseRun made from now on, for its counts after the generation (a run drops its cache, not
+    its counts)."""
+    runs = []
+    made = LayerReuseRun.__init__
+
+    def record(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        runs.append(self)
+
+    monkeypatch.setattr(LayerReuseRun, "__init__", record)
+    return runs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_default_changes_the_picture_and_removal_is_exact(pipes, kind):
+    pipe = pipeline(pipes, kind)
+    plain = D.run(pipe)
+    before = snapshot(pipe)  # after a run: the pipeline's cache_context adds diffusers' hook registry once
+    assert tome_core.apply_patch(pipe, **FORCE) is pipe
+    assert pipeline_patch.is_patched(pipe)
+    patched = D.run(pipe)
+    assert patched.shape == plain.shape and torch.isfinite(patched).all()
+    assert not torch.equal(patched, plain)
+    assert tome_core.remove_patch(pipe) is pipe
+    assert not pipeline_patch.is_patched(pipe)
+    assert snapshot(pipe) == before  # classes, attributes, hooks and processors as they were
+    assert torch.equal(D.run(pipe), plain)  # bit-identical to never patched
+
+
+@pytest.mark.parametrize("kind, calls_per_step", [("flux", 1), ("sd3", 1), ("wan", 2)])
+def test_reuse_skips_the_dit_schedules_steps(pipes, kind, calls_per_step, monkeypatch):
+    pipe = pipeline(pipes, kind)
+    runs = counting_runs(monkeypatch)
+    tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=3)
+    try:
+        D.run(pipe, steps=12)
+    finally:
+        tome_core.remove_patch(pipe)
+    (run,) = runs
+    assert (run.calls, run.reused_calls) == (12 * calls_per_step, 3 * calls_per_step)
+    assert not run.entries  # the cache is dropped after the last step
+
+
+def test_the_prompt_and_the_negative_prompt_are_predicted_apart(pipes, monkeypatch):
+    """Wan runs them as two calls of one step with the same shapes: each has its own record."""
+    pipe = pipeline(pipes, "wan")
+    entries = []
+    begin = LayerReuseRun.begin_call
+
+    def spy(self, *args, **kwargs):
+        reuse = begin(self, *args, **kwargs)
+        entries.append(len(self.entries))
+        return reuse
+
+    monkeypatch.setattr(LayerReuseRun, "begin_call", spy)
+    tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=3)
+    try:
+        D.run(pipe, steps=12)
+    finally:
+        tome_core.remove_patch(pipe)
+    assert entries[:2] == [1, 2] and max(entries) == 2
+
+
+def test_fewer_than_ten_steps_reuse_nothing(pipes):
+    """Distilled models and Lightning LoRAs: the default then computes exactly what reuse_interval 1 does."""
+    pipe = pipeline(pipes, "flux")
+    tome_core.apply_patch(pipe, **FORCE)
+    default = D.run(pipe, steps=8)
+    tome_core.apply_patch(pipe, reuse_interval=1, **FORCE)
+    todo_alone = D.run(pipe, steps=8)
+    tome_core.remove_patch(pipe)
+    assert torch.equal(default, todo_alone)
+
+
+def test_wan_2_2s_two_transformers_each_reuse_within_their_part(pipes, monkeypatch):
+    pipe = pipeline(pipes, "wan2.2")
+    runs = counting_runs(monkeypatch)
+    tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=2)
+    try:
+        # The second transformer takes the steps under timestep 500: with the scheduler's shift 3, a quarter of
+        # them (12 of 48), enough for it to reuse (a part of under 10 steps would not).
+        D.run(pipe, steps=48)
+    finally:
+        tome_core.remove_patch(pipe)
+    assert len(runs) == 2  # one run per transformer, each from its own first call
+    assert sorted(run.calls for run in runs) == [24, 72]  # two calls per step (the prompt, the negative one)
+    assert all(run.reused_calls > 0 for run in runs)
+
+
+def test_an_interrupted_generation_leaves_nothing_for_the_next(pipes):
+    pipe = pipeline(pipes, "flux")
+    tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=2)
+    try:
+        first = D.run(pipe, steps=12)
+
+        def stop(pipe, step, timestep, kwargs):
+            if step == 5:
+                raise KeyboardInterrupt
+            return kwargs
+
+        with pytest.raises(KeyboardInterrupt):
+            D.run(pipe, steps=12, callback_on_step_end=stop)
+        again = D.run(pipe, steps=12)
+        other = D.run(pipe, steps=14, px=48)  # another size and step count: a fresh run
+        assert torch.isfinite(other).all()
+        assert torch.equal(D.run(pipe, steps=12), first)
+    finally:
+        tome_core.remove_patch(pipe)
+    assert torch.equal(again, first)
+
+
+def test_flux_keys_and_values_of_the_image_are_downsampled(pipes, monkeypatch):
+    """64 px: 16 image tokens (4 x 4) after 8 text tokens; ToDo 2 keeps 4 image keys, every query stays."""
+    import diffusers.models.attention_dispatch as dispatch
+
+    pipe = pipeline(pipes, "flux")
+    shapes = []
+    real = dispatch.dispatch_attention_fn
+
+    def spy(q, k, v, *args, **kwargs):
+        shapes.append((q.shape[1], k.shape[1], kwargs.get("attn_mask") is not None))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "dispatch_attention_fn", spy)
+    tome_core.apply_patch(pipe, downsample_factor=2, reuse_interval=1, **FORCE)
+    try:
+        D.run(pipe, steps=2)
+    finally:
+        tome_core.remove_patch(pipe)
+    assert shapes and set(shapes) == {(24, 12, True)}  # 2 double + 3 single blocks x 2 steps, all reduced
+
+
+def test_flux_processor_computes_what_diffusers_does_where_nothing_is_reduced(pipes):
+    """Below Flux's break-even (4096 image tokens) skip_when_slower keeps every key: the project's processor
+    then runs its own projections, norms, rotary embedding and attention, bit-identical to diffusers'."""
+    pipe = pipeline(pipes, "flux")
+    plain = D.run(pipe)
+    tome_core.apply_patch(pipe, downsample_factor=2, reuse_interval=1)
+    try:
+        processors = [m.processor for m in pipe.transformer.modules() if hasattr(m, "processor")]
+        assert processors and all(isinstance(p, dit_attention.TodoFluxProcessor) for p in processors)
+        assert torch.equal(D.run(pipe), plain)
+    finally:
+        tome_core.remove_patch(pipe)
+
+
+def test_flux_image_tokens_come_from_the_ids():
+    def ids(rows, cols, kind=0):
+        r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+        return torch.stack([torch.full_like(r, kind), r, c], -1).reshape(-1, 3).float()
+
+    assert dit_attention.flux_image_tokens(ids(4, 6)).grid == (1, 4, 6)
+    kontext = dit_attention.flux_image_tokens(torch.cat([ids(4, 6), ids(3, 3, kind=1)]))
+    assert (kontext.grid, kontext.after) == ((1, 4, 6), 9)  # the reference image's tokens stay whole
+    assert dit_attention.flux_image_tokens(ids(4, 6).flip(0)) is None  # not raster order: left alone
+    assert dit_attention.flux_image_tokens(ids(4, 6, kind=1)) is None  # no image tokens
+
+
+def test_tome_and_reuse_on_a_bare_transformer_are_refused_unchanged(pipes):
+    pipe = pipeline(pipes, "flux")
+    before = snapshot(pipe)
+    with pytest.raises(ValueError, match="method 'tome' is not available for Flux"):
+        tome_core.apply_patch(pipe, method="tome", ratio=0.5)
+    with pytest.raises(ValueError, match="reuse_interval above 1 needs the pipeline"):
+        tome_core.apply_patch(pipe.transformer, reuse_interval=3)
+    with pytest.raises(ValueError, match="reuse_interval"):
+        tome_core.apply_patch(pipe, reuse_interval=0)
+    assert snapshot(pipe) == before and not pipeline_patch.is_patched(pipe)
+
+
+def test_a_bare_transformer_gets_todo_and_leaves_the_default_reuse_out(pipes, caplog):
+    pipe = pipeline(pipes, "flux")
+    plain = D.run(pipe)
+    with caplog.at_level(logging.INFO, logger="tome_patch"):
+        tome_core.apply_patch(pipe.transformer, **FORCE)
+    try:
+        assert "reuse across steps (the default reuse_interval 3) is left out" in caplog.text
+        assert dit_reuse.installed(pipe.transformer) is None and dit_attention.installed(pipe.transformer)
+        assert not torch.equal(D.run(pipe), plain)
+    finally:
+        tome_core.remove_patch(pipe.transformer)
+    assert torch.equal(D.run(pipe), plain)
+
+
+def test_diffusers_own_cache_makes_reuse_stand_down(pipes, caplog, monkeypatch):
+    """First Block Cache on the transformer: ours computes every block (with a warning), theirs still skips."""
+    from diffusers import FirstBlockCacheConfig
+
+    # A pipeline that never ran: diffusers 0.39 keeps the list of a transformer's hook registries from its first
+    # cache_context, so a cache enabled after a run would get no context (their issue, not this patch's).
+    pipe = D.flux_pipeline()
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    try:
+        cache_alone = D.run(pipe, steps=12)
+        runs = counting_runs(monkeypatch)
+        with caplog.at_level(logging.INFO, logger="tome_patch"):
+            tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=3)
+            both = D.run(pipe, steps=12)
+        tome_core.remove_patch(pipe)
+    finally:
+        pipe.transformer.disable_cache()
+    assert "diffusers' own cache is enabled" in caplog.text
+    assert runs and all(run.reused_calls == 0 for run in runs)
+    assert torch.equal(both, cache_alone)
+
+
+def test_sd3_and_wan_say_todo_is_not_wired_and_reuse_alone_applies(pipes, caplog):
+    pipe = pipeline(pipes, "sd3")
+    with caplog.at_level(logging.INFO, logger="tome_patch"):
+        tome_core.apply_patch(pipe)
+    try:
+        assert "ToDo is not available for SD3 in diffusers yet" in caplog.text
+        assert dit_reuse.installed(pipe.transformer) is not None
+        assert not dit_attention.installed(pipe.transformer)
+    finally:
+        tome_core.remove_patch(pipe)

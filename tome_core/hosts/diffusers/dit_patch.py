@@ -1,0 +1,121 @@
+"""The patch for diffusers' DiT pipelines: Flux (``FluxPipeline`` and its image-to-image, inpainting, Kontext and
+ControlNet variants), SD3 / SD3.5 (``StableDiffusion3Pipeline`` and variants) and Wan 2.x (``WanPipeline``,
+``WanImageToVideoPipeline``; Wan 2.2's second transformer too).
+
+What it does: ToDo on the attention of the image (video) tokens (``dit_attention``) and reuse across steps
+(``dit_reuse``), through the engine objects that ComfyUI's DiT doors use. ToMe is not offered on DiTs (as in
+ComfyUI). ``pipeline_patch.apply_patch`` / ``remove_patch`` call this module for a pipeline whose denoiser is one
+of these transformers, or for such a transformer itself (ToDo only: reuse needs the pipeline's scheduler).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+from ...schedule import NoiseRange
+from ...settings import SPECS, PatchSettings
+from . import dit_attention, dit_reuse
+
+log = logging.getLogger("tome_patch")
+
+SUPPORTED = (
+    "diffusers' DiT pipelines whose transformer is a FluxTransformer2DModel (Flux.1 dev/schnell/Kontext and their "
+    "image-to-image, inpainting and ControlNet pipelines), an SD3Transformer2DModel (SD3, SD3.5) or a "
+    "WanTransformer3DModel (Wan 2.1/2.2 text- and image-to-video)"
+)
+TRANSFORMER_ATTRIBUTES = ("transformer", "transformer_2")  # Wan 2.2: the second one samples the low-noise part
+
+
+def _unwrap(module):
+    return getattr(module, "_orig_mod", module)  # a torch.compile wrapper keeps the module as ``_orig_mod``
+
+
+def is_dit(module) -> bool:
+    return module is not None and dit_reuse.layout_of(_unwrap(module)) is not None
+
+
+def find_transformers(pipe_or_transformer) -> tuple[list, object | None] | None:
+    """(the DiT transformers, the pipeline or None) of what the user passed, or None if it has none we support."""
+    if is_dit(pipe_or_transformer):
+        return [_unwrap(pipe_or_transformer)], None
+    found = [_unwrap(getattr(pipe_or_transformer, name, None)) for name in TRANSFORMER_ATTRIBUTES]
+    found = [t for t in found if is_dit(t)]
+    return (found, pipe_or_transformer) if found else None
+
+
+def flow_timestep_of_percent(scheduler):
+    """Percent of sampling -> the scheduler's timestep (``sigma x num_train_timesteps`` for the flow-matching
+    schedulers of these pipelines: percent p is sigma 1 - p, before any shift)."""
+    config = getattr(scheduler, "config", None) or {}
+    steps = float(config.get("num_train_timesteps", 1000) if hasattr(config, "get") else 1000)
+    return lambda percent: (1.0 - percent) * steps
+
+
+def apply_patch(found: tuple[list, object | None], validated: PatchSettings, asked: dict):
+    """Patch the transformers of ``found`` (from ``find_transformers``) with ``validated``; ``asked``: the
+    settings the user named (a default that cannot apply is left out with a log line, a named one raises)."""
+    transformers, pipeline = found
+    family = dit_reuse.layout_of(transformers[0]).name
+    if validated.method == "tome":
+        raise ValueError(
+            f"method 'tome' is not available for {family} (a DiT): use method 'todo' (ToDo on the image tokens' "
+            "keys and values) and/or reuse_interval above 1"
+        )
+    if "max_downsample" in asked and validated.max_downsample != SPECS["max_downsample"].default:
+        log.info("ToMe Patch: max_downsample does not apply to %s (a DiT has one token grid); ignored.", family)
+    reuse = validated.reuse_interval > 1 and not validated.is_noop
+    if reuse and pipeline is None:
+        message = (
+            "reuse_interval above 1 needs the pipeline, whose scheduler tells which step each transformer call is: "
+            "pass the pipeline to apply_patch, not its transformer (or use reuse_interval=1)"
+        )
+        if "reuse_interval" in asked:
+            raise ValueError(message)
+        log.info("ToMe Patch: reuse across steps (the default reuse_interval 3) is left out: %s", message)
+        reuse = False
+    for transformer in transformers:
+        remove(transformer)
+    allowed = _StepRange(validated, pipeline)
+    for transformer in transformers:
+        if reuse:
+            if getattr(transformer, "is_cache_enabled", False):
+                log.warning(
+                    "ToMe Patch: diffusers' own cache is enabled on the %s transformer (enable_cache): reuse "
+                    "across steps stands down while it is (ToDo still applies).",
+                    family,
+                )
+            dit_reuse.install(transformer, pipeline, validated, allowed.contains)
+        layout = dit_reuse.layout_of(transformer)
+        dit_attention.install(transformer, validated, allowed.contains, layout.name, layout.timestep_scale)
+
+
+def remove(transformer) -> None:
+    dit_reuse.remove(transformer)
+    dit_attention.remove(transformer)
+
+
+def is_patched(transformer) -> bool:
+    return dit_reuse.installed(transformer) is not None or dit_attention.installed(transformer)
+
+
+class _StepRange:
+    """Whether a call (its scheduler timestep) is inside the settings' range, through the pipeline's current
+    scheduler (looked up at each call: a scheduler swapped after ``apply_patch`` is followed)."""
+
+    def __init__(self, settings: PatchSettings, pipeline):
+        self.settings = settings
+        self._pipeline = weakref.ref(pipeline) if pipeline is not None else None
+        self._scheduler = object()
+        self.noise_range = None
+
+    def contains(self, timestep: float) -> bool:
+        s = self.settings
+        if s.start_percent <= 0.0 and s.end_percent >= 1.0:
+            return True
+        pipeline = self._pipeline() if self._pipeline is not None else None
+        scheduler = getattr(pipeline, "scheduler", None)
+        if scheduler is not self._scheduler:
+            self._scheduler = scheduler
+            self.noise_range = NoiseRange(s.start_percent, s.end_percent, flow_timestep_of_percent(scheduler))
+        return self.noise_range.contains(timestep)
