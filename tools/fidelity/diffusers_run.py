@@ -1,0 +1,345 @@
+"""``python -m tools.fidelity.diffusers_run``: the fidelity benchmark's diffusers path for the DiT reference,
+with diffusers' own step caches side by side with ours.
+
+The reference (``ref-flux-deep`` by default) runs as diffusers' ``FluxTransformer2DModel`` (``diffusers_flux``:
+converted from the committed ComfyUI weights, checked to give the ComfyUI model's output within float tolerance)
+inside a real ``FluxPipeline`` with Flux.1-dev's scheduler configuration (flow matching, dynamic shift), the same
+prompts, seed and CFG as the ComfyUI path (true CFG 4 against the empty prompt, guidance 3.5). Rows:
+
+- unpatched;
+- ours: ``tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=N)`` (reuse alone, the DiT setting);
+- diffusers' ``FirstBlockCacheConfig``, ``TaylorSeerCacheConfig`` and ``MagCacheConfig`` at three settings each
+  (``pipe.transformer.enable_cache``). MagCache is calibrated on the reference first, as diffusers' docs say
+  (one run with ``calibrate=True``; its ratios are in the report).
+
+Each row: same-seed SSIM (and the lowest image's) against unpatched, attributes, FD, wall time, and the blocks'
+work: the multiply-adds of every Linear layer inside the transformer blocks, per block, as a share of
+unpatched's. "At Flux.1's depth" converts that work to 57 blocks: the first and the last block as measured, the
+55 between them as the mean of the reference's middle blocks (every method here skips the middle blocks alike);
+speed = 1 / that work. Writes ``results/diffusers-fidelity-<model>.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+FLUX_1_DEPTH = 57  # Flux.1's 19 double and 38 single blocks
+# Flux.1-dev's scheduler configuration (its scheduler_config.json), which diffusers users get.
+FLUX_SCHEDULER = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+}
+
+
+@dataclass
+class Row:
+    name: str
+    group: str  # "unpatched", "ours", "diffusers"
+    setup: object = None  # setup(pipe, args) -> None, before sampling
+    settings: dict = field(default_factory=dict)
+
+
+def _ours(interval: int):
+    def setup(pipe, args):
+        import tome_core
+
+        tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=interval)
+
+    return setup
+
+
+def _cache(make):
+    def setup(pipe, args):
+        pipe.transformer.enable_cache(make(args))
+        forget_hook_registries(pipe.transformer)
+
+    return setup
+
+
+def forget_hook_registries(transformer) -> None:
+    """diffusers 0.39 keeps, from a model's first ``cache_context``, the list of its blocks' hook registries and
+    never renews it: a cache enabled after the pipeline has run once gets no context and raises ("No context is
+    set"). Dropping the kept list makes the next ``cache_context`` look again, as on a fresh pipeline."""
+    for module in transformer.modules():
+        registry = module.__dict__.get("_diffusers_hook")
+        if registry is not None and hasattr(registry, "_child_registries_cache"):
+            registry._child_registries_cache = None
+
+
+def rows(mag_ratios) -> list[Row]:
+    from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+
+    out = [Row("unpatched", "unpatched")]
+    for interval in (4, 6, 8):
+        out.append(Row(f"ours reuse every {interval}", "ours", _ours(interval), {"reuse_interval": interval}))
+    for threshold in (0.08, 0.12, 0.2):
+        make = lambda args, t=threshold: FirstBlockCacheConfig(threshold=t)  # noqa: E731
+        out.append(Row(f"First Block Cache {threshold}", "diffusers", _cache(make), {"threshold": threshold}))
+    # (5, 1): diffusers' defaults (attention forecast, the MLPs computed); lite: its whole-block variant (blocks
+    # skipped, the output projection forecast), published for Wan 2.2.
+    for interval, order, lite in ((3, 1, False), (4, 2, False), (5, 1, False), (4, 2, True)):
+        make = lambda args, i=interval, o=order, lite=lite: TaylorSeerCacheConfig(  # noqa: E731
+            cache_interval=i, max_order=o, taylor_factors_dtype=torch.float32, use_lite_mode=lite
+        )
+        name = f"TaylorSeer every {interval}, order {order}" + (", lite" if lite else "")
+        settings = {"cache_interval": interval, "max_order": order, "use_lite_mode": lite}
+        out.append(Row(name, "diffusers", _cache(make), settings))
+    for threshold in (0.03, 0.06, 0.12):  # 0.06: diffusers' default
+        make = lambda args, t=threshold: MagCacheConfig(  # noqa: E731
+            threshold=t, num_inference_steps=args.steps, mag_ratios=list(mag_ratios)
+        )
+        out.append(Row(f"MagCache {threshold}", "diffusers", _cache(make), {"threshold": threshold}))
+    return out
+
+
+def teardown(pipe) -> None:
+    import tome_core
+
+    tome_core.remove_patch(pipe)
+    if getattr(pipe.transformer, "is_cache_enabled", False):
+        pipe.transformer.disable_cache()
+
+
+class BlockWork:
+    """Multiply-adds of every Linear layer inside each transformer block, per block, while it is entered."""
+
+    def __init__(self, transformer):
+        self.blocks = list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks)
+        self.macs = [0] * len(self.blocks)
+        self.handles = []
+
+    def __enter__(self):
+        for index, block in enumerate(self.blocks):
+            for module in block.modules():
+                if isinstance(module, torch.nn.Linear):
+                    self.handles.append(module.register_forward_hook(self._counter(index)))
+        return self
+
+    def _counter(self, index):
+        def count(module, inputs, output):
+            tokens = inputs[0].numel() // module.in_features
+            self.macs[index] += tokens * module.in_features * module.out_features
+
+        return count
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+
+def at_depth(shares: list[float], depth: int = FLUX_1_DEPTH) -> float:
+    """A run's blocks' work at ``depth`` blocks from the reference's per-block shares (see the docstring)."""
+    middle = shares[1:-1]
+    return (shares[0] + shares[-1] + (depth - 2) * sum(middle) / len(middle)) / depth
+
+
+def build_pipeline(transformer):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    return FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=transformer,
+    )
+
+
+def sample(pipe, text, args, size: int) -> torch.Tensor:
+    """Latents (batch, channels, size, size) of the prompts in ``text``, each with its own seed generator."""
+    from tools.fidelity import diffusers_flux
+    from tools.fidelity.reference import models
+
+    context, pooled, negative, negative_pooled = text
+    n = context.shape[0]
+    images = []
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            out = pipe(
+                prompt_embeds=context,
+                pooled_prompt_embeds=pooled,
+                negative_prompt_embeds=negative.expand(n, -1, -1),
+                negative_pooled_prompt_embeds=negative_pooled.expand(n, -1),
+                true_cfg_scale=args.cfg,
+                guidance_scale=models.FLUX_GUIDANCE,
+                height=size * 8,
+                width=size * 8,
+                num_inference_steps=args.steps,
+                generator=generator,
+                output_type="latent",
+            ).images
+        images.append(diffusers_flux.unpack(out, size, size))
+    return torch.cat(images)
+
+
+def calibrate_mag_ratios(pipe, text, args, size: int) -> list[float]:
+    """MagCache's ratios for this model and step count: one run with ``calibrate=True`` (diffusers logs them)."""
+    from diffusers import MagCacheConfig
+
+    found = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if "MagCache Calibration Results:" in message:
+                found.append(json.loads(message.split(":", 1)[1].strip()))
+
+    logger = logging.getLogger("diffusers.hooks.mag_cache")
+    handler, level = Grab(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    pipe.transformer.enable_cache(MagCacheConfig(calibrate=True, num_inference_steps=args.steps))
+    forget_hook_registries(pipe.transformer)
+    try:
+        one = argparse.Namespace(**{**vars(args), "seeds": 1})
+        sample(pipe, text, one, size)
+    finally:
+        pipe.transformer.disable_cache()
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    if not found:
+        raise RuntimeError("MagCache's calibration logged no ratios")
+    return found[0]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m tools.fidelity.diffusers_run", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="ref-flux-deep", help="a Flux reference model (ref-flux, ref-flux-deep)")
+    parser.add_argument("--scale", type=int, default=1, help="image size as a multiple of the training size")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--cfg", type=float, default=4.0)
+    parser.add_argument("--only", default="", help="comma-separated words: rows whose name contains one")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--real", type=int, default=1024, help="real scenes for the Frechet distance")
+    parser.add_argument("--out", default=str(ROOT / "results"))
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    from tools.bench.host import setup_comfy
+    from tools.bench.report import machine, versions
+
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    setup_comfy("cpu")  # the reference weights load through ComfyUI's Flux class
+    from tools.fidelity import diffusers_flux
+    from tools.fidelity.reference import data, models
+    from tools.fidelity.run import PROMPT_SEED, FrechetDistance, attribute_accuracy, image_metrics
+
+    started = time.time()
+
+    def log(message):
+        print(f"[{time.time() - started:6.0f} s] {message}", flush=True)
+
+    base, encoder = models.load_reference(args.model)
+    transformer, _ = diffusers_flux.load_transformer(args.model, base)
+    difference = diffusers_flux.max_difference(args.model)
+    log(f"{args.model} as diffusers' FluxTransformer2DModel: largest difference to ComfyUI's model {difference:.2e}")
+    classifier = models.load_classifier()
+    every = data.all_prompts().as_tensor()
+    prompts = every[torch.randperm(len(every), generator=torch.Generator().manual_seed(PROMPT_SEED))[: args.prompts]]
+    labels = prompts.repeat(args.seeds, 1)
+    real, _ = data.batch(args.real, models.TRAIN_SIZE, torch.Generator().manual_seed(PROMPT_SEED + 1))
+    frechet = FrechetDistance(classifier, real)
+    with torch.no_grad():
+        context, pooled = encoder(prompts)
+        negative, negative_pooled = encoder(models.PromptEncoder.empty(1))
+    text = (context, pooled, negative, negative_pooled)
+    size = models.TRAIN_SIZE * args.scale
+    pipe = build_pipeline(transformer)
+    pipe.set_progress_bar_config(disable=True)
+    sample(pipe, text, argparse.Namespace(**{**vars(args), "seeds": 1, "steps": 2}), size)  # warm-up
+    log("MagCache calibration run ...")
+    mag_ratios = calibrate_mag_ratios(pipe, text, args, size)
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+    records, baseline = [], None
+    for row in rows(mag_ratios):
+        if row.group != "unpatched" and wanted and not any(w in row.name for w in wanted):
+            continue
+        log(f"{row.name} ...")
+        if row.setup is not None:
+            row.setup(pipe, args)
+        try:
+            with BlockWork(pipe.transformer) as work:
+                wall = time.perf_counter()
+                images = sample(pipe, text, args, size)
+                wall = time.perf_counter() - wall
+        finally:
+            teardown(pipe)
+        if baseline is None:
+            baseline = {"images": images, "wall": wall, "macs": work.macs}
+        shares = [m / b for m, b in zip(work.macs, baseline["macs"], strict=True)]
+        record = {
+            "row": row.name,
+            "group": row.group,
+            "settings": row.settings,
+            **image_metrics(images, baseline["images"]),
+            "accuracy": attribute_accuracy(classifier, images, labels),
+            "frechet": frechet(images),
+            "wall_s": wall,
+            "speedup_wall": baseline["wall"] / wall,
+            "block_shares": shares,
+            "blocks_work": sum(work.macs) / sum(baseline["macs"]),
+            "work_at_flux1_depth": at_depth(shares),
+        }
+        records.append(record)
+        log(
+            f"  ssim {record['ssim']:.3f} ({record['ssim_min']:.3f}), attributes {record['accuracy']['mean']:.3f}, "
+            f"FD {record['frechet']:.2f}, blocks' work {record['blocks_work']:.2f}, at Flux.1's depth "
+            f"{1 / record['work_at_flux1_depth']:.2f}x, {wall:.0f} s"
+        )
+    report = {
+        "model": args.model,
+        "host": "diffusers",
+        "machine": machine(torch.device("cpu")),
+        "versions": versions(),
+        "date": time.strftime("%Y-%m-%d"),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "comfyui_difference": difference,
+        "mag_ratios": mag_ratios,
+        "minutes": round((time.time() - started) / 60, 1),
+        "records": records,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"diffusers-fidelity-{args.model}.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(table(report))
+    return report
+
+
+def table(report: dict) -> str:
+    lines = [
+        f"{report['model']} in diffusers, {report['settings']['steps']} steps ({report['date']})",
+        "| row | SSIM (lowest) | attributes | FD | blocks' work | at Flux.1's depth |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["records"]:
+        lines.append(
+            f"| {r['row']} | {r['ssim']:.3f} ({r['ssim_min']:.3f}) | {r['accuracy']['mean']:.1%} | "
+            f"{r['frechet']:.2f} | {r['blocks_work']:.2f} | {1 / r['work_at_flux1_depth']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
