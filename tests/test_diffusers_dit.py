@@ -259,13 +259,59 @@ def test_diffusers_own_cache_makes_reuse_stand_down(pipes, caplog, monkeypatch):
     assert torch.equal(both, cache_alone)
 
 
-def test_sd3_and_wan_say_todo_is_not_wired_and_reuse_alone_applies(pipes, caplog):
-    pipe = pipeline(pipes, "sd3")
-    with caplog.at_level(logging.INFO, logger="tome_patch"):
-        tome_core.apply_patch(pipe)
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        # SD3: 16 image tokens (4 x 4 patches) before 8 text tokens in joint attention (2 x 2 image keys kept,
+        # with the mask that gives them their share), the image alone in SD3.5's extra self-attention (no mask).
+        ("sd3", {(24, 12, True), (16, 4, False)}),
+        # Wan: 2 latent frames of 4 x 4 patches in self-attention (ToDo 2 keeps 2 x 2 per frame); the
+        # cross-attention to the 8 text tokens is diffusers' own (not seen here).
+        ("wan", {(32, 8, False)}),
+    ],
+)
+def test_sd3_and_wan_keys_and_values_of_the_image_are_downsampled(pipes, kind, expected, monkeypatch):
+    import diffusers.models.attention_dispatch as dispatch
+
+    pipe = pipeline(pipes, kind)
+    shapes = set()
+    sdpa, dispatched = torch.nn.functional.scaled_dot_product_attention, dispatch.dispatch_attention_fn
+
+    def spy_sdpa(q, k, v, *args, **kwargs):  # SD3's processor: (batch, heads, tokens, head_dim)
+        shapes.add((q.shape[2], k.shape[2], kwargs.get("attn_mask") is not None))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    def spy_dispatch(q, k, v, *args, **kwargs):  # Wan's: (batch, tokens, heads, head_dim)
+        if q.shape[1] == k.shape[1] * 4:  # ours (the text cross-attention goes through diffusers' processor)
+            shapes.add((q.shape[1], k.shape[1], kwargs.get("attn_mask") is not None))
+        return dispatched(q, k, v, *args, **kwargs)
+
+    if kind == "sd3":  # its processor calls PyTorch's attention itself
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy_sdpa)
+    else:
+        monkeypatch.setattr(dispatch, "dispatch_attention_fn", spy_dispatch)
+    tome_core.apply_patch(pipe, downsample_factor=2, reuse_interval=1, **FORCE)
     try:
-        assert "ToDo is not available for SD3 in diffusers yet" in caplog.text
-        assert dit_reuse.installed(pipe.transformer) is not None
-        assert not dit_attention.installed(pipe.transformer)
+        D.run(pipe, steps=2)
+    finally:
+        tome_core.remove_patch(pipe)
+    assert shapes == expected
+
+
+@pytest.mark.parametrize("kind", ["sd3", "wan"])
+def test_sd3_and_wan_processors_compute_what_diffusers_does_where_nothing_is_reduced(pipes, kind):
+    """Below the ToDo threshold (1024 image tokens) skip_when_slower keeps every key: the project's processors run
+    their own path, bit-identical to diffusers' processors."""
+    pipe = pipeline(pipes, kind)
+    plain = D.run(pipe)
+    tome_core.apply_patch(pipe, downsample_factor=2, reuse_interval=1)
+    try:
+        held = [
+            m.processor
+            for m in pipe.transformer.modules()
+            if isinstance(getattr(m, "processor", None), dit_attention._HeldProcessor)
+        ]
+        assert held
+        assert torch.equal(D.run(pipe), plain)
     finally:
         tome_core.remove_patch(pipe)

@@ -1,65 +1,86 @@
 """diffusers: ToDo on the attention of DiT transformers (the engine's ``SequenceDownsample``, as in ComfyUI's DiT
-door): the keys and values of the image tokens are downsampled on their grid, after the rotary position
-embedding, so every kept key keeps its own position; queries and text keys stay whole, and the kept image keys
-get their share of the softmax back through the additive mask (``joint_attention``).
+door): the keys and values of the image (video) tokens are downsampled on their grid, after any rotary position
+embedding, so every kept key keeps its own position; queries and text keys stay whole, and in joint attention
+the kept image keys get their share of the softmax back through an additive mask (``joint_attention``).
 
-Hook point (checked in diffusers 0.39.0): ``FluxAttention.forward`` hands every call to its ``processor``. Where
-that is diffusers' own ``FluxAttnProcessor`` (double and single blocks alike), the patch sets a ``TodoFluxProcessor``
-that holds it: per call it computes the projections, the q/k norms and the rotary embedding through the module's
-own layers and diffusers' ``apply_rotary_emb``, downsamples the image keys and values, and calls diffusers'
-``dispatch_attention_fn`` with the processor's own attention backend; a call it cannot reduce (outside the step
-range, fused projections, a mask of the caller's, a backend that takes no mask, another layout) goes to the held
-processor unchanged. Any other processor (IP-Adapter's, a user's own) is left in place, unreduced.
+Hook point (checked in diffusers 0.39.0): each attention module hands every call to its ``processor``. Where that
+is diffusers' own processor of the family, the patch sets one of ours that holds it and, per call, computes the
+projections, the q/k norms and the rotary embedding through the module's own layers, downsamples the image keys
+and values, runs the attention, and applies the module's output layers, as diffusers' does:
+- Flux (``FluxAttnProcessor``, double and single blocks): the sequence is [text, image, Kontext references];
+  attention through diffusers' ``dispatch_attention_fn`` with the processor's own backend;
+- SD3 / SD3.5 (``JointAttnProcessor2_0``): [image, text] in joint attention, the image alone in SD3.5's extra
+  self-attention; no rotary embedding (positions are added to the tokens before the blocks);
+- Wan (``WanAttnProcessor``): the self-attention over frames x h x w tokens (rotary embedding applied); the
+  cross-attention to the text is left to diffusers' processor.
+A call it cannot reduce (outside the step range, fused projections, a mask of the caller's, an attention backend
+that takes no mask where one is needed, another layout) goes to the held processor unchanged. Any other
+processor (IP-Adapter's, a user's own) is left in place, unreduced.
 
-The image grid comes from the transformer call's ``img_ids`` (Flux packs 2x2 latent patches in raster order;
-Kontext's reference tokens, whose first id is not 0, come after the image and stay whole), read by a forward
-pre-hook on the transformer. SD3 and Wan: ToDo is not wired in this host yet (reuse across steps is); the patch
-says so once and leaves their attention as it is.
+The image grid comes from the transformer call, read by a forward pre-hook: Flux's ``img_ids`` (2x2 latent
+patches in raster order; Kontext's reference tokens, whose first id is not 0, come after the image and stay
+whole), SD3's and Wan's ``hidden_states`` shape and patch size.
 """
 
 from __future__ import annotations
 
-import logging
+import math
 from collections.abc import Callable
 
 import torch
 
 from ...joint_attention import ImageTokens, SequenceDownsample
 
-log = logging.getLogger("tome_patch")
-
 _STATE = "_tome_patch_dit_attention"  # on the transformer: its _CallState
 _HOOK = "_tome_patch_dit_attention_hook"
-FLUX_PROCESSORS = ("FluxAttnProcessor", "FluxAttnProcessor2_0")
 # The attention backends that take an additive mask (the kept image keys' share of the softmax needs one).
 MASKED_BACKENDS = (None, "native", "_native_math", "_native_efficient", "_native_cudnn")
-# Flux's break-even, as in ComfyUI's door (hosts.comfyui.dit.MIN_IMAGE_TOKENS): 4096 image tokens (1024 px).
-FLUX_MIN_IMAGE_TOKENS = 4096
+# skip_when_slower's break-even, as in ComfyUI's door (``hosts.comfyui.dit.MIN_IMAGE_TOKENS``): Flux from 4096
+# image tokens (1024 px); SD3 and Wan the engine's ToDo threshold.
+MIN_IMAGE_TOKENS = {"Flux": 4096, "SD3": None, "Wan": None}
 
 
 class _CallState:
-    """What the transformer call in progress looks like: its image tokens, or None (leave attention as it is)."""
+    """What the transformer call in progress looks like: its image grid, or None (leave attention as it is)."""
 
-    def __init__(self, reducer: SequenceDownsample, allowed: Callable[[float], bool], timestep_scale: float):
+    def __init__(self, family: str, reducer: SequenceDownsample, allowed: Callable[[float], bool], scale: float):
+        self.family = family
         self.reducer = reducer
         self.allowed = allowed
-        self.timestep_scale = timestep_scale
-        self.tokens: ImageTokens | None = None
+        self.timestep_scale = scale
+        self.grid = None  # Flux: ImageTokens (the ids say where); SD3 and Wan: the grid (frames, h, w)
+        self.patch = None
 
     def before_call(self, module, args, kwargs):
-        self.tokens = None
-        img_ids = kwargs.get("img_ids")
-        timestep = kwargs.get("timestep")
-        if not isinstance(img_ids, torch.Tensor) or img_ids.dim() not in (2, 3):
-            return None
+        self.grid = None
+        timestep = kwargs.get("timestep")  # the pipelines pass it by name; a call without it counts as in range
         if timestep is not None and not self.allowed(float(torch.as_tensor(timestep).max()) * self.timestep_scale):
             return None
-        self.tokens = flux_image_tokens(img_ids)
+        if self.family == "Flux":
+            img_ids = kwargs.get("img_ids")
+            if isinstance(img_ids, torch.Tensor) and img_ids.dim() in (2, 3):
+                self.grid = flux_image_tokens(img_ids)
+            return None
+        x = args[0] if args else kwargs.get("hidden_states")
+        patch = _patch_of(module)
+        if isinstance(x, torch.Tensor) and patch is not None and x.dim() == len(patch) + 2:
+            self.grid = tuple(math.ceil(n / p) for n, p in zip(x.shape[2:], patch, strict=True))
+            if len(self.grid) == 2:
+                self.grid = (1, *self.grid)
         return None
 
     def after_call(self, module, args, kwargs, output):
-        self.tokens = None
+        self.grid = None
         return None
+
+
+def _patch_of(transformer) -> tuple[int, ...] | None:
+    patch = getattr(getattr(transformer, "config", None), "patch_size", None)
+    if isinstance(patch, int):
+        return (patch, patch)
+    if isinstance(patch, (tuple, list)) and all(isinstance(p, int) for p in patch):
+        return tuple(patch)
+    return None
 
 
 def flux_image_tokens(img_ids: torch.Tensor) -> ImageTokens | None:
@@ -80,8 +101,12 @@ def flux_image_tokens(img_ids: torch.Tensor) -> ImageTokens | None:
     return ImageTokens((1, rows, cols), after=ids.shape[0] - image)
 
 
-class TodoFluxProcessor:
-    """diffusers' ``FluxAttnProcessor`` with ToDo on the image keys and values (see the module docstring)."""
+def _backend_name(backend):
+    return backend.value if hasattr(backend, "value") else backend
+
+
+class _HeldProcessor:
+    """Ours, holding diffusers' processor of the family: reduces what it can, hands the rest to the held one."""
 
     def __init__(self, state: _CallState, original):
         self.state = state
@@ -95,14 +120,24 @@ class TodoFluxProcessor:
     def _parallel_config(self):
         return getattr(self.original, "_parallel_config", None)
 
+    def _reduce(self, k, v, tokens: ImageTokens, dim: int, needs_mask: bool):
+        """(k, v, mask) with the image keys and values downsampled, or (k, v, None) unchanged."""
+        reduced = self.state.reducer.keys_values(k, v, tokens, dim)
+        if reduced is None or (reduced[2] is not None and not needs_mask):
+            return k, v, None
+        return reduced
+
+
+class TodoFluxProcessor(_HeldProcessor):
+    """diffusers' ``FluxAttnProcessor`` with ToDo on the image keys and values."""
+
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        tokens = self.state.tokens
-        backend = self._attention_backend
+        tokens = self.state.grid
         if (
             tokens is None
             or attention_mask is not None
             or getattr(attn, "fused_projections", False)
-            or (backend.value if hasattr(backend, "value") else backend) not in MASKED_BACKENDS
+            or _backend_name(self._attention_backend) not in MASKED_BACKENDS
             or self._parallel_config is not None
         ):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
@@ -121,15 +156,9 @@ class TodoFluxProcessor:
         if image_rotary_emb is not None:
             q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
             k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        reduced = self.state.reducer.keys_values(k, v, tokens, 1)
-        if reduced is None:
-            mask = None
-        else:
-            k, v, mask = reduced
-        out = dispatch_attention_fn(
-            q, k, v, attn_mask=mask, backend=backend, parallel_config=self._parallel_config
-        ).flatten(2, 3)
-        out = out.to(q.dtype)
+        k, v, mask = self._reduce(k, v, tokens, 1, needs_mask=True)
+        out = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=self._attention_backend)
+        out = out.flatten(2, 3).to(q.dtype)
         if not joint:
             return out
         text_out, image_out = out.split_with_sizes([encoder_hidden_states.shape[1], hidden_states.shape[1]], dim=1)
@@ -137,23 +166,97 @@ class TodoFluxProcessor:
         return image_out, attn.to_add_out(text_out.contiguous())
 
 
+class TodoJointProcessor(_HeldProcessor):
+    """diffusers' ``JointAttnProcessor2_0`` (SD3, SD3.5) with ToDo on the image keys and values."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        grid = self.state.grid
+        if grid is None or attention_mask is not None or args or kwargs or hidden_states.dim() != 3:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+        batch, image = hidden_states.shape[:2]
+
+        def heads(x):  # (batch, tokens, channels) -> (batch, heads, tokens, head_dim)
+            return x.unflatten(-1, (attn.heads, -1)).transpose(1, 2)
+
+        q, k, v = (heads(proj(hidden_states)) for proj in (attn.to_q, attn.to_k, attn.to_v))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        text = 0
+        if encoder_hidden_states is not None:
+            text = encoder_hidden_states.shape[1]
+            tq, tk, tv = (heads(p(encoder_hidden_states)) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            if attn.norm_added_q is not None:
+                tq = attn.norm_added_q(tq)
+            if attn.norm_added_k is not None:
+                tk = attn.norm_added_k(tk)
+            q, k, v = (torch.cat(pair, dim=2) for pair in ((q, tq), (k, tk), (v, tv)))
+        k, v, mask = self._reduce(k, v, ImageTokens(grid, after=text, before=0), 2, needs_mask=True)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(batch, -1, q.shape[1] * q.shape[3]).to(q.dtype)
+        image_out = attn.to_out[1](attn.to_out[0](out[:, :image]))
+        if encoder_hidden_states is None:
+            return image_out
+        text_out = out[:, image:]
+        if not attn.context_pre_only:
+            text_out = attn.to_add_out(text_out)
+        return image_out, text_out
+
+
+def _wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding: each (even, odd) channel pair of ``x`` turned by the angle whose cosine and sine
+    ``cos`` / ``sin`` hold (repeated per pair)."""
+    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).type_as(x)
+
+
+class TodoWanProcessor(_HeldProcessor):
+    """diffusers' ``WanAttnProcessor`` with ToDo on the video tokens' keys and values (self-attention only)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        grid = self.state.grid
+        if (
+            grid is None
+            or encoder_hidden_states is not None  # the cross-attention to the text
+            or attention_mask is not None
+            or getattr(attn, "fused_projections", False)
+            or getattr(attn, "add_k_proj", None) is not None
+        ):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        q, k = attn.norm_q(q), attn.norm_k(k)  # across the heads, before they are split
+        q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (q, k, v))  # (batch, tokens, heads, head_dim)
+        if rotary_emb is not None:
+            q, k = _wan_rotary(q, *rotary_emb), _wan_rotary(k, *rotary_emb)
+        k, v, _ = self._reduce(k, v, ImageTokens(grid, before=0), 1, needs_mask=False)  # all grid: no bias
+        out = dispatch_attention_fn(q, k, v, backend=self._attention_backend, parallel_config=self._parallel_config)
+        out = out.flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+PROCESSORS = {
+    "Flux": (("FluxAttnProcessor", "FluxAttnProcessor2_0"), TodoFluxProcessor),
+    "SD3": (("JointAttnProcessor2_0",), TodoJointProcessor),
+    "Wan": (("WanAttnProcessor", "WanAttnProcessor2_0"), TodoWanProcessor),
+}
+
+
 def install(transformer, settings, allowed: Callable[[float], bool], family: str, timestep_scale: float) -> bool:
     """ToDo on ``transformer``'s attention; False where it reduces nothing here (left as it is)."""
-    if family != "Flux":
-        if settings.method == "todo" and not settings.reduces_nothing:
-            log.info(
-                "ToMe Patch: ToDo is not available for %s in diffusers yet; reuse across steps applies alone.", family
-            )
-        return False
-    reducer = SequenceDownsample(settings, min_tokens=FLUX_MIN_IMAGE_TOKENS)
+    reducer = SequenceDownsample(settings, min_tokens=MIN_IMAGE_TOKENS[family])
     if reducer.does_nothing:
         return False
-    state = _CallState(reducer, allowed, timestep_scale)
+    names, ours = PROCESSORS[family]
+    state = _CallState(family, reducer, allowed, timestep_scale)
     replaced = 0
     for module in transformer.modules():
         processor = getattr(module, "processor", None)
-        if type(processor).__name__ in FLUX_PROCESSORS and hasattr(module, "set_processor"):
-            module.processor = TodoFluxProcessor(state, processor)
+        if type(processor).__name__ in names and hasattr(module, "set_processor"):
+            module.processor = ours(state, processor)
             replaced += 1
     if not replaced:
         return False
@@ -173,7 +276,7 @@ def remove(transformer) -> None:
     """Put every held processor back and remove the hooks; a no-op where nothing is installed."""
     for module in transformer.modules():
         processor = getattr(module, "processor", None)
-        if isinstance(processor, TodoFluxProcessor):
+        if isinstance(processor, _HeldProcessor):
             module.processor = processor.original
     transformer.__dict__.pop(_STATE, None)
     for handle in transformer.__dict__.pop(_HOOK, ()):
