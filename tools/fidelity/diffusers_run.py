@@ -83,7 +83,7 @@ def rows(mag_ratios) -> list[Row]:
     from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
     out = [Row("unpatched", "unpatched")]
-    for interval in (4, 6, 8):
+    for interval in (2, 3, 4, 6, 8):
         out.append(Row(f"ours reuse every {interval}", "ours", _ours(interval), {"reuse_interval": interval}))
     for threshold in (0.08, 0.12, 0.2):
         make = lambda args, t=threshold: FirstBlockCacheConfig(threshold=t)  # noqa: E731
