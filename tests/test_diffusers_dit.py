@@ -315,3 +315,18 @@ def test_sd3_and_wan_processors_compute_what_diffusers_does_where_nothing_is_red
         assert torch.equal(D.run(pipe), plain)
     finally:
         tome_core.remove_patch(pipe)
+
+
+def test_wans_default_unipc_scheduler_runs_every_step_in_full(pipes, caplog, monkeypatch):
+    """Not measured yet with reuse: every step runs in full (one log line), ToDo applies."""
+    from diffusers import UniPCMultistepScheduler
+
+    pipe = D.wan_pipeline()
+    pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    runs = counting_runs(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="tome_patch"):
+        tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=3)
+        D.run(pipe, steps=12)
+    tome_core.remove_patch(pipe)
+    assert "reuse across steps is off with UniPCMultistepScheduler" in caplog.text
+    assert all(run.reused_calls == 0 for run in runs)

@@ -158,8 +158,8 @@ class PipelineReuse(LayerReuse):
             if self._refused is not type(scheduler):
                 self._refused = type(scheduler)
                 log.info(
-                    "ToMe reuse across steps is off with %s%s (it keeps the picture with the Euler, Heun, DDIM and "
-                    "DPM++ SDE schedulers, not on Karras sigmas); every step runs in full.",
+                    "ToMe reuse across steps is off with %s%s (it keeps the picture with the Euler, flow-matching "
+                    "Euler, Heun, DDIM and DPM++ SDE schedulers, not on Karras sigmas); every step runs in full.",
                     type(scheduler).__name__,
                     " on Karras sigmas" if schedule else "",
                 )
