@@ -58,7 +58,7 @@ def speed_argv(args) -> list[str]:
         "--ratios", "", "--block-ratios", "", "--peer-ratios", "",
         "--only", ",".join(SPEED_ROWS), "--exact",
         "--repeats", "2", "--max-minutes", str(args.max_minutes),
-        "--steps", "0", "--engine-repeats", "0", "--out", args.out,
+        "--steps", "0", "--engine-repeats", "0", "--no-peers", "--out", args.out,
     ]  # fmt: skip
 
 
@@ -70,17 +70,13 @@ def picture_argv(args) -> list[str]:
     ]  # fmt: skip
 
 
-def reusing_share(args) -> float:
-    """The cost of a reusing call of the default as a share of an unpatched call (one of each, CPU time)."""
-    import torch
-
-    from tools.bench import host as bench_host
+def reusing_share(args, bench) -> float:
+    """The cost of a reusing call of the default as a share of an unpatched call (one of each, CPU time), on the
+    speed part's model (``bench``: built once for both parts)."""
     from tools.bench import steps
 
-    family = bench_host.FAMILIES[args.model]
-    patcher = bench_host.build_comfy_model(family, torch.float32, torch.device("cpu"), 0)
     side = int(args.resolution) // 8
-    costs = steps.per_call(patcher, steps.ROWS["ToDo 2 + reuse every 3"], family, (side, side), 0)
+    costs = steps.per_call(bench.patcher, steps.ROWS["ToDo 2 + reuse every 3"], bench.family, (side, side), 0)
     return costs["reusing_call_s"] / costs["unpatched_call_s"]
 
 
@@ -128,9 +124,10 @@ def main(argv=None) -> dict:
     print(f"1/3 picture: reference model ref-sd1, {args.steps} steps, the same seed per row ...", file=sys.stderr)
     picture = fidelity.main(picture_argv(args))["ref-sd1"]
     print(f"2/3 speed of a call: {args.model} UNet (random weights) at {args.resolution} px ...", file=sys.stderr)
-    speed_report = speed.main(speed_argv(args))
+    built = {}
+    speed_report = speed.main(speed_argv(args), keep=built)
     print("3/3 speed of a reusing call ...", file=sys.stderr, flush=True)
-    run = whole_run(speed_report, picture, reusing_share(args), args.steps)
+    run = whole_run(speed_report, picture, reusing_share(args, built["bench"]), args.steps)
     minutes = (time.perf_counter() - started) / 60
     out = Path(args.out)
     run.update(reliable=speed_report["reliable"], minutes=round(minutes, 1), machine=speed_report["machine"])

@@ -297,7 +297,9 @@ def sampling_estimate(blocks, size, steps: int) -> float:
     return 0.0 if block is None else steps * sum(block.warm_s.values())
 
 
-def main(argv=None) -> dict:
+def main(argv=None, keep: dict | None = None) -> dict:
+    """The speed benchmark; ``keep`` (a dict), where given, receives the built model as ``keep["bench"]`` for a
+    caller that measures more on it (the quick run)."""
     args = parse_args(argv)
     started = time.perf_counter()
 
@@ -320,6 +322,8 @@ def main(argv=None) -> dict:
         bench = bench_diffusers.DiffusersBench(args, device, dtype)
     else:
         bench = Bench(args, device, dtype)
+    if keep is not None:
+        keep["bench"] = bench
     report = {
         "reliable": None,  # filled by the verdict; first in the JSON, where a reader looks
         "unreliable_reasons": [],
