@@ -330,3 +330,57 @@ def test_wans_default_unipc_scheduler_runs_every_step_in_full(pipes, caplog, mon
     tome_core.remove_patch(pipe)
     assert "reuse across steps is off with UniPCMultistepScheduler" in caplog.text
     assert all(run.reused_calls == 0 for run in runs)
+
+
+def _flux_lora(transformer, rank: int = 2, seed: int = 3) -> dict:
+    """A LoRA in diffusers' format on every attention projection of the Flux transformer (seeded, non-zero B)."""
+    generator = torch.Generator().manual_seed(seed)
+    lora = {}
+    for name, module in transformer.named_modules():
+        if name.endswith(("attn.to_q", "attn.to_k", "attn.to_v")):
+            lora[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=generator)
+            lora[f"transformer.{name}.lora_B.weight"] = 0.1 * torch.randn(
+                module.out_features, rank, generator=generator
+            )
+    return lora
+
+
+def test_a_lora_loaded_with_load_lora_weights_applies_under_the_patch(monkeypatch):
+    """peft's LoRA layers wrap the projections that our processors and forwards call: the LoRA changes the
+    picture under the patch as it does without it, and unloading it gives the patch's own picture back."""
+    pipe = D.flux_pipeline()
+    tome_core.apply_patch(pipe, reuse_interval=3, **FORCE)
+    try:
+        patched = D.run(pipe)
+        pipe.load_lora_weights(_flux_lora(pipe.transformer), adapter_name="test")
+        with_lora = D.run(pipe)
+        assert not torch.equal(with_lora, patched)  # the LoRA is applied through our processors
+        pipe.unload_lora_weights()
+        assert torch.equal(D.run(pipe), patched)
+    finally:
+        tome_core.remove_patch(pipe)
+
+
+@pytest.mark.parametrize("order", ["compile, then patch", "patch, then compile"])
+def test_torch_compile_of_the_transformer_gives_the_patchs_picture(order):
+    """torch.compile (eager backend: the graph capture without code generation) of the transformer, before or
+    after patching: the same latents as the patched transformer uncompiled, and reuse still skips its steps."""
+    pipe = D.flux_pipeline()
+    tome_core.apply_patch(pipe, reuse_interval=3, **FORCE)
+    expected = D.run(pipe)
+    tome_core.remove_patch(pipe)
+    original = pipe.transformer
+    if order == "compile, then patch":
+        pipe.transformer = torch.compile(original, backend="eager")
+        tome_core.apply_patch(pipe, reuse_interval=3, **FORCE)
+    else:
+        tome_core.apply_patch(pipe, reuse_interval=3, **FORCE)
+        pipe.transformer = torch.compile(original, backend="eager")
+    try:
+        compiled = D.run(pipe)
+        assert dit_reuse.installed(original).run.reused_calls == 3
+    finally:
+        tome_core.remove_patch(pipe)
+        torch._dynamo.reset()
+    # The eager backend runs the same operations in the same order: equal up to no rounding at all here.
+    assert torch.equal(compiled, expected)
