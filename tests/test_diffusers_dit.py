@@ -384,3 +384,44 @@ def test_torch_compile_of_the_transformer_gives_the_patchs_picture(order):
         torch._dynamo.reset()
     # The eager backend runs the same operations in the same order: equal up to no rounding at all here.
     assert torch.equal(compiled, expected)
+
+
+def test_kontexts_reference_tokens_stay_whole_and_removal_is_exact(monkeypatch):
+    """FluxKontextPipeline: the reference image's tokens (after the image's) keep every key; ToDo 2 keeps a
+    quarter of the 16 image keys; reuse carries the reference tokens through the span like the others."""
+    import diffusers.models.attention_dispatch as dispatch
+
+    pipe = D.kontext_pipeline()
+    plain = D.kontext_run(pipe)
+    keys = set()
+    real = dispatch.dispatch_attention_fn
+
+    def spy(q, k, v, *args, **kwargs):
+        keys.add((q.shape[1], k.shape[1]))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "dispatch_attention_fn", spy)
+    runs = counting_runs(monkeypatch)
+    tome_core.apply_patch(pipe, **FORCE)
+    patched = D.kontext_run(pipe)
+    tome_core.remove_patch(pipe)
+    assert keys == {(8 + 16 + 9, 8 + 4 + 9)}  # text, image (reduced), reference (whole)
+    assert runs[0].reused_calls == 3 and not torch.equal(patched, plain)
+    assert torch.equal(D.kontext_run(pipe), plain)
+
+
+def test_model_cpu_offload_keeps_the_patchs_picture(monkeypatch):
+    """accelerate's offload hooks on the transformer (enable_model_cpu_offload; the CPU as the execution device
+    here): the same latents as the patched pipeline without them, reuse skipping the same steps."""
+    pipe = D.flux_pipeline()
+    tome_core.apply_patch(pipe, **FORCE)
+    expected = D.run(pipe)
+    tome_core.remove_patch(pipe)
+    pipe.enable_model_cpu_offload(device="cpu")
+    runs = counting_runs(monkeypatch)
+    tome_core.apply_patch(pipe, **FORCE)
+    try:
+        assert torch.equal(D.run(pipe), expected)
+    finally:
+        tome_core.remove_patch(pipe)
+    assert runs[0].reused_calls == 3

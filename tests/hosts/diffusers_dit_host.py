@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 from diffusers import (
+    AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     SD3Transformer2DModel,
@@ -98,6 +100,55 @@ def flux_pipeline() -> FluxPipeline:
         tokenizer_2=None,
         transformer=flux_transformer(),
     )
+
+
+def kontext_pipeline() -> FluxKontextPipeline:
+    """Flux Kontext: the reference image goes through a VAE (8x downsampling, 4 latent channels, seeded random
+    weights) into reference tokens after the image's."""
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        shift_factor=0.1,
+        scaling_factor=0.5,
+    )
+    return FluxKontextPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=seeded(vae, 5),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=flux_transformer(),
+    )
+
+
+def kontext_run(pipe, steps: int = 12) -> torch.Tensor:
+    """64 px from a 48 px reference image (3 x 3 reference tokens after the 4 x 4 image tokens)."""
+    import numpy as np
+    from PIL import Image
+
+    image = Image.fromarray((np.random.default_rng(0).random((48, 48, 3)) * 255).astype(np.uint8))
+    prompt, pooled = _text(100, pooled=True)
+    with torch.no_grad():
+        return pipe(
+            image=image,
+            prompt_embeds=prompt,
+            pooled_prompt_embeds=pooled,
+            height=64,
+            width=64,
+            max_area=64 * 64,
+            _auto_resize=False,
+            num_inference_steps=steps,
+            guidance_scale=2.5,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+        ).images
 
 
 def sd3_pipeline() -> StableDiffusion3Pipeline:
