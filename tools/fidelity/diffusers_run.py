@@ -22,9 +22,11 @@ speed = 1 / that work. Writes ``results/diffusers-fidelity-<model>.json`` and pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,11 +148,34 @@ def at_depth(shares: list[float], depth: int = FLUX_1_DEPTH) -> float:
     return (shares[0] + shares[-1] + (depth - 2) * sum(middle) / len(middle)) / depth
 
 
-def build_pipeline(transformer):
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+def make_scheduler(name: str):
+    """``flux``: Flux.1-dev's flow-matching Euler; ``unipc``: the multistep UniPC that Wan's pipelines default to
+    (flow sigmas, shift 3 as Wan 2.1 at 480p)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    if name == "unipc":
+        return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
+
+
+@contextlib.contextmanager
+def reuse_with_any_scheduler(scheduler) -> Iterator[None]:
+    """Let reuse run with ``scheduler`` whether or not it is among the measured ones (to measure it)."""
+    from tome_core import layer_reuse
+
+    kept = layer_reuse.SAMPLERS_THAT_KEEP_THE_PICTURE
+    layer_reuse.SAMPLERS_THAT_KEEP_THE_PICTURE = kept | {type(scheduler).__name__.lower()}
+    try:
+        yield
+    finally:
+        layer_reuse.SAMPLERS_THAT_KEEP_THE_PICTURE = kept
+
+
+def build_pipeline(transformer, scheduler: str = "flux"):
+    from diffusers import FluxPipeline
 
     return FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
+        scheduler=make_scheduler(scheduler),
         vae=None,
         text_encoder=None,
         tokenizer=None,
@@ -227,6 +252,10 @@ def parse_args(argv=None):
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--cfg", type=float, default=4.0)
+    parser.add_argument("--scheduler", default="flux", choices=("flux", "unipc"), help="the pipeline's scheduler")
+    parser.add_argument(
+        "--any-scheduler", action="store_true", help="let reuse run with a scheduler it is not measured with yet"
+    )
     parser.add_argument("--only", default="", help="comma-separated words: rows whose name contains one")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--real", type=int, default=1024, help="real scenes for the Frechet distance")
@@ -266,7 +295,7 @@ def main(argv=None) -> dict:
         negative, negative_pooled = encoder(models.PromptEncoder.empty(1))
     text = (context, pooled, negative, negative_pooled)
     size = models.TRAIN_SIZE * args.scale
-    pipe = build_pipeline(transformer)
+    pipe = build_pipeline(transformer, args.scheduler)
     pipe.set_progress_bar_config(disable=True)
     sample(pipe, text, argparse.Namespace(**{**vars(args), "seeds": 1, "steps": 2}), size)  # warm-up
     log("MagCache calibration run ...")
@@ -280,7 +309,8 @@ def main(argv=None) -> dict:
         if row.setup is not None:
             row.setup(pipe, args)
         try:
-            with BlockWork(pipe.transformer) as work:
+            allow = reuse_with_any_scheduler(pipe.scheduler) if args.any_scheduler else contextlib.nullcontext()
+            with allow, BlockWork(pipe.transformer) as work:
                 wall = time.perf_counter()
                 images = sample(pipe, text, args, size)
                 wall = time.perf_counter() - wall
@@ -329,7 +359,8 @@ def main(argv=None) -> dict:
 
 def table(report: dict) -> str:
     lines = [
-        f"{report['model']} in diffusers, {report['settings']['steps']} steps ({report['date']})",
+        f"{report['model']} in diffusers, {report['settings']['steps']} steps, scheduler "
+        f"{report['settings']['scheduler']} ({report['date']})",
         "| row | SSIM (lowest) | attributes | FD | blocks' work | at Flux.1's depth |",
         "|---|---|---|---|---|---|",
     ]
