@@ -104,6 +104,7 @@ class DitReuse(PipelineReuse):
     """The span's owner on one transformer: the pipeline's runs (``PipelineReuse``) and the span's blocks."""
 
     SAMPLE = "hidden_states"
+    DIT = True
 
     def __init__(self, pipeline, transformer, layout: DitLayout, schedule, span, allowed: Callable[[float], bool]):
         super().__init__(pipeline, schedule, [(f"span.{i}", block) for i, block in enumerate(span)], allowed)

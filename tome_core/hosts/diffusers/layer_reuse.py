@@ -115,6 +115,7 @@ class PipelineReuse(LayerReuse):
     calls that must run every layer are what differ."""
 
     SAMPLE = "sample"  # the keyword of the model's noisy input (also its first positional argument)
+    DIT = False  # which schedulers reuse may run with (``layer_reuse.keeps_the_picture_with``)
     TIMESTEP_SCALE = 1.0  # the pipeline passes the scheduler's timestep divided by this (Flux: 1000)
 
     def __init__(
@@ -154,7 +155,7 @@ class PipelineReuse(LayerReuse):
             return None
         config = getattr(scheduler, "config", None)
         schedule = "karras" if getattr(config, "use_karras_sigmas", False) else None
-        if not keeps_the_picture_with(type(scheduler).__name__, schedule):  # every step in full (layer_reuse.py)
+        if not keeps_the_picture_with(type(scheduler).__name__, schedule, self.DIT):  # every step in full
             if self._refused is not type(scheduler):
                 self._refused = type(scheduler)
                 log.info(
