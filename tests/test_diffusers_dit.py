@@ -66,6 +66,15 @@ def counting_runs(monkeypatch) -> list:
     return runs
 
 
+def patched_run(pipe, steps: int = 12, **settings) -> torch.Tensor:
+    """One generation with the patch on, removed afterwards whatever happens."""
+    tome_core.apply_patch(pipe, **settings)
+    try:
+        return D.run(pipe, steps=steps)
+    finally:
+        tome_core.remove_patch(pipe)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_default_changes_the_picture_and_removal_is_exact(pipes, kind):
     pipe = pipeline(pipes, kind)
@@ -86,11 +95,7 @@ def test_the_default_changes_the_picture_and_removal_is_exact(pipes, kind):
 def test_reuse_skips_the_dit_schedules_steps(pipes, kind, calls_per_step, monkeypatch):
     pipe = pipeline(pipes, kind)
     runs = counting_runs(monkeypatch)
-    tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=3)
-    try:
-        D.run(pipe, steps=12)
-    finally:
-        tome_core.remove_patch(pipe)
+    patched_run(pipe, steps=12, downsample_factor=1, reuse_interval=3)
     (run,) = runs
     assert (run.calls, run.reused_calls) == (12 * calls_per_step, 3 * calls_per_step)
     assert not run.entries  # the cache is dropped after the last step
@@ -108,11 +113,7 @@ def test_the_prompt_and_the_negative_prompt_are_predicted_apart(pipes, monkeypat
         return reuse
 
     monkeypatch.setattr(LayerReuseRun, "begin_call", spy)
-    tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=3)
-    try:
-        D.run(pipe, steps=12)
-    finally:
-        tome_core.remove_patch(pipe)
+    patched_run(pipe, steps=12, downsample_factor=1, reuse_interval=3)
     assert entries[:2] == [1, 2] and max(entries) == 2
 
 
@@ -130,13 +131,9 @@ def test_fewer_than_ten_steps_reuse_nothing(pipes):
 def test_wan_2_2s_two_transformers_each_reuse_within_their_part(pipes, monkeypatch):
     pipe = pipeline(pipes, "wan2.2")
     runs = counting_runs(monkeypatch)
-    tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=2)
-    try:
-        # The second transformer takes the steps under timestep 500: with the scheduler's shift 3, a quarter of
-        # them (12 of 48), enough for it to reuse (a part of under 10 steps would not).
-        D.run(pipe, steps=48)
-    finally:
-        tome_core.remove_patch(pipe)
+    # The second transformer takes the steps under timestep 500: with the scheduler's shift 3, a quarter of them
+    # (12 of 48), enough for it to reuse (a part of under 10 steps would not).
+    patched_run(pipe, steps=48, downsample_factor=1, reuse_interval=2)
     assert len(runs) == 2  # one run per transformer, each from its own first call
     assert sorted(run.calls for run in runs) == [24, 72]  # two calls per step (the prompt, the negative one)
     assert all(run.reused_calls > 0 for run in runs)
@@ -326,11 +323,7 @@ def test_wans_default_unipc_scheduler_reuses_on_dits_only(pipes, caplog, monkeyp
     pipe = D.wan_pipeline()
     pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     runs = counting_runs(monkeypatch)
-    tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=3)
-    try:
-        D.run(pipe, steps=12)
-    finally:
-        tome_core.remove_patch(pipe)
+    patched_run(pipe, steps=12, downsample_factor=1, reuse_interval=3)
     assert [run.reused_calls for run in runs] == [6]  # 3 steps x the prompt and the negative prompt
 
     sd = H.make_pipeline("txt2img")
