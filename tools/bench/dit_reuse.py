@@ -38,6 +38,13 @@ INTERVALS = (3, 6)  # the default, and the setting docs/dit.md recommends for sp
 WAN_33_FRAMES = (16, 9, 60, 104)  # 480 x 832 px, 33 frames: (33 - 1) / 4 + 1 latent frames
 
 
+def four_block_title(name: str) -> str:
+    """The model's title in ``tools.bench.dit`` with this measurement's block count and size."""
+    title = MODELS[name]["title"].replace("1 double + 1 single block", "2 double + 2 single blocks")
+    title = title.replace("1 of 30 blocks", "4 of 30 blocks").replace("2 of 24 joint blocks", "4 of 24 joint blocks")
+    return title.replace("17 frames", "33 frames") if name == "wan" else title
+
+
 def reusing_model(name: str):
     """The four-block model and its clone with reuse on a schedule that alternates from step 2 on."""
     from tome_core.hosts.comfyui import dit_reuse
@@ -124,7 +131,7 @@ def measure(name: str, rounds: int, log) -> dict:
             speedup = n * whole_full / cost if measured else None
             runs[f"{n} steps, every {interval}"] = {"full_steps": full_steps, "speedup": speedup}
     return {
-        "title": MODELS[name]["title"].replace("1 double + 1 single block", "2 double + 2 single blocks"),
+        "title": four_block_title(name),
         "four_blocks_full_cpu_s": full,
         "four_blocks_reusing_cpu_s": reuse,
         "per_block_cpu_s": per_block,
