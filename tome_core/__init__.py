@@ -9,6 +9,7 @@ For diffusers (``pip install`` of this repository gives this package)::
     tome_core.apply_patch(pipe, ratio=0.5)   # a StableDiffusion(XL)/ControlNet/... pipeline or its UNet
     image = pipe(prompt).images[0]
     tome_core.apply_patch(pipe, reuse_interval=3)   # also reuse across steps (a pipeline only, not a bare UNet)
+    tome_core.apply_patch(flux_pipe, downsample_factor=1, reuse_interval=6)   # Flux, SD3, Wan: reuse alone
     tome_core.remove_patch(pipe)
 """
 
@@ -22,7 +23,8 @@ __version__ = "0.1.0"
 
 
 def apply_patch(pipe_or_unet, **settings):
-    """Patch a diffusers pipeline or ``UNet2DConditionModel`` in place with ``settings`` (see ``SPECS``).
+    """Patch a diffusers pipeline (SD1.x/SD2.x/SDXL UNets; Flux, SD3/SD3.5 and Wan DiTs) or its denoiser in place
+    with ``settings`` (see ``SPECS``).
 
     Raises ValueError for a bad setting, TypeError for a model it cannot patch (both name what is allowed),
     leaving the model unchanged. See ``tome_core.hosts.diffusers.pipeline_patch.apply_patch``.
@@ -33,7 +35,7 @@ def apply_patch(pipe_or_unet, **settings):
 
 
 def remove_patch(pipe_or_unet):
-    """Undo ``apply_patch``: the UNet then computes bit-identically to one never patched."""
+    """Undo ``apply_patch``: the UNet or transformer then computes bit-identically to one never patched."""
     from .hosts.diffusers import pipeline_patch
 
     return pipeline_patch.remove_patch(pipe_or_unet)
