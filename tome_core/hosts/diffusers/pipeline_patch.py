@@ -1,4 +1,5 @@
-"""The patch for diffusers' UNets: ``apply_patch(pipe_or_unet, **settings)`` and ``remove_patch(pipe_or_unet)``.
+"""The patch for diffusers' UNets: ``apply_patch(pipe_or_unet, **settings)`` and ``remove_patch(pipe_or_unet)``
+(a pipeline whose denoiser is a Flux, SD3 or Wan transformer goes to ``dit_patch``).
 
 Supported: a ``UNet2DConditionModel`` (SD1.x, SD2.x, SDXL and their fine-tunes) on its own or as ``.unet`` of a
 pipeline (text-to-image, image-to-image, inpainting, ControlNet, SDXL, ...). Checked against diffusers 0.39.0 and
@@ -66,7 +67,8 @@ log = logging.getLogger("tome_patch")
 
 
 class UnsupportedModelError(TypeError):
-    """Not something this patch can reduce (a transformer/DiT pipeline, a pixel-space UNet, an unknown object)."""
+    """Not something this patch can reduce (a transformer other than Flux's, SD3's or Wan's, a pixel-space UNet,
+    an unknown object)."""
 
 
 class PatchConflictError(ValueError):
