@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sampler", default="euler", help="ComfyUI sampler name (euler, euler_ancestral, heun, ...)")
     parser.add_argument("--scheduler", default="normal", help="ComfyUI scheduler name (normal, karras, ...)")
     parser.add_argument("--cfg", type=float, default=4.0)
+    parser.add_argument(
+        "--any-sampler", action="store_true", help="let reuse run with a sampler it is not measured with yet"
+    )
     parser.add_argument(
         "--only",
         default="",
@@ -468,6 +472,13 @@ def sample_row(row: FidelityRow, patcher, positive, negative, size: int, args, n
 
     model = row.patch(patcher)
     row.enter()
+    # Measuring reuse with a sampler the rule does not know yet: every loaded copy of the engine's rule (ComfyUI
+    # loads the node package under its folder's name) lets it through for this row.
+    rules = [m for name, m in sys.modules.items() if name.endswith("tome_core.layer_reuse")]
+    kept = [rule.SAMPLERS_THAT_KEEP_THE_PICTURE for rule in rules]
+    if getattr(args, "any_sampler", False):
+        for rule, samplers in zip(rules, kept, strict=True):
+            rule.SAMPLERS_THAT_KEEP_THE_PICTURE = samplers | {args.sampler}
     try:
         wall, cpu = time.perf_counter(), time.process_time()
         images = []
@@ -476,9 +487,12 @@ def sample_row(row: FidelityRow, patcher, positive, negative, size: int, args, n
             (out,) = comfy_nodes.common_ksampler(
                 model, seed, args.steps, args.cfg, args.sampler, args.scheduler, positive, negative, latent
             )
-            images.append(patcher.model.process_latent_in(out["samples"]))  # undo the latent scale factor
+            # Detached: ComfyUI's uni_pc returns a tensor that requires grad. Undo the latent scale factor.
+            images.append(patcher.model.process_latent_in(out["samples"]).detach())
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
+        for rule, samplers in zip(rules, kept, strict=True):
+            rule.SAMPLERS_THAT_KEEP_THE_PICTURE = samplers
         row.leave()
     return torch.cat(images), wall, cpu
 

@@ -72,6 +72,8 @@ def _streams(diffusion_model) -> tuple[str, ...]:
 class DitReuseHooks(LayerReuseHooks):
     """The wrappers of ``LayerReuseHooks`` (the run, the step, the batch layout) and the span's blocks."""
 
+    DIT = True
+
     def __init__(self, schedule, keys: list, streams: tuple[str, ...], noise_range, extrapolate=DEFAULT_EXTRAPOLATE):
         super().__init__(schedule, 1, noise_range, extrapolate, by_sigma=True)
         self.keys = keys  # the span's blocks, in call order

@@ -46,6 +46,8 @@ class LayerReuseHooks(LayerReuse):
     """Shared by every clone of one patch (like functions). The call in progress (``layer_run``) is set and cleared
     around each call by the APPLY_MODEL wrapper; the run itself lives in the sampling run's options."""
 
+    DIT = False  # which samplers reuse may run with (``layer_reuse.keeps_the_picture_with``)
+
     def __init__(
         self, schedule: IntervalSchedule, layers: int, noise_range, extrapolate=DEFAULT_EXTRAPOLATE, by_sigma=False
     ):
@@ -68,7 +70,7 @@ class LayerReuseHooks(LayerReuse):
         name = sampler_name(args[2] if len(args) > 2 else kwargs.get("sampler"))
         raw_sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
         schedule = schedule_name(guider, raw_sigmas)
-        if not keeps_the_picture_with(name, schedule):
+        if not keeps_the_picture_with(name, schedule, self.DIT):
             log.info(
                 "ToMe reuse across steps is off for this run: sampler %s%s is not one it keeps the picture with "
                 "(euler, heun, ddim, dpmpp_sde; not on karras sigmas); every step runs in full. ToDo/ToMe still "
@@ -103,12 +105,19 @@ class LayerReuseHooks(LayerReuse):
             self.end_call()
 
 
+# Sampler functions whose name is not the sampler's: ComfyUI's "uni_pc" runs ``sample_unipc``.
+_FUNCTION_TO_SAMPLER = {"unipc": "uni_pc", "unipc_bh2": "uni_pc_bh2"}
+
+
 def sampler_name(sampler) -> str | None:
     """ComfyUI's name of a sampler object (``comfy.samplers.KSAMPLER``: its k-diffusion function ``sample_<name>``;
     "ddim" is Euler there), or None where it cannot tell."""
     function = getattr(sampler, "sampler_function", None)
     name = getattr(function, "__name__", "")
-    return name[len("sample_") :] if name.startswith("sample_") else None
+    if not name.startswith("sample_"):
+        return None
+    name = name[len("sample_") :]
+    return _FUNCTION_TO_SAMPLER.get(name, name)
 
 
 def schedule_name(guider, sigmas) -> str | None:
