@@ -484,11 +484,13 @@ def sample_row(row: FidelityRow, patcher, positive, negative, size: int, args, n
         images = []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             latent = {"samples": torch.zeros(n_prompts, CHANNELS, size, size)}
-            (out,) = comfy_nodes.common_ksampler(
-                model, seed, args.steps, args.cfg, args.sampler, args.scheduler, positive, negative, latent
-            )
-            # Detached: ComfyUI's uni_pc returns a tensor that requires grad. Undo the latent scale factor.
-            images.append(patcher.model.process_latent_in(out["samples"]).detach())
+            # Without gradients, as ComfyUI's executor runs a prompt: most samplers say so themselves, uni_pc does
+            # not (it would keep every step's graph).
+            with torch.no_grad():
+                (out,) = comfy_nodes.common_ksampler(
+                    model, seed, args.steps, args.cfg, args.sampler, args.scheduler, positive, negative, latent
+                )
+            images.append(patcher.model.process_latent_in(out["samples"]))  # undo the latent scale factor
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
         for rule, samplers in zip(rules, kept, strict=True):
