@@ -378,5 +378,6 @@ def test_example_workflow_matches_the_node(node_classes):
         inputs = node_classes["ToMePatch"].GET_SCHEMA().inputs[1:]
         assert len(ours["widgets_values"]) == len(inputs)
         values = {spec.id: value for spec, value in zip(inputs, ours["widgets_values"], strict=True)}
-        model = host.tiny_dit("flux") if "Flux" in path.name else host.tiny_model("sd15")
+        family = "flux" if "Flux" in path.name else "wan" if "Wan" in path.name else None
+        model = host.tiny_dit(family) if family else host.tiny_model("sd15")
         assert patch(node_classes, model, **values) is not model

@@ -105,6 +105,15 @@ def test_the_span_runs_at_full_steps_only(node_classes, dits, family, calls_per_
     assert_span_ran_at_full_steps(counts, family, STEPS, calls_per_step)
 
 
+def test_uni_pc_reuses_on_dits(node_classes, dits):
+    """UniPC, Wan's usual sampler, keeps the DiT reference's picture with reuse (docs/dit.md): the span runs at the
+    schedule's full steps only, as with Euler (on UNets it runs every step: tests/test_comfyui_defaults.py)."""
+    patched = patch(node_classes, dits["wan"], **REUSE)
+    with torch.no_grad(), BlockCalls(patched, "wan") as counts:  # uni_pc keeps its graph otherwise
+        host.sample_dit(patched, "wan", SHAPES["wan"], steps=STEPS, sampler="uni_pc")
+    assert_span_ran_at_full_steps(counts, "wan", STEPS, 2)
+
+
 def test_bf16_keeps_the_arithmetic_exact(node_classes):
     """In bf16 too (as users run Flux), where the span changes nothing a reusing call changes nothing."""
     model = host.tiny_dit("flux", dtype=torch.bfloat16, **DEEPER["flux"])

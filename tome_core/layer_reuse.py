@@ -117,10 +117,11 @@ SCHEDULES_THAT_LOSE_THE_PICTURE = frozenset({"karras"})
 KARRAS_RHO = 7.0  # the exponent of Karras et al.'s noise schedule, as every host uses it
 
 
-# Measured on DiTs only (on UNets the multistep DPM++ 2M lost the picture): diffusers' multistep UniPC, Wan's
-# default scheduler, keeps ref-flux-deep's picture at 28 steps (SSIM 0.996 / 0.993 / 0.975 at reuse every 3 / 4 /
-# 6, lowest 0.988 / 0.982 / 0.897; docs/dit.md).
-DIT_SAMPLERS_THAT_KEEP_THE_PICTURE = frozenset({"unipcmultistepscheduler"})
+# Measured on DiTs only (on UNets the multistep DPM++ 2M lost the picture): UniPC, Wan's usual sampler, keeps
+# ref-flux-deep's picture at 28 steps: diffusers' UniPCMultistepScheduler SSIM 0.996 / 0.993 / 0.975 at reuse
+# every 3 / 4 / 6 (lowest 0.988 / 0.982 / 0.897), ComfyUI's uni_pc 0.995 / 0.982 at every 4 / 6 (lowest 0.986 /
+# 0.951; docs/dit.md). ComfyUI's uni_pc_bh2 is not measured.
+DIT_SAMPLERS_THAT_KEEP_THE_PICTURE = frozenset({"unipcmultistepscheduler", "uni_pc"})
 
 
 def keeps_the_picture_with(sampler: str | None, schedule: str | None = None, dit: bool = False) -> bool:

@@ -229,9 +229,11 @@ def sample_dit(
     seed: int = 42,
     negative_tokens: int = 5,
     latent=None,
+    sampler: str = "euler",
     **advanced,
 ):
-    """Sample a DiT through ComfyUI's KSampler path (Euler); ``latent_shape`` without the channel axis:
+    """Sample a DiT through ComfyUI's KSampler path (``sampler``, Euler by default, with the normal scheduler);
+    ``latent_shape`` without the channel axis:
     (batch, h, w) for images, (batch, frames, h, w) for Wan. ``negative_tokens`` 9 (the prompt's) lets ComfyUI
     batch cond and uncond into one call. ``latent`` (a start latent) and ``start_step``, ``last_step``,
     ``disable_noise``, ``force_full_denoise`` sample part of a schedule, as KSamplerAdvanced does; any other
@@ -243,7 +245,7 @@ def sample_dit(
     positive = dit_conditioning(family, 1, **advanced)
     negative = dit_conditioning(family, 2, tokens=negative_tokens, **advanced)
     (out,) = comfy_nodes.common_ksampler(
-        model, seed, steps, cfg, "euler", "normal", positive, negative, latent, denoise=1.0, **sampling
+        model, seed, steps, cfg, sampler, "normal", positive, negative, latent, denoise=1.0, **sampling
     )
     return out["samples"]
 

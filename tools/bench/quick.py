@@ -1,4 +1,4 @@
-"""The main command's default: how much faster over a whole sampling run, and is it the same picture? About five
+"""The main command's default: how much faster over a whole sampling run, and is it the same picture? About three
 minutes on a 2-core CPU.
 
 Four rows over a 25-step run: unpatched, this project's default (ToDo 2 with reuse across steps every third step),

@@ -73,10 +73,11 @@ class LayerReuseHooks(LayerReuse):
         if not keeps_the_picture_with(name, schedule, self.DIT):
             log.info(
                 "ToMe reuse across steps is off for this run: sampler %s%s is not one it keeps the picture with "
-                "(euler, heun, ddim, dpmpp_sde; not on karras sigmas); every step runs in full. ToDo/ToMe still "
+                "(euler, heun, ddim, dpmpp_sde%s; not on karras sigmas); every step runs in full. ToDo/ToMe still "
                 "apply.",
                 name or "(unknown)",
                 f" on {schedule} sigmas" if schedule else "",
+                ", and uni_pc on DiTs" if self.DIT else "",
             )
             return executor(*args, **kwargs)
         sigmas = call_sigmas(raw_sigmas)
