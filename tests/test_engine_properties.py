@@ -68,7 +68,7 @@ def expected_to_reduce(s: PatchSettings, attention_levels, level: int, h: int, w
     return int(h * w * s.ratio) > 0 and (h // s.sy) * (w // s.sx) > 0
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(
     s=patch_settings(),
     latent_h=sizes,
@@ -154,8 +154,11 @@ def test_any_grid_batch_and_setting(s, latent_h, latent_w, level, batch, layout)
 
 
 def _token_mixing_body(tokens: torch.Tensor) -> torch.Tensor:
-    """A stand-in block: a per-token map plus a softmax-weighted mix over all tokens, like attention."""
-    weights = torch.softmax(tokens @ tokens.transpose(1, 2) / tokens.shape[-1] ** 0.5, dim=-1)
+    """A stand-in block: a per-token map plus a softmax-weighted mix over all tokens, like attention. Its logits come
+    from normalised tokens, as attention's come after a layer norm: bounded, so the softmax never turns float
+    rounding into visible differences (with raw tokens, whose scale doubles per block, it did at depth 4)."""
+    unit = torch.nn.functional.normalize(tokens, dim=-1)
+    weights = torch.softmax(unit @ unit.transpose(1, 2) * tokens.shape[-1] ** 0.5, dim=-1)
     return tokens + torch.tanh(tokens) + weights @ tokens
 
 
@@ -188,7 +191,7 @@ def _check_block_merge(reduction, x: torch.Tensor, r: int) -> None:
     torch.testing.assert_close(reduction.merge(out), body(reduction.merge(x)), rtol=0, atol=1e-4)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(
     latent_h=st.integers(8, 40),  # the token-mixing body costs tokens^2: grids up to 1600 tokens
     latent_w=st.integers(8, 40),
@@ -197,6 +200,9 @@ def _check_block_merge(reduction, x: torch.Tensor, r: int) -> None:
     ratio=st.floats(0.05, 0.75),
     use_rand=st.booleans(),
 )
+# Found by a random run while the stand-in body's logits grew with every block: its softmax turned the two
+# orders' float32 rounding into 0.013 at depth 4.
+@example(latent_h=33, latent_w=34, batch=4, depth=4, ratio=0.568359375, use_rand=False)
 def test_block_scope_shares_one_plan_per_level_and_call(latent_h, latent_w, batch, depth, ratio, use_rand):
     """Every block of a level in one UNet call gets the plan of the first; a new call (a new plans dict) or another
     batch size gets a new one. Chaining the blocks of a level equals merging once before the first and
@@ -230,7 +236,7 @@ def test_block_scope_shares_one_plan_per_level_and_call(latent_h, latent_w, batc
         assert fewer.plan.batch == 1 and fewer.plan is not first.plan
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(latent_h=sizes, latent_w=sizes, n_tokens=st.integers(1, 4096), batch=st.integers(1, 4))
 def test_token_counts_off_the_grid_are_left_alone(latent_h, latent_w, n_tokens, batch):
     grids = {math.prod(grid_at_level((latent_h, latent_w), lv)) for lv in (1, 2, 4, 8)}
