@@ -14,7 +14,7 @@ from hosts import diffusers_host as H
 
 import tome_core
 from tome_core import PatchSettings, Reducer
-from tome_core.hosts.diffusers import pipeline_patch
+from tome_core.hosts.diffusers import pipeline_patch, step_range
 
 # The token reduction alone, at every size (reuse across steps, on by default, has its own tests).
 FORCE = {"skip_when_slower": False, "reuse_interval": 1}
@@ -329,11 +329,11 @@ def test_step_range_of_edm_schedulers_is_sigma_based():
     from diffusers import EDMEulerScheduler
 
     scheduler = EDMEulerScheduler(sigma_min=0.002, sigma_max=80.0)
-    to_timestep = pipeline_patch.percent_to_unet_timestep(scheduler)
+    to_timestep = step_range.percent_to_unet_timestep(scheduler)
     middle = (0.002 * 80.0) ** 0.5
     assert to_timestep(0.5) == pytest.approx(float(scheduler.precondition_noise(torch.tensor(middle))), abs=1e-6)
     assert to_timestep(0.2) > to_timestep(0.5) > to_timestep(0.8)  # noisier earlier
-    ddim = pipeline_patch.percent_to_unet_timestep(H.ddim())
+    ddim = step_range.percent_to_unet_timestep(H.ddim())
     assert ddim(0.25) == pytest.approx(749.25)
 
 

@@ -11,11 +11,10 @@ of these transformers, or for such a transformer itself (ToDo only: reuse needs 
 from __future__ import annotations
 
 import logging
-import weakref
 
-from ...schedule import NoiseRange
 from ...settings import SPECS, PatchSettings
 from . import dit_attention, dit_reuse
+from .step_range import StepRange, flow_timestep_of_percent
 
 log = logging.getLogger("tome_patch")
 
@@ -44,14 +43,6 @@ def find_transformers(pipe_or_transformer) -> tuple[list, object | None] | None:
     return (found, pipe_or_transformer) if found else None
 
 
-def flow_timestep_of_percent(scheduler):
-    """Percent of sampling -> the scheduler's timestep (``sigma x num_train_timesteps`` for the flow-matching
-    schedulers of these pipelines: percent p is sigma 1 - p, before any shift)."""
-    config = getattr(scheduler, "config", None) or {}
-    steps = float(config.get("num_train_timesteps", 1000) if hasattr(config, "get") else 1000)
-    return lambda percent: (1.0 - percent) * steps
-
-
 def apply_patch(found: tuple[list, object | None], validated: PatchSettings, asked: dict):
     """Patch the transformers of ``found`` (from ``find_transformers``) with ``validated``; ``asked``: the
     settings the user named (a default that cannot apply is left out with a log line, a named one raises)."""
@@ -76,7 +67,7 @@ def apply_patch(found: tuple[list, object | None], validated: PatchSettings, ask
         reuse = False
     for transformer in transformers:
         remove(transformer)
-    allowed = _StepRange(validated, pipeline)
+    allowed = StepRange(validated, pipeline, flow_timestep_of_percent)
     for transformer in transformers:
         if reuse:
             if getattr(transformer, "is_cache_enabled", False):
@@ -97,25 +88,3 @@ def remove(transformer) -> None:
 
 def is_patched(transformer) -> bool:
     return dit_reuse.installed(transformer) is not None or dit_attention.installed(transformer)
-
-
-class _StepRange:
-    """Whether a call (its scheduler timestep) is inside the settings' range, through the pipeline's current
-    scheduler (looked up at each call: a scheduler swapped after ``apply_patch`` is followed)."""
-
-    def __init__(self, settings: PatchSettings, pipeline):
-        self.settings = settings
-        self._pipeline = weakref.ref(pipeline) if pipeline is not None else None
-        self._scheduler = object()
-        self.noise_range = None
-
-    def contains(self, timestep: float) -> bool:
-        s = self.settings
-        if s.start_percent <= 0.0 and s.end_percent >= 1.0:
-            return True
-        pipeline = self._pipeline() if self._pipeline is not None else None
-        scheduler = getattr(pipeline, "scheduler", None)
-        if scheduler is not self._scheduler:
-            self._scheduler = scheduler
-            self.noise_range = NoiseRange(s.start_percent, s.end_percent, flow_timestep_of_percent(scheduler))
-        return self.noise_range.contains(timestep)

@@ -32,18 +32,15 @@ so this module imports anywhere.
 from __future__ import annotations
 
 import logging
-import math
-import weakref
-from collections.abc import Callable
 
 import torch
 
 from ...reducer import Reducer
-from ...schedule import NoiseRange, timestep_of_percent
 from ...settings import PatchSettings
 from ..shared.class_swap import restore_classes
 from . import dit_patch
 from . import layer_reuse as diffusers_layer_reuse
+from .step_range import StepRange, unet_timestep_of_percent
 
 BLOCK_CLASS_NAME = "BasicTransformerBlock"
 UNET_CLASS_NAME = "UNet2DConditionModel"
@@ -134,81 +131,13 @@ def attention_levels(unet) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Step range: percent of the schedule -> the noise value the UNet receives as ``timestep``
-
-
-def percent_to_unet_timestep(scheduler) -> Callable[[float], float]:
-    """Map a sampling percent to the ``timestep`` value the pipeline gives the UNet, higher meaning noisier.
-
-    The convention is ComfyUI's (``model_sampling.percent_to_sigma``), so a range means the same noise levels in
-    every host: for DDPM-trained models (every SD1/SD2/SDXL scheduler of diffusers) percent p is the training
-    timestep (1 - p) * (T - 1), which is what those schedulers pass to the UNet (fractional for Euler/Karras
-    schedules). EDM-style schedulers (EDM Euler/DPM-Solver, CosineDPMSolver) pass ``precondition_noise(sigma)``:
-    there p is the sigma log-interpolated between sigma_max and sigma_min. Euler with continuous timesteps
-    passes 0.25 * log(sigma) of the training schedule.
-    """
-    config = getattr(scheduler, "config", None) or {}
-    get = config.get if hasattr(config, "get") else lambda key, default=None: getattr(config, key, default)
-    precondition = getattr(scheduler, "precondition_noise", None)
-    if callable(precondition) and get("sigma_min") is not None and get("sigma_max") is not None:
-        log_min, log_max = math.log(get("sigma_min")), math.log(get("sigma_max"))
-
-        def edm(percent: float) -> float:
-            sigma = math.exp(log_min + (1.0 - percent) * (log_max - log_min))
-            return float(precondition(torch.tensor([sigma], dtype=torch.float64)).reshape(-1)[0])
-
-        return edm
-    steps = int(get("num_train_timesteps", None) or 1000)
-    alphas_cumprod = getattr(scheduler, "alphas_cumprod", None)
-    if get("timestep_type") == "continuous" and alphas_cumprod is not None:
-        log_sigmas = (((1 - alphas_cumprod) / alphas_cumprod) ** 0.5).double().log()
-
-        def continuous(percent: float) -> float:
-            t = timestep_of_percent(percent, steps)
-            low = min(int(t), len(log_sigmas) - 2)
-            frac = t - low
-            return 0.25 * float((1 - frac) * log_sigmas[low] + frac * log_sigmas[low + 1])
-
-        return continuous
-    return lambda percent: timestep_of_percent(percent, steps)
-
-
-class _StepRange:
-    """Whether a UNet call is inside the range, mapped through the pipeline's current scheduler.
-
-    The pipeline is held weakly and its scheduler looked up at each call, so a scheduler swapped after
-    ``apply_patch`` (``pipe.scheduler = X.from_config(...)``) is followed.
-    """
-
-    def __init__(self, settings: PatchSettings, pipeline):
-        self.settings = settings
-        self._pipeline = weakref.ref(pipeline) if pipeline is not None else None
-        self._scheduler = None
-        self.noise_range = self._range_for(None)
-        self.everywhere = self.noise_range.everywhere
-
-    def _range_for(self, scheduler) -> NoiseRange:
-        s = self.settings
-        mapping = percent_to_unet_timestep(scheduler) if scheduler is not None else timestep_of_percent
-        return NoiseRange(s.start_percent, s.end_percent, mapping)
-
-    def contains(self, timestep: float) -> bool:
-        pipeline = self._pipeline() if self._pipeline is not None else None
-        scheduler = getattr(pipeline, "scheduler", None)
-        if scheduler is not self._scheduler:
-            self._scheduler = scheduler
-            self.noise_range = self._range_for(scheduler)
-        return self.noise_range.contains(timestep)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # The patched block
 
 
 class _UNetState:
     """Shared by the UNet's pre-hook and all of its patched blocks: what the current UNet call looks like."""
 
-    def __init__(self, reducer: Reducer, step_range: _StepRange):
+    def __init__(self, reducer: Reducer, step_range: StepRange):
         self.reducer = reducer
         self.step_range = step_range
         self.latent_hw: tuple[int, int] | None = None
@@ -229,7 +158,7 @@ class _UNetState:
 
 
 @torch.compiler.disable
-def _in_step_range(step_range: _StepRange, timestep) -> bool:
+def _in_step_range(step_range: StepRange, timestep) -> bool:
     """One host read per UNet call, not per block; no timestep means "inside the range". Kept out of
     torch.compile's graph: the read is the one graph break a step range costs, before any block runs."""
     return timestep is None or step_range.contains(float(torch.as_tensor(timestep).max()))
@@ -452,7 +381,7 @@ def apply_patch(pipe_or_unet, **settings):
             reuse = False
             validated = validated.replace(reuse_interval=1)
     remove_patch(unet)
-    step_range = _StepRange(validated, pipeline)
+    step_range = StepRange(validated, pipeline, unet_timestep_of_percent)
     if reuse:
         diffusers_layer_reuse.install(unet, pipeline, validated, step_range.contains)
     reducer = Reducer(validated, levels)
