@@ -31,8 +31,10 @@ def test_the_converted_reference_computes_what_comfyuis_model_does():
 
 
 def test_at_depth_keeps_first_and_last_and_spreads_the_middle():
-    assert diffusers_run.at_depth([1.0, 0.5, 0.5, 1.0], depth=10) == pytest.approx((2 + 8 * 0.5) / 10)
-    assert diffusers_run.at_depth([1.0] * 5) == 1.0
+    from tools.fidelity.work import at_depth
+
+    assert at_depth([1.0, 0.5, 0.5, 1.0], depth=10) == pytest.approx((2 + 8 * 0.5) / 10)
+    assert at_depth([1.0] * 5, depth=57) == 1.0
 
 
 def test_a_short_run_measures_ours_and_diffusers_caches(tmp_path):
@@ -44,3 +46,31 @@ def test_a_short_run_measures_ours_and_diffusers_caches(tmp_path):
     assert rows["ours reuse every 4"]["blocks_work"] < 1.0  # 12 steps: it reused some calls
     assert len(report["mag_ratios"]) == 12  # MagCache was calibrated on this model and step count
     assert (tmp_path / "diffusers-fidelity-ref-flux.json").is_file()
+
+
+wan_weights = pytest.mark.skipif(
+    not (models.WEIGHTS / "ref-wan.safetensors").exists(), reason="ref-wan weights missing from the checkout"
+)
+
+
+@wan_weights
+def test_the_converted_video_reference_computes_what_comfyuis_model_does():
+    from tools.bench.host import setup_comfy
+    from tools.fidelity import diffusers_wan
+
+    setup_comfy("cpu")
+    # diffusers' own converter; the two models differ in the order of float32 operations only.
+    assert diffusers_wan.max_difference("ref-wan") < 1e-4
+
+
+@wan_weights
+def test_a_short_video_run_measures_frames_and_motion(tmp_path):
+    argv = ["--model", "ref-wan", "--prompts", "2", "--steps", "12", "--real", "40", "--out", str(tmp_path)]
+    report = diffusers_run.main([*argv, "--only", "ours reuse every 4,First Block Cache 0.08,MagCache 0.06"])
+    rows = {r["row"]: r for r in report["records"]}
+    assert list(rows) == ["unpatched", "ours reuse every 4", "First Block Cache 0.08", "MagCache 0.06"]
+    assert report["settings"]["scheduler"] == "unipc" and report["full_depth"] == 30
+    assert rows["unpatched"]["motion_error"] == 0.0 and rows["unpatched"]["motion_kept"] == 1.0
+    assert rows["ours reuse every 4"]["blocks_work"] < 1.0  # UniPC on a DiT: reuse runs
+    assert len(rows["ours reuse every 4"]["block_shares"]) == models.WAN_CONFIGS["ref-wan"]["num_layers"]
+    assert "motion error" in diffusers_run.table(report)

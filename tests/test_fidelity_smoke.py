@@ -96,30 +96,80 @@ def test_flux_reference_has_the_dit_rows(flux_report):
     assert (out / "fidelity-grid-ref-flux.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("name", ["ref-sd1", "ref-flux"])
+@pytest.fixture(scope="module")
+def wan_report(tmp_path_factory):
+    if not (models.WEIGHTS / "ref-wan.safetensors").exists():
+        pytest.skip("ref-wan weights missing from the checkout")
+    out = tmp_path_factory.mktemp("fidelity-wan")
+    argv = ["--models", "ref-wan", "--scales", "1", "--prompts", "2", "--seeds", "1", "--steps", "12"]
+    argv += ["--only", "=ours ToDo 2,=ours reuse every 3,=EasyCache 0.1,=First Block Cache 0.2,TaylorSeer,broken"]
+    argv += ["--broken", "--real", "40", "--grid", "5", "--out", str(out)]
+    return fidelity.main(argv)["ref-wan"], out
+
+
+def test_video_reference_is_measured_frame_by_frame_and_for_its_motion(wan_report):
+    report, out = wan_report
+    rows = ["unpatched", "ours ToDo 2", "ours reuse every 3", "EasyCache 0.1", "First Block Cache 0.2"]
+    assert [r["row"] for r in report["records"]] == [*rows, "TaylorSeer-style every 5", "broken (shifted tokens)"]
+    unpatched = _row(report, "unpatched")
+    assert unpatched["motion_error"] == 0.0 and unpatched["motion_kept"] == 1.0
+    broken = _row(report, "broken (shifted tokens)")
+    assert broken["motion_error"] > 0.0 and broken["ssim"] < 1.0
+    for name in rows[1:]:
+        row = _row(report, name)
+        assert row["motion_error"] >= 0.0 and row["motion_kept"] > 0.0, name
+    # Reuse skips the inner blocks of some calls, First Block Cache never skips its first block.
+    assert _row(report, "ours reuse every 3")["work"]["token_share"] < 1.0
+    assert _row(report, "First Block Cache 0.2")["work"]["call_share"] == 1.0
+    # Every Wan block counted, in call order.
+    blocks = models.WAN_CONFIGS["ref-wan"]["num_layers"]
+    assert len(_row(report, "ours reuse every 3")["work"]["block_shares"]) == blocks
+    table = (out / "fidelity-ref-wan.md").read_text()
+    assert "motion error" in table and "2 clips" in table
+    assert (out / "fidelity-grid-ref-wan.png").stat().st_size > 0
+
+
+def test_motion_metrics_tell_a_frozen_clip_from_a_moving_one():
+    import torch
+
+    from tools.fidelity.reference import data
+
+    clips, _ = data.clip_batch(2, 16, 5, torch.Generator().manual_seed(0))
+    frozen = clips[:, :, :1].expand_as(clips)
+    same = fidelity.motion_metrics(clips, clips)
+    assert same == {"motion_error": 0.0, "motion_kept": 1.0}
+    lost = fidelity.motion_metrics(frozen, clips)
+    assert lost["motion_kept"] == 0.0 and lost["motion_error"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", ["ref-sd1", "ref-flux", "ref-wan"])
 def test_training_feeds_the_model_what_comfyui_feeds_it_while_sampling(name):
     """The training pair (input, timestep, conditioning, target) against ComfyUI's own sampling path: the same
     inputs reach the diffusion model, and ComfyUI turns the training target back into the clean latent."""
     import torch
 
     from tools.fidelity import run
-    from tools.fidelity.reference import data, train
+    from tools.fidelity.reference import train
 
     if not (models.WEIGHTS / f"{name}.safetensors").exists():
         pytest.skip(f"{name} weights missing from the checkout")
     base, encoder = models.load_reference(name)
     sampling = base.model_sampling
     assert type(sampling).__name__ == "ModelSampling"
-    expected = ("ModelSamplingFlux", "CONST") if models.is_flux(name) else ("ModelSamplingDiscrete", "V_PREDICTION")
-    assert tuple(cls.__name__ for cls in type(sampling).__bases__) == expected
+    expected = {"ref-sd1": ("ModelSamplingDiscrete", "V_PREDICTION"), "ref-flux": ("ModelSamplingFlux", "CONST")}
+    expected["ref-wan"] = ("ModelSamplingDiscreteFlow", "CONST")
+    assert tuple(cls.__name__ for cls in type(sampling).__bases__) == expected[name]
     generator = torch.Generator().manual_seed(0)
-    x0, prompts = data.batch(3, models.TRAIN_SIZE, generator)
+    size = models.train_size(name)
+    x0, prompts = models.samples(name, 3, size, generator)
     eps = torch.randn(x0.shape, generator=generator)
     t = torch.tensor([10, len(sampling.sigmas) // 2, len(sampling.sigmas) - 1])
-    x_in, timestep, target, _ = train.noised_pair(models.is_flux(name), sampling.sigmas.float(), t, x0, eps)
+    x_in, timestep, target, _ = train.noised_pair(models.is_dit(name), sampling.sigmas.float(), t, x0, eps)
+    if models.is_dit(name):  # as training does: the model's sampling turns sigma into its timestep
+        timestep = sampling.timestep(timestep)
     with torch.no_grad():
         context, pooled = encoder(prompts.as_tensor())
-    inputs = models.model_inputs(name, base, context, pooled, models.TRAIN_SIZE)
+    inputs = models.model_inputs(name, base, context, pooled, size)
 
     seen = {}
     hook = base.diffusion_model.register_forward_pre_hook(
@@ -127,7 +177,7 @@ def test_training_feeds_the_model_what_comfyui_feeds_it_while_sampling(name):
     )
     sigma = sampling.sigmas[t].float()
     noisy = sampling.noise_scaling(sigma, eps, x0)
-    (cond,) = run.conditioning(name, base, encoder, prompts.as_tensor(), models.TRAIN_SIZE)
+    (cond,) = run.conditioning(name, base, encoder, prompts.as_tensor(), size)
     conds = base.extra_conds(cross_attn=cond[0], noise=noisy, device="cpu", **cond[1])
     try:
         with torch.no_grad():

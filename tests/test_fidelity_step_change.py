@@ -26,3 +26,11 @@ def test_a_short_run_records_every_step(tmp_path):
     assert len(record["norm_ratio"]) == 4 and record["norm_ratio"][0] == 1.0
     assert all(0.5 < r < 2.0 for r in record["norm_ratio"])  # a trained model's residual moves by percents a step
     assert (tmp_path / "step-change.json").is_file()
+
+
+def test_a_short_video_run_records_every_step(tmp_path):
+    if not (models.WEIGHTS / "ref-wan.safetensors").exists():
+        pytest.skip("ref-wan weights missing from the checkout")
+    result = step_change.main(["--models", "ref-wan", "--steps", "4", "--prompts", "2", "--out", str(tmp_path)])
+    record = result["models"]["ref-wan"]
+    assert len(record["norm_ratio"]) == 4 and record["relative_change"][1] > 0.0

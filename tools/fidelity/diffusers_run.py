@@ -1,10 +1,14 @@
-"""``python -m tools.fidelity.diffusers_run``: the fidelity benchmark's diffusers path for the DiT reference,
+"""``python -m tools.fidelity.diffusers_run``: the fidelity benchmark's diffusers path for the DiT references,
 with diffusers' own step caches side by side with ours.
 
-The reference (``ref-flux-deep`` by default) runs as diffusers' ``FluxTransformer2DModel`` (``diffusers_flux``:
-converted from the committed ComfyUI weights, checked to give the ComfyUI model's output within float tolerance)
-inside a real ``FluxPipeline`` with Flux.1-dev's scheduler configuration (flow matching, dynamic shift), the same
-prompts, seed and CFG as the ComfyUI path (true CFG 4 against the empty prompt, guidance 3.5). Rows:
+The Flux reference (``ref-flux-deep`` by default) runs as diffusers' ``FluxTransformer2DModel``
+(``diffusers_flux``: converted from the committed ComfyUI weights, checked to give the ComfyUI model's output
+within float tolerance) inside a real ``FluxPipeline`` with Flux.1-dev's scheduler configuration (flow matching,
+dynamic shift), the same prompts, seed and CFG as the ComfyUI path (true CFG 4 against the empty prompt, guidance
+3.5). The video reference (``--model ref-wan``) runs as diffusers' ``WanTransformer3DModel`` (``diffusers_wan``,
+diffusers' own converter) inside a real ``WanPipeline`` with Wan 2.1's UniPC scheduler (flow shift 3, as at
+480p), CFG as two calls per step; its clips are measured frame by frame and for their motion, as in the ComfyUI
+path. Rows:
 
 - unpatched;
 - ours: ``tome_core.apply_patch(pipe, downsample_factor=1, reuse_interval=N)`` (reuse alone, the DiT setting);
@@ -14,9 +18,10 @@ prompts, seed and CFG as the ComfyUI path (true CFG 4 against the empty prompt, 
 
 Each row: same-seed SSIM (and the lowest image's) against unpatched, attributes, FD, wall time, and the blocks'
 work: the multiply-adds of every Linear layer inside the transformer blocks, per block, as a share of
-unpatched's. "At Flux.1's depth" converts that work to 57 blocks: the first and the last block as measured, the
-55 between them as the mean of the reference's middle blocks (every method here skips the middle blocks alike);
-speed = 1 / that work. Writes ``results/diffusers-fidelity-<model>.json`` and prints a table.
+unpatched's. "At full depth" converts that work to the real model's blocks (Flux.1: 57, Wan 2.1 1.3B: 30): the
+first and the last block as measured, the others as the mean of the reference's middle blocks (every method here
+skips the middle blocks alike); speed = 1 / that work. Writes ``results/diffusers-fidelity-<model>.json`` and
+prints a table.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from tools.fidelity.work import at_depth
 
 ROOT = Path(__file__).resolve().parents[2]
 FLUX_1_DEPTH = 57  # Flux.1's 19 double and 38 single blocks
@@ -119,7 +126,11 @@ class BlockWork:
     """Multiply-adds of every Linear layer inside each transformer block, per block, while it is entered."""
 
     def __init__(self, transformer):
-        self.blocks = list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks)
+        self.blocks = [
+            *getattr(transformer, "transformer_blocks", ()),
+            *getattr(transformer, "single_transformer_blocks", ()),
+            *getattr(transformer, "blocks", ()),  # Wan
+        ]
         self.macs = [0] * len(self.blocks)
         self.handles = []
 
@@ -140,12 +151,6 @@ class BlockWork:
     def __exit__(self, *exc):
         for handle in self.handles:
             handle.remove()
-
-
-def at_depth(shares: list[float], depth: int = FLUX_1_DEPTH) -> float:
-    """A run's blocks' work at ``depth`` blocks from the reference's per-block shares (see the docstring)."""
-    middle = shares[1:-1]
-    return (shares[0] + shares[-1] + (depth - 2) * sum(middle) / len(middle)) / depth
 
 
 def make_scheduler(name: str):
@@ -172,8 +177,12 @@ def reuse_with_any_scheduler(scheduler) -> Iterator[None]:
 
 
 def build_pipeline(transformer, scheduler: str = "flux"):
-    from diffusers import FluxPipeline
+    from diffusers import FluxPipeline, WanPipeline
 
+    if type(transformer).__name__ == "WanTransformer3DModel":
+        return WanPipeline(
+            tokenizer=None, text_encoder=None, vae=None, scheduler=make_scheduler(scheduler), transformer=transformer
+        )
     return FluxPipeline(
         scheduler=make_scheduler(scheduler),
         vae=None,
@@ -186,7 +195,8 @@ def build_pipeline(transformer, scheduler: str = "flux"):
 
 
 def sample(pipe, text, args, size: int) -> torch.Tensor:
-    """Latents (batch, channels, size, size) of the prompts in ``text``, each with its own seed generator."""
+    """Latents (batch, channels, size, size) of the prompts in ``text``, each with its own seed generator; clips
+    (batch, channels, frames, size, size) from a Wan pipeline."""
     from tools.fidelity import diffusers_flux
     from tools.fidelity.reference import models
 
@@ -195,6 +205,21 @@ def sample(pipe, text, args, size: int) -> torch.Tensor:
     images = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         generator = torch.Generator().manual_seed(seed)
+        if type(pipe).__name__ == "WanPipeline":
+            with torch.no_grad():
+                out = pipe(
+                    prompt_embeds=context,
+                    negative_prompt_embeds=negative.expand(n, -1, -1),
+                    guidance_scale=args.cfg,
+                    height=size * 8,
+                    width=size * 8,
+                    num_frames=(models.CLIP_FRAMES - 1) * 4 + 1,  # the video frames the latent frames stand for
+                    num_inference_steps=args.steps,
+                    generator=generator,
+                    output_type="latent",
+                ).frames
+            images.append(out)
+            continue
         with torch.no_grad():
             out = pipe(
                 prompt_embeds=context,
@@ -245,14 +270,21 @@ def calibrate_mag_ratios(pipe, text, args, size: int) -> list[float]:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m tools.fidelity.diffusers_run", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="ref-flux-deep", help="a Flux reference model (ref-flux, ref-flux-deep)")
+    parser.add_argument(
+        "--model", default="ref-flux-deep", help="a DiT reference model (ref-flux, ref-flux-deep, ref-wan)"
+    )
     parser.add_argument("--scale", type=int, default=1, help="image size as a multiple of the training size")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--cfg", type=float, default=4.0)
-    parser.add_argument("--scheduler", default="flux", choices=("flux", "unipc"), help="the pipeline's scheduler")
+    parser.add_argument(
+        "--scheduler",
+        default=None,
+        choices=("flux", "unipc"),
+        help="the pipeline's scheduler (default: flux for Flux, unipc for Wan)",
+    )
     parser.add_argument(
         "--any-scheduler", action="store_true", help="let reuse run with a scheduler it is not measured with yet"
     )
@@ -268,33 +300,45 @@ def main(argv=None) -> dict:
     from tools.bench.report import machine, versions
 
     args = parse_args(argv)
+    from tools.fidelity.reference import models
+
+    video = models.is_video(args.model)
+    args.scheduler = args.scheduler or ("unipc" if video else "flux")
     if args.threads:
         torch.set_num_threads(args.threads)
     setup_comfy("cpu")  # the reference weights load through ComfyUI's Flux class
-    from tools.fidelity import diffusers_flux
-    from tools.fidelity.reference import data, models
-    from tools.fidelity.run import PROMPT_SEED, FrechetDistance, attribute_accuracy, image_metrics
+    from tools.fidelity import diffusers_flux, diffusers_wan
+    from tools.fidelity.reference import data
+    from tools.fidelity.run import PROMPT_SEED, FrechetDistance, attribute_accuracy, image_metrics, motion_metrics
 
     started = time.time()
 
     def log(message):
         print(f"[{time.time() - started:6.0f} s] {message}", flush=True)
 
+    conversion = diffusers_wan if video else diffusers_flux
+    depth = diffusers_wan.WAN_1_3B_DEPTH if video else FLUX_1_DEPTH
     base, encoder = models.load_reference(args.model)
-    transformer, _ = diffusers_flux.load_transformer(args.model, base)
-    difference = diffusers_flux.max_difference(args.model)
-    log(f"{args.model} as diffusers' FluxTransformer2DModel: largest difference to ComfyUI's model {difference:.2e}")
+    transformer, _ = conversion.load_transformer(args.model, base)
+    difference = conversion.max_difference(args.model)
+    log(
+        f"{args.model} as diffusers' {type(transformer).__name__}: largest difference to ComfyUI's model "
+        f"{difference:.2e}"
+    )
+    # A clip's metrics are its frames' (SSIM, attributes, FD), each frame an image, plus its motion.
+    frames = data.frames_of if video else (lambda x: x)
+    per_frame = models.CLIP_FRAMES if video else 1
     classifier = models.load_classifier()
     every = data.all_prompts().as_tensor()
     prompts = every[torch.randperm(len(every), generator=torch.Generator().manual_seed(PROMPT_SEED))[: args.prompts]]
-    labels = prompts.repeat(args.seeds, 1)
-    real, _ = data.batch(args.real, models.TRAIN_SIZE, torch.Generator().manual_seed(PROMPT_SEED + 1))
-    frechet = FrechetDistance(classifier, real)
+    labels = prompts.repeat(args.seeds, 1).repeat_interleave(per_frame, 0)
+    size = models.train_size(args.model) * args.scale
+    real, _ = models.samples(args.model, args.real // per_frame, size, torch.Generator().manual_seed(PROMPT_SEED + 1))
+    frechet = FrechetDistance(classifier, frames(real))
     with torch.no_grad():
         context, pooled = encoder(prompts)
         negative, negative_pooled = encoder(models.PromptEncoder.empty(1))
     text = (context, pooled, negative, negative_pooled)
-    size = models.TRAIN_SIZE * args.scale
     pipe = build_pipeline(transformer, args.scheduler)
     pipe.set_progress_bar_config(disable=True)
     sample(pipe, text, argparse.Namespace(**{**vars(args), "seeds": 1, "steps": 2}), size)  # warm-up
@@ -323,20 +367,21 @@ def main(argv=None) -> dict:
             "row": row.name,
             "group": row.group,
             "settings": row.settings,
-            **image_metrics(images, baseline["images"]),
-            "accuracy": attribute_accuracy(classifier, images, labels),
-            "frechet": frechet(images),
+            **image_metrics(frames(images), frames(baseline["images"])),
+            **(motion_metrics(images, baseline["images"]) if video else {}),
+            "accuracy": attribute_accuracy(classifier, frames(images), labels),
+            "frechet": frechet(frames(images)),
             "wall_s": wall,
             "speedup_wall": baseline["wall"] / wall,
             "block_shares": shares,
             "blocks_work": sum(work.macs) / sum(baseline["macs"]),
-            "work_at_flux1_depth": at_depth(shares),
+            "work_at_full_depth": at_depth(shares, depth),
         }
         records.append(record)
         log(
             f"  ssim {record['ssim']:.3f} ({record['ssim_min']:.3f}), attributes {record['accuracy']['mean']:.3f}, "
-            f"FD {record['frechet']:.2f}, blocks' work {record['blocks_work']:.2f}, at Flux.1's depth "
-            f"{1 / record['work_at_flux1_depth']:.2f}x, {wall:.0f} s"
+            f"FD {record['frechet']:.2f}, blocks' work {record['blocks_work']:.2f}, at {depth} blocks "
+            f"{1 / record['work_at_full_depth']:.2f}x, {wall:.0f} s"
         )
     report = {
         "model": args.model,
@@ -345,6 +390,7 @@ def main(argv=None) -> dict:
         "versions": versions(),
         "date": time.strftime("%Y-%m-%d"),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "full_depth": depth,
         "comfyui_difference": difference,
         "mag_ratios": mag_ratios,
         "minutes": round((time.time() - started) / 60, 1),
@@ -358,16 +404,22 @@ def main(argv=None) -> dict:
 
 
 def table(report: dict) -> str:
+    video = any("motion_error" in r for r in report["records"])
+    depth = report.get("full_depth", FLUX_1_DEPTH)
     lines = [
         f"{report['model']} in diffusers, {report['settings']['steps']} steps, scheduler "
         f"{report['settings']['scheduler']} ({report['date']})",
-        "| row | SSIM (lowest) | attributes | FD | blocks' work | at Flux.1's depth |",
-        "|---|---|---|---|---|---|",
+        f"| row | SSIM (lowest) | attributes | FD | blocks' work | at {depth} blocks |"
+        + (" motion error | motion kept |" if video else ""),
+        "|---|---|---|---|---|---|" + ("---|---|" if video else ""),
     ]
     for r in report["records"]:
+        # Reports written before Wan's rows name the conversion after Flux.1.
+        full = r.get("work_at_full_depth", r.get("work_at_flux1_depth"))
+        motion = f" {r['motion_error']:.3f} | {r['motion_kept']:.3f} |" if video else ""
         lines.append(
             f"| {r['row']} | {r['ssim']:.3f} ({r['ssim_min']:.3f}) | {r['accuracy']['mean']:.1%} | "
-            f"{r['frechet']:.2f} | {r['blocks_work']:.2f} | {1 / r['work_at_flux1_depth']:.2f}x |"
+            f"{r['frechet']:.2f} | {r['blocks_work']:.2f} | {1 / full:.2f}x |" + motion
         )
     return "\n".join(lines)
 

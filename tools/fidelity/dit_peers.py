@@ -1,4 +1,4 @@
-"""Published step-cache ideas for DiTs that ComfyUI does not ship, as fidelity rows on the Flux references
+"""Published step-cache ideas for DiTs that ComfyUI does not ship, as fidelity rows on the DiT references
 (measured, not offered): so that the front shows where reuse across steps stands against them.
 
 - **First Block Cache** (the idea of ParaAttention's and diffusers' ``FirstBlockCacheConfig``): the first block
@@ -23,16 +23,17 @@ import torch
 PATCH_NAME = "dit"
 
 
-def _joined(state: dict) -> torch.Tensor:
-    present = [state[k] for k in ("txt", "img") if state.get(k) is not None]
+def _joined(state: dict, streams: tuple[str, ...]) -> torch.Tensor:
+    present = [state[k] for k in streams if state.get(k) is not None]
     return present[0] if len(present) == 1 else torch.cat(present, 1)
 
 
 class FirstBlockCache:
     """The block replacements of one patched clone (see the module docstring)."""
 
-    def __init__(self, keys: list, threshold: float):
+    def __init__(self, keys: list, threshold: float, streams: tuple[str, ...] = ("txt", "img")):
         self.keys = keys
+        self.streams = streams  # what the blocks pass on (Wan: ``img`` only; its ``txt`` is the prompt it reads)
         self.threshold = threshold
         self.states: dict = {}  # batch layout -> {"head", "rest", "skip"}
         self.last_sigma = None
@@ -56,9 +57,9 @@ class FirstBlockCache:
         def block(args, extra):
             state = self._state(args)
             if position == 0:
-                before = _joined(args).clone()  # ComfyUI's blocks may add to their input in place
+                before = _joined(args, self.streams).clone()  # ComfyUI's blocks may add to their input in place
                 out = extra["original_block"](args)
-                head = _joined(out) - before
+                head = _joined(out, self.streams) - before
                 previous = state["head"]
                 state["skip"] = (
                     previous is not None
@@ -68,7 +69,7 @@ class FirstBlockCache:
                 )
                 if not state["skip"]:
                     state["head"] = head
-                state["out"] = _joined(out)
+                state["out"] = _joined(out, self.streams)
                 return out
             if state["skip"]:
                 if position < last:
@@ -76,20 +77,21 @@ class FirstBlockCache:
                 return {"img": state["out"] + state["rest"]}
             out = extra["original_block"](args)
             if position == last:
-                state["rest"] = _joined(out) - state["out"]
+                state["rest"] = _joined(out, self.streams) - state["out"]
             return out
 
         return block
 
 
 def first_block_cache_patch(threshold: float) -> Callable:
-    """A fidelity row's patch: First Block Cache at ``threshold`` on a Flux model (every block replaced)."""
+    """A fidelity row's patch: First Block Cache at ``threshold`` on a Flux or Wan model (every block replaced)."""
     from tome_core.hosts.comfyui import dit_reuse
 
     def patch(model):
         clone = model.clone()
-        keys = dit_reuse.block_keys(clone.model.diffusion_model)
-        cache = FirstBlockCache(keys, threshold)
+        diffusion_model = clone.model.diffusion_model
+        keys = dit_reuse.block_keys(diffusion_model)
+        cache = FirstBlockCache(keys, threshold, dit_reuse.block_streams(diffusion_model))
         for position, (block_type, index) in enumerate(keys):
             clone.set_model_patch_replace(cache.replacement(position), PATCH_NAME, block_type, index)
         return clone

@@ -26,21 +26,25 @@ def table(report: dict) -> str:
     m = report["machine"]
     s = report["settings"]
     n_images = s["prompts"] * s["seeds"]
+    video = any("motion_error" in r for r in report["records"])
+    samples = "clips (SSIM, accuracy and FD over their frames)" if video else "images"
+    sampler = s.get("sampler", "euler")
     lines = [
-        f"Fidelity on reference model `{report['model']}`: {n_images} images per row ({s['prompts']} prompts x "
-        f"{s['seeds']} seeds), {s['steps']} Euler steps, CFG {s['cfg']}; {m.get('cpu', m.get('device'))}, "
+        f"Fidelity on reference model `{report['model']}`: {n_images} {samples} per row ({s['prompts']} prompts x "
+        f"{s['seeds']} seeds), {s['steps']} steps of `{sampler}`, CFG {s['cfg']}; {m.get('cpu', m.get('device'))}, "
         f"torch {report['versions'].get('torch')}, {report['date']}.",
         "",
         "| size | row | SSIM | min SSIM | PSNR dB | accuracy | all four | FD | time (s) | speed-up | speed-up CPU "
-        "| calls | tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| calls | tokens |" + (" motion error | motion kept |" if video else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if video else ""),
     ]
     for r in report["records"]:
+        motion = f" {r['motion_error']:.3f} | {r['motion_kept']:.3f} |" if video else ""
         lines.append(
             f"| {r['size']} | {r['row']} | {r['ssim']:.3f} | {r['ssim_min']:.3f} | {_fmt(r['psnr'], '.1f')} "
             f"| {r['accuracy']['mean']:.1%} | {r['accuracy']['all_four']:.1%} | {r['frechet']:.2f} "
             f"| {r['wall_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {_work(r, 'call_share')} "
-            f"| {_work(r, 'token_share')} |"
+            f"| {_work(r, 'token_share')} |" + motion
         )
     real = report["reference"]["real scenes"]
     lines += [
@@ -54,6 +58,13 @@ def table(report: dict) -> str:
         "calls: model calls computed (batch entries) and tokens: tokens computed by the transformer blocks over "
         "the whole run, each as a share of the unpatched row's."
     )
+    if video:
+        lines.append(
+            "motion error: how far the frame-to-frame differences are from unpatched's (mean absolute difference "
+            "over unpatched's mean absolute frame difference; 0 is the same motion); motion kept: the row's mean "
+            "absolute frame difference over unpatched's (1: as much motion, below 1 lost or blurred, above 1 "
+            "flicker)."
+        )
     return "\n".join(lines)
 
 

@@ -324,9 +324,9 @@ def broken_dit_patch(model):
     return clone
 
 
-def flux_rows(nodes: dict, variants: bool = False) -> list[FidelityRow]:
-    """The rows of a Flux model: ours through the node, and ToMe through attention (``dit_tome``), which the nodes
-    do not offer on DiTs; the other rows patch UNets only."""
+def dit_rows(nodes: dict, variants: bool = False, video: bool = False) -> list[FidelityRow]:
+    """The rows of a DiT (Flux, Wan): ours through the node, and on Flux ToMe through attention (``dit_tome``),
+    which the nodes do not offer on DiTs; the other rows patch UNets only."""
     from tools.fidelity import dit_tome
 
     rows = [
@@ -336,7 +336,7 @@ def flux_rows(nodes: dict, variants: bool = False) -> list[FidelityRow]:
         # The first 60% of the schedule only: the last, low-noise steps that draw the details run in full.
         ours(nodes, "ours ToDo 2 until 60%", method="todo", downsample_factor=2.0, end_percent=0.6),
     ]
-    for ratio in (0.5, 0.25):  # the measurement behind offering ToDo only on DiTs
+    for ratio in () if video else (0.5, 0.25):  # the measurement behind offering ToDo only on DiTs
         settings = {"method": "tome", "ratio": ratio, "scope": "attention (prototype)"}
         rows.append(
             FidelityRow(f"ToMe attention {ratio} (not shipped)", "ours", dit_tome.patch(ratio), settings=settings)
@@ -421,8 +421,8 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
     from tools.fidelity.reference import models
 
     nodes = load_our_nodes()
-    if models.is_flux(name):
-        return keep_asked_rows(flux_rows(nodes, args.variants), args, broken_dit_patch)
+    if models.is_dit(name):
+        return keep_asked_rows(dit_rows(nodes, args.variants, models.is_video(name)), args, broken_dit_patch)
     family = models.FAMILIES[name]
     finest = 1 if family.depth[0] else 2  # the finest level that has attention
     rows = [
@@ -449,13 +449,15 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
 
 def conditioning(name: str, base_model, encoder, prompt_indices: torch.Tensor, size: int) -> list:
     """ComfyUI CONDITIONING for a batch of prompts (SDXL: pooled vector and size conditioning too; Flux: pooled
-    vector and the guidance value it was trained with)."""
+    vector and the guidance value it was trained with; Wan: the text tokens alone)."""
     from tools.fidelity.reference import models
 
     with torch.no_grad():
         context, pooled = encoder(prompt_indices)
     extra = {}
-    if models.is_flux(name):
+    if models.is_video(name):
+        pass
+    elif models.is_flux(name):
         extra = {"pooled_output": pooled, "guidance": models.FLUX_GUIDANCE}
     elif models.FAMILIES[name].adm_channels:
         pixels = models.TRAIN_SIZE * 8  # the size conditioning the model was trained with
@@ -464,11 +466,10 @@ def conditioning(name: str, base_model, encoder, prompt_indices: torch.Tensor, s
     return [[context, extra]]
 
 
-def sample_row(row: FidelityRow, patcher, positive, negative, size: int, args, n_prompts: int):
-    """All images of one row: (seeds * prompts, 4, size, size) in data space, with wall and CPU seconds."""
+def sample_row(row: FidelityRow, patcher, positive, negative, shape: tuple, args):
+    """All samples of one row: (seeds * prompts, *shape[1:]) in data space (images or clips), with wall and CPU
+    seconds; ``shape`` is one seed's empty latent."""
     import nodes as comfy_nodes
-
-    from tools.fidelity.reference.data import CHANNELS
 
     model = row.patch(patcher)
     row.enter()
@@ -483,7 +484,7 @@ def sample_row(row: FidelityRow, patcher, positive, negative, size: int, args, n
         wall, cpu = time.perf_counter(), time.process_time()
         images = []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
-            latent = {"samples": torch.zeros(n_prompts, CHANNELS, size, size)}
+            latent = {"samples": torch.zeros(shape)}
             # Without gradients, as ComfyUI's executor runs a prompt: most samplers say so themselves, uni_pc does
             # not (it would keep every step's graph).
             with torch.no_grad():
@@ -528,6 +529,25 @@ def attribute_accuracy(classifier, images: torch.Tensor, prompts: torch.Tensor) 
     return result
 
 
+def motion_metrics(clips: torch.Tensor, reference: torch.Tensor) -> dict:
+    """How a row's clips move against unpatched's, from the frame-to-frame differences of the colour channels
+    (``d = frame t+1 - frame t``): ``motion_error`` is mean |d_row - d_unpatched| / mean |d_unpatched| (0: the same
+    motion), ``motion_kept`` mean |d_row| / mean |d_unpatched| (1: as much motion; below 1 motion lost or
+    blurred, above 1 flicker)."""
+    from tools.fidelity.reference.data import to_rgb
+
+    def steps(x):
+        frames = to_rgb(x.transpose(1, 2).flatten(0, 1)).unflatten(0, x.shape[:1] + x.shape[2:3])
+        return frames[:, 1:] - frames[:, :-1]
+
+    moved, moved_reference = steps(clips), steps(reference)
+    scale = float(moved_reference.abs().mean())
+    return {
+        "motion_error": float((moved - moved_reference).abs().mean()) / scale,
+        "motion_kept": float(moved.abs().mean()) / scale,
+    }
+
+
 class FrechetDistance:
     """Frechet distance to real scenes in the classifier's feature space (torchmetrics keeps the real side)."""
 
@@ -556,35 +576,43 @@ def evaluate_model(name: str, args, log) -> dict:
 
     base, encoder = models.load_reference(name)
     classifier = models.load_classifier()
+    video = models.is_video(name)
+    # A clip's metrics are its frames' (SSIM, attributes, FD), each frame an image, plus its motion.
+    frames = data.frames_of if video else (lambda x: x)
+    per_frame = models.CLIP_FRAMES if video else 1
+    train_size = models.train_size(name)
     cpu = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
     generator = torch.Generator().manual_seed(PROMPT_SEED)
     every = data.all_prompts().as_tensor()
     prompts = every[torch.randperm(len(every), generator=generator)[: args.prompts]]
     labels = prompts.repeat(args.seeds, 1)  # image i of seed s is prompt i
-    real, _ = data.batch(args.real, models.TRAIN_SIZE, torch.Generator().manual_seed(PROMPT_SEED + 1))
-    fresh, fresh_prompts = data.batch(len(labels), models.TRAIN_SIZE, torch.Generator().manual_seed(PROMPT_SEED + 2))
-    frechet = FrechetDistance(classifier, real)
+    real, _ = models.samples(name, args.real // per_frame, train_size, torch.Generator().manual_seed(PROMPT_SEED + 1))
+    fresh, fresh_prompts = models.samples(name, len(labels), train_size, torch.Generator().manual_seed(PROMPT_SEED + 2))
+    frechet = FrechetDistance(classifier, frames(real))
     reference_rows = {
         "real scenes": {
-            "frechet": frechet(fresh),
-            "accuracy": attribute_accuracy(classifier, fresh, fresh_prompts.as_tensor()),
+            "frechet": frechet(frames(fresh)),
+            "accuracy": attribute_accuracy(
+                classifier, frames(fresh), fresh_prompts.as_tensor().repeat_interleave(per_frame, 0)
+            ),
         }
     }
-    negative = conditioning(name, base, encoder, models.PromptEncoder.empty(1), models.TRAIN_SIZE)
+    negative = conditioning(name, base, encoder, models.PromptEncoder.empty(1), train_size)
     rows = rows_for(name, base, args)
     records, grids = [], {}
     for scale in [int(s) for s in args.scales.split(",")]:
-        size = models.TRAIN_SIZE * scale
+        size = train_size * scale
+        shape = models.latent_shape(name, len(prompts), size)
         positive = conditioning(name, base, encoder, prompts, size)
         # Warm-up (untimed): the first sampling call at a size pays for allocations and caches.
         warm = argparse.Namespace(**{**vars(args), "seeds": 1, "steps": 1})
-        sample_row(rows[0], patcher, positive, negative, size, warm, len(prompts))
+        sample_row(rows[0], patcher, positive, negative, shape, warm)
         baseline = None
         for row in rows:
             log(f"{name} {size}x{size}: {row.name} ...")
             with count_work(row, patcher) as work:
-                images, wall, cpu_s = sample_row(row, patcher, positive, negative, size, args, len(prompts))
+                images, wall, cpu_s = sample_row(row, patcher, positive, negative, shape, args)
             if baseline is None:
                 baseline = {"images": images, "wall": wall, "cpu": cpu_s, "work": work}
             record = {
@@ -597,15 +625,17 @@ def evaluate_model(name: str, args, log) -> dict:
                 "cpu_s": cpu_s,
                 "speedup": baseline["wall"] / wall,
                 "speedup_cpu": baseline["cpu"] / cpu_s,
-                **image_metrics(images, baseline["images"]),
-                "accuracy": attribute_accuracy(classifier, images, labels),
-                "frechet": frechet(images),
+                **image_metrics(frames(images), frames(baseline["images"])),
+                **(motion_metrics(images, baseline["images"]) if video else {}),
+                "accuracy": attribute_accuracy(classifier, frames(images), labels.repeat_interleave(per_frame, 0)),
+                "frechet": frechet(frames(images)),
                 "work": work.summary(baseline["work"]),
             }
             records.append(record)
-            grids[(size, row.name)] = images[: args.grid]
+            grids[(size, row.name)] = frames(images[: max(1, args.grid // per_frame)])
+            motion = f"motion error {record['motion_error']:.3f}, " if video else ""
             log(
-                f"  ssim {record['ssim']:.3f}, accuracy {record['accuracy']['mean']:.3f}, "
+                f"  ssim {record['ssim']:.3f}, {motion}accuracy {record['accuracy']['mean']:.3f}, "
                 f"FD {record['frechet']:.2f}, {wall:.1f} s ({record['speedup']:.2f}x), "
                 f"calls {record['work'].get('call_share', 1):.2f}, tokens {record['work'].get('token_share', 1):.2f}"
             )

@@ -1,5 +1,5 @@
-"""How fast a Flux reference model's blocks change their output from one sampling step to the next, against real
-Flux.1's published curve: does the reference behave like the real model where a step cache's gain is decided?
+"""How fast a DiT reference model's blocks change their output from one sampling step to the next, against the
+real model's published curve: does the reference behave like the real model where a step cache's gain is decided?
 
 ``python -m tools.fidelity.step_change --models ref-flux,ref-flux-deep --steps 28`` samples 16 prompts with
 ComfyUI's KSampler (Euler, CFG 4, as the fidelity benchmark does) and records, at every step, the residual of
@@ -9,6 +9,10 @@ of the residual's norm divided by the previous step's), beside real Flux.1's rat
 (``diffusers.hooks.mag_cache.FLUX_MAG_RATIOS``, 28 steps), and the mean relative change of the residual
 (|r_t - r_t-1| / |r_t-1|, what reuse across steps must predict); the conditional and unconditional calls each on
 their own, averaged. Writes ``results/step-change.json``.
+
+The video reference (``--models ref-wan --steps 50``, sampled with ``uni_pc`` and the ``simple`` scheduler as Wan
+users sample in ComfyUI): the residual of Wan's block stack, beside real Wan 2.1 1.3B's ratios at 50 steps as
+ComfyUI-MagCache publishes them (``REAL_WAN_RATIOS``: the conditional call's, every fifth step and the last).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tools.fidelity.step_change", description=__doc__)
-    parser.add_argument("--models", default="ref-flux", help="Flux reference models, comma-separated")
+    parser.add_argument("--models", default="ref-flux", help="DiT reference models (Flux, ref-wan), comma-separated")
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--cfg", type=float, default=4.0)
@@ -42,21 +46,34 @@ def real_flux_ratios() -> list[float] | None:
     return [float(r) for r in FLUX_MAG_RATIOS]
 
 
+# Real Wan 2.1 T2V 1.3B, 50 steps: MagCache's calibrated ratio of the conditional call at these steps (published
+# in ComfyUI-MagCache's table ``wan2.1_t2v_1.3B``, rounded): nearly flat at 0.995 for most of the run, falling
+# over the last tenth.
+REAL_WAN_RATIOS = {
+    1: 1.012, 5: 0.996, 10: 0.995, 15: 0.995, 20: 0.994, 25: 0.993, 30: 0.990, 35: 0.985, 40: 0.974, 45: 0.940,
+    49: 0.818,
+}  # fmt: skip
+
+
 class ResidualRecorder:
-    """Hooks on a ComfyUI Flux model: the stack's input at the first double block, its output after the last
-    single block, one residual per model call."""
+    """Hooks on a ComfyUI Flux or Wan model: the stack's input at its first block, its output after its last,
+    one residual per model call."""
 
     def __init__(self, diffusion_model):
         self.residuals: list[torch.Tensor] = []
         self._input = None
-        first, last = diffusion_model.double_blocks[0], diffusion_model.single_blocks[-1]
+        if hasattr(diffusion_model, "double_blocks"):
+            first, last = diffusion_model.double_blocks[0], diffusion_model.single_blocks[-1]
+        else:  # Wan: one stream through ``blocks``
+            first, last = diffusion_model.blocks[0], diffusion_model.blocks[-1]
         self.handles = [
             first.register_forward_pre_hook(self._on_input, with_kwargs=True),
             last.register_forward_hook(self._on_output),
         ]
 
     def _on_input(self, module, args, kwargs):
-        self._input = torch.cat((kwargs["txt"], kwargs["img"]), 1).detach().clone()
+        joined = args[0] if args else torch.cat((kwargs["txt"], kwargs["img"]), 1)
+        self._input = joined.detach().clone()
 
     def _on_output(self, module, args, output):
         self.residuals.append((output.detach() - self._input).float())
@@ -83,19 +100,24 @@ def measure(name: str, args) -> dict:
     from tools.fidelity.reference import data, models
     from tools.fidelity.run import PROMPT_SEED, conditioning
 
-    if not models.is_flux(name):
-        raise ValueError(f"{name} is not a Flux reference model")
+    if not models.is_dit(name):
+        raise ValueError(f"{name} is not a DiT reference model")
     base, encoder = models.load_reference(name)
     cpu = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
     every = data.all_prompts().as_tensor()
     prompts = every[torch.randperm(len(every), generator=torch.Generator().manual_seed(PROMPT_SEED))[: args.prompts]]
-    positive = conditioning(name, base, encoder, prompts, models.TRAIN_SIZE)
-    negative = conditioning(name, base, encoder, models.PromptEncoder.empty(1), models.TRAIN_SIZE)
+    size = models.train_size(name)
+    positive = conditioning(name, base, encoder, prompts, size)
+    negative = conditioning(name, base, encoder, models.PromptEncoder.empty(1), size)
+    sampler, scheduler = ("uni_pc", "simple") if models.is_video(name) else ("euler", "normal")
     recorder = ResidualRecorder(base.diffusion_model)
     try:
-        latent = {"samples": torch.zeros(len(prompts), data.CHANNELS, models.TRAIN_SIZE, models.TRAIN_SIZE)}
-        comfy_nodes.common_ksampler(patcher, 0, args.steps, args.cfg, "euler", "normal", positive, negative, latent)
+        latent = {"samples": torch.zeros(models.latent_shape(name, len(prompts), size))}
+        with torch.no_grad():
+            comfy_nodes.common_ksampler(
+                patcher, 0, args.steps, args.cfg, sampler, scheduler, positive, negative, latent
+            )
     finally:
         recorder.remove()
     calls = len(recorder.residuals)
@@ -120,6 +142,13 @@ def main(argv=None) -> dict:
     result = {"steps": args.steps, "real_flux_norm_ratio": real_flux_ratios(), "models": {}}
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         result["models"][name] = measure(name, args)
+    if args.steps == 50:
+        result["real_wan_norm_ratio"] = REAL_WAN_RATIOS
+        for name, record in result["models"].items():
+            pairs = [(record["norm_ratio"][step], real) for step, real in REAL_WAN_RATIOS.items()]
+            record["mean_gap_to_real_wan"] = sum(abs(a - b) for a, b in pairs) / len(pairs)
+            gap = record["mean_gap_to_real_wan"]
+            print(f"{name}: mean |ratio - real Wan 2.1 1.3B's| at {len(pairs)} steps = {gap:.3f}")
     real = result["real_flux_norm_ratio"] if args.steps == 28 else None
     names = list(result["models"])
     header = " | ".join(f"{n} ratio | {n} change" for n in names)

@@ -8,11 +8,12 @@ forward pre-hooks on the UNet that really runs (ComfyUI's, or a UNet swapped in 
 - tokens: the tokens that reach each transformer block's feed-forward layer (batch x tokens), summed over the
   run; the feed-forward layer runs on exactly the tokens the block computes (all of them unpatched and with
   ToDo, the merged ones with scope block; none in the inner layers at a step that reuses them).
-On a DiT (Flux): model calls are calls of its input projection (``img_in``), and tokens are the tokens each
-transformer block computes (image and text; a double block's two streams cost about what a single block costs on
-the joined sequence per token: 12 width-squared multiply-adds each), so a block skipped by a step cache or by
-reuse across steps is not counted.
-Shares are against the unpatched row of the same run.
+On a DiT (Flux, Wan): model calls are calls of its input projection (Flux ``img_in``, Wan ``patch_embedding``),
+and tokens are the tokens each transformer block computes (Flux: image and text; a double block's two streams
+cost about what a single block costs on the joined sequence per token: 12 width-squared multiply-adds each), so a
+block skipped by a step cache or by reuse across steps is not counted.
+Shares are against the unpatched row of the same run; ``block_shares`` lists each block's, in call order, which
+``at_depth`` converts to a real model's depth.
 """
 
 from __future__ import annotations
@@ -47,7 +48,16 @@ class WorkCount:
             record["token_share"] = total / sum(baseline.tokens.values())
             per_block = [self.tokens.get(name, 0) / n for name, n in baseline.tokens.items() if n]
             record["token_share_min_block"] = min(per_block)
+            record["block_shares"] = per_block
         return record
+
+
+def at_depth(shares: list[float], depth: int) -> float:
+    """A run's blocks' work on a model of ``depth`` blocks, from the reference's per-block shares in call order:
+    the first and the last block as measured (reuse across steps always runs them), every other block at the
+    mean of the reference's inner blocks."""
+    middle = shares[1:-1]
+    return (shares[0] + shares[-1] + (depth - 2) * sum(middle) / len(middle)) / depth
 
 
 @contextmanager
@@ -86,9 +96,9 @@ def count_work(row, patcher):
 
 
 def _count_dit(model, work: WorkCount, handles: list, on_call) -> bool:
-    """Hooks on a Flux transformer (see the module docstring); False for any other model."""
-    first = getattr(model, "img_in", None)
-    blocks = [*getattr(model, "double_blocks", ()), *getattr(model, "single_blocks", ())]
+    """Hooks on a Flux or Wan transformer (see the module docstring); False for any other model."""
+    first = getattr(model, "img_in", getattr(model, "patch_embedding", None))
+    blocks = [*getattr(model, "double_blocks", ()), *getattr(model, "single_blocks", ()), *getattr(model, "blocks", ())]
     if first is None or not blocks:
         return False
     handles.append(first.register_forward_pre_hook(on_call))

@@ -64,7 +64,8 @@ def block_keys(diffusion_model) -> list[tuple[str, int]] | None:
     return None
 
 
-def _streams(diffusion_model) -> tuple[str, ...]:
+def block_streams(diffusion_model) -> tuple[str, ...]:
+    """The streams each block passes on: Flux and SD3 ``txt`` and ``img``, Wan ``img`` alone."""
     names = {c.__name__ for c in type(diffusion_model).__mro__}
     return _STREAMS["Wan"] if names & {"WanModel", "CameraWanModel"} else _STREAMS["other"]
 
@@ -158,7 +159,7 @@ def install(
         return False
     span = keys[outer : len(keys) - outer]
     schedule = IntervalSchedule(settings.reuse_interval, full_start=DIT_FULL_START) if schedule is None else schedule
-    hooks = DitReuseHooks(schedule, span, _streams(diffusion_model), noise_range, extrapolate)
+    hooks = DitReuseHooks(schedule, span, block_streams(diffusion_model), noise_range, extrapolate)
     replaced = _replacements(clone)
     for position, (block_type, index) in enumerate(span):
         previous = replaced.get((block_type, index))

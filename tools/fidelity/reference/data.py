@@ -82,12 +82,59 @@ def _shape_masks(kind, cy, cx, radius, yy, xx):
     return mask.float(), relief
 
 
-def _backgrounds(kind, yy, xx, size, generator):
-    """(N, 4, H, W) textured backgrounds of the given kinds with a muted random tint."""
-    n = kind.shape[0]
+@dataclass
+class _Scene:
+    """The random parameters of a batch of scenes (all (N, ...) tensors), drawn once, drawn at any time."""
+
+    period: torch.Tensor
+    phase: torch.Tensor
+    angle: torch.Tensor
+    tint: torch.Tensor
+    greys: list  # per small object: (present, kind, centre, radius, grey)
+    jitter: torch.Tensor
+    radius: torch.Tensor
+
+
+@dataclass
+class _Motion:
+    """How a clip's scene changes from its first frame (time 0) to its last (time 1)."""
+
+    jitter_end: torch.Tensor  # the main object travels from ``jitter`` to here, inside its quadrant
+    grey_velocity: list  # per small object, (N, 2) in pixels over the clip
+    drift: torch.Tensor  # background pattern phase travelled over the clip, radians
+    tint_end: torch.Tensor  # the background's tint shifts linearly to this
+
+
+def _sample_scene(n: int, size: int, generator: torch.Generator) -> _Scene:
+    # The order of the draws is the data stream the committed reference weights were trained on: keep it.
     period = (size / 5.0) * (0.8 + 0.4 * torch.rand(n, 1, 1, generator=generator))
     phase = torch.rand(n, 1, 1, generator=generator) * 2 * math.pi
     angle = torch.rand(n, 1, 1, generator=generator) * math.pi
+    tint = (torch.rand(n, 3, 1, 1, generator=generator) - 0.5) * 0.5 - 0.3
+    greys = []
+    for _ in range(2):
+        present = torch.rand(n, generator=generator) < 0.6
+        kind = torch.randint(0, len(KINDS), (n,), generator=generator)
+        centre = torch.rand(n, 2, generator=generator) * size * 0.8 + size * 0.1
+        radius = size * (0.07 + 0.04 * torch.rand(n, generator=generator))
+        grey = 0.1 + 0.6 * torch.rand(n, 1, 1, 1, generator=generator)
+        greys.append((present, kind, centre, radius, grey))
+    jitter = (torch.rand(n, 2, generator=generator) - 0.5) * 0.12
+    radius = size * (0.17 + 0.06 * torch.rand(n, generator=generator))
+    return _Scene(period, phase, angle, tint, greys, jitter, radius)
+
+
+def _sample_motion(n: int, size: int, generator: torch.Generator) -> _Motion:
+    jitter_end = (torch.rand(n, 2, generator=generator) - 0.5) * 0.12
+    grey_velocity = [(torch.rand(n, 2, generator=generator) - 0.5) * 0.4 * size for _ in range(2)]
+    drift = (torch.rand(n, 1, 1, generator=generator) - 0.5) * 2 * math.pi
+    tint_end = (torch.rand(n, 3, 1, 1, generator=generator) - 0.5) * 0.5 - 0.3
+    return _Motion(jitter_end, grey_velocity, drift, tint_end)
+
+
+def _background(kind, scene: _Scene, yy, xx, phase, tint):
+    """(N, 4, H, W) textured backgrounds of the given kinds with a muted tint."""
+    period, angle = scene.period, scene.angle
     u = yy * torch.cos(angle) + xx * torch.sin(angle)
     stripes = torch.sign(torch.sin(2 * math.pi * u / period + phase))
     checks = torch.sign(torch.sin(math.pi * yy / period * 2 + phase) * torch.sin(math.pi * xx / period * 2 + phase))
@@ -95,37 +142,37 @@ def _backgrounds(kind, yy, xx, size, generator):
     plain = torch.zeros_like(waves)
     patterns = torch.stack([plain, stripes, checks, waves])
     pattern = patterns.gather(0, kind.view(1, -1, 1, 1).expand(1, *patterns.shape[1:]))[0]
-    tint = (torch.rand(n, 3, 1, 1, generator=generator) - 0.5) * 0.5 - 0.3
     colour = tint + 0.25 * pattern.unsqueeze(1)
     relief = -0.6 + 0.2 * pattern.unsqueeze(1)
     return torch.cat([colour, relief], dim=1)
 
 
-def render(prompts: Prompts, size: int, generator: torch.Generator) -> torch.Tensor:
-    """(N, 4, size, size) scenes for ``prompts``, values in about [-1, 1]."""
+def _draw(prompts: Prompts, scene: _Scene, size: int, motion: _Motion | None = None, time: float = 0.0):
+    """(N, 4, size, size): the scene at ``time`` (0 to 1) of its motion; a still scene without one."""
     n = len(prompts)
     fine = size * 2
     coords = (torch.arange(fine, dtype=torch.float32) + 0.5) / 2.0  # in output pixels
     yy, xx = coords.view(1, -1, 1), coords.view(1, 1, -1)
-    image = _backgrounds(prompts.background, yy, xx, size, generator)
+    phase, tint, jitter = scene.phase, scene.tint, scene.jitter
+    if motion is not None:
+        phase = phase + motion.drift * time
+        tint = torch.lerp(tint, motion.tint_end, time)
+        jitter = torch.lerp(jitter, motion.jitter_end, time)
+    image = _background(prompts.background, scene, yy, xx, phase, tint)
 
     # Up to two small grey objects, drawn first so the main object may cover them.
-    for _ in range(2):
-        present = torch.rand(n, generator=generator) < 0.6
-        kind = torch.randint(0, len(KINDS), (n,), generator=generator)
-        centre = torch.rand(n, 2, generator=generator) * size * 0.8 + size * 0.1
-        radius = size * (0.07 + 0.04 * torch.rand(n, generator=generator))
+    for i, (present, kind, centre, radius, grey) in enumerate(scene.greys):
+        if motion is not None:
+            centre = centre + motion.grey_velocity[i] * time
         mask, relief = _shape_masks(
             kind, centre[:, 0].view(-1, 1, 1), centre[:, 1].view(-1, 1, 1), radius.view(-1, 1, 1), yy, xx
         )
         mask = mask * present.view(-1, 1, 1).float()
-        grey = 0.1 + 0.6 * torch.rand(n, 1, 1, 1, generator=generator)
         value = torch.cat([grey.expand(-1, 3, 1, 1) * torch.ones_like(image[:, :3]), relief.unsqueeze(1) * 0.5], dim=1)
         image = torch.where(mask.unsqueeze(1) > 0, value, image)
 
-    jitter = (torch.rand(n, 2, generator=generator) - 0.5) * 0.12
     centre = (_CENTRES[prompts.position] + jitter) * size
-    radius = size * (0.17 + 0.06 * torch.rand(n, generator=generator))
+    radius = scene.radius
     mask, relief = _shape_masks(
         prompts.kind, centre[:, 0].view(-1, 1, 1), centre[:, 1].view(-1, 1, 1), radius.view(-1, 1, 1), yy, xx
     )
@@ -136,10 +183,38 @@ def render(prompts: Prompts, size: int, generator: torch.Generator) -> torch.Ten
     return F.avg_pool2d(image, 2)
 
 
+def render(prompts: Prompts, size: int, generator: torch.Generator) -> torch.Tensor:
+    """(N, 4, size, size) scenes for ``prompts``, values in about [-1, 1]."""
+    return _draw(prompts, _sample_scene(len(prompts), size, generator), size)
+
+
+def render_clip(prompts: Prompts, size: int, frames: int, generator: torch.Generator) -> torch.Tensor:
+    """(N, 4, frames, size, size) moving scenes: the prompted object travels inside its quadrant, the small grey
+    objects drift across, the background pattern slides and its tint shifts. Every frame is a scene of the same
+    prompt (the attribute classifier judges each), and the first frame is what ``render`` draws from the same
+    generator state."""
+    n = len(prompts)
+    scene = _sample_scene(n, size, generator)
+    motion = _sample_motion(n, size, generator)
+    times = [f / max(1, frames - 1) for f in range(frames)]
+    return torch.stack([_draw(prompts, scene, size, motion, t) for t in times], dim=2)
+
+
 def batch(n: int, size: int, generator: torch.Generator) -> tuple[torch.Tensor, Prompts]:
     """``n`` random prompts and their scenes."""
     prompts = random_prompts(n, generator)
     return render(prompts, size, generator), prompts
+
+
+def clip_batch(n: int, size: int, frames: int, generator: torch.Generator) -> tuple[torch.Tensor, Prompts]:
+    """``n`` random prompts and their clips, (n, 4, frames, size, size)."""
+    prompts = random_prompts(n, generator)
+    return render_clip(prompts, size, frames, generator), prompts
+
+
+def frames_of(clips: torch.Tensor) -> torch.Tensor:
+    """(N, C, T, H, W) clips as (N * T, C, H, W) images, clip by clip."""
+    return clips.transpose(1, 2).flatten(0, 1)
 
 
 def to_rgb(images: torch.Tensor) -> torch.Tensor:

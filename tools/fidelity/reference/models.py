@@ -77,17 +77,76 @@ FLUX_CONFIGS = {
 # that reuse across steps on DiTs, which runs those two and predicts the rest, is measured on a model where the
 # predicted blocks are most of the work, as on the real one (docs/dit.md).
 FLUX_CONFIGS["ref-flux-deep"] = {**FLUX_CONFIGS["ref-flux"], "depth": 4, "depth_single_blocks": 8}
-MODELS = (*FAMILIES, *FLUX_CONFIGS)
+# ComfyUI's detected-config dict of the Wan 2.1 video reference (comfy/model_detection.py, "wan2.1", t2v): 8
+# blocks of self-attention over every frame's tokens, cross-attention to the prompt and an MLP, as Wan 2.1 1.3B
+# has 30. One clip is CLIP_FRAMES latent frames (Wan 2.1's 17 video frames) of CLIP_SIZE x CLIP_SIZE.
+WAN_CONFIGS = {
+    "ref-wan": {
+        "image_model": "wan2.1",
+        "model_type": "t2v",
+        "dim": 96,
+        "num_heads": 3,  # head width 32, RoPE widths 12 (frame), 10 (row), 10 (column)
+        "ffn_dim": 384,
+        "num_layers": 8,
+        "patch_size": (1, 2, 2),
+        "freq_dim": 256,
+        "window_size": (-1, -1),
+        "qk_norm": True,
+        "cross_attn_norm": True,
+        "eps": 1e-6,
+        "in_dim": data.CHANNELS,
+        "out_dim": data.CHANNELS,
+        "text_dim": CONTEXT_DIM,
+    },
+}
+CLIP_FRAMES = 5
+CLIP_SIZE = 20
+MODELS = (*FAMILIES, *FLUX_CONFIGS, *WAN_CONFIGS)
+
+
+def _known(name: str) -> str:
+    if name not in MODELS:
+        raise ValueError(f"unknown reference model {name!r}; choose from {', '.join(MODELS)}")
+    return name
 
 
 def is_flux(name: str) -> bool:
-    """True for the Flux transformers (flow matching, tokens, no UNet levels), False for the UNets."""
-    if name not in MODELS:
-        raise ValueError(f"unknown reference model {name!r}; choose from {', '.join(MODELS)}")
-    return name in FLUX_CONFIGS
+    """True for the Flux transformers, False for the UNets and the video model."""
+    return _known(name) in FLUX_CONFIGS
+
+
+def is_video(name: str) -> bool:
+    """True for the Wan video transformer: its samples are clips (N, 4, frames, size, size)."""
+    return _known(name) in WAN_CONFIGS
+
+
+def is_dit(name: str) -> bool:
+    """True for the transformers (flow matching, tokens, no UNet levels): Flux and Wan."""
+    return is_flux(name) or is_video(name)
+
+
+def train_size(name: str) -> int:
+    """The latent size (per frame) the model was trained at."""
+    return CLIP_SIZE if is_video(name) else TRAIN_SIZE
+
+
+def latent_shape(name: str, n: int, size: int) -> tuple[int, ...]:
+    """The shape of an empty latent of ``n`` samples at ``size``: images, or clips of CLIP_FRAMES frames."""
+    if is_video(name):
+        return (n, data.CHANNELS, CLIP_FRAMES, size, size)
+    return (n, data.CHANNELS, size, size)
+
+
+def samples(name: str, n: int, size: int, generator: torch.Generator):
+    """``n`` real samples of the model's kind (scenes or clips) and their prompts."""
+    if is_video(name):
+        return data.clip_batch(n, size, CLIP_FRAMES, generator)
+    return data.batch(n, size, generator)
 
 
 def pooled_dim(name: str) -> int:
+    if is_video(name):
+        return 1  # Wan takes no pooled vector; the encoder's pooling is left unused
     return FLUX_POOLED_DIM if is_flux(name) else POOLED_DIM
 
 
@@ -132,6 +191,39 @@ def scene_latent_format():
     return SceneFlux()
 
 
+def scene_video_format():
+    """Wan 2.1's latent format for 4-channel clips, with the scenes as they are (mean 0, scale 1): the clips are
+    the model's working space."""
+    import comfy.latent_formats
+
+    class SceneWan(comfy.latent_formats.Wan21):
+        latent_channels = data.CHANNELS
+
+        def __init__(self):  # Wan21's own __init__ sets its 16 channels' statistics
+            self.scale_factor = 1.0
+            self.latents_mean = torch.zeros(1, data.CHANNELS, 1, 1, 1)
+            self.latents_std = torch.ones(1, data.CHANNELS, 1, 1, 1)
+            self.latent_rgb_factors = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+            self.latent_rgb_factors_bias = [0.0, 0.0, 0.0]
+            self.taesd_decoder_name = None
+
+    return SceneWan()
+
+
+def build_wan_model(name: str):
+    """ComfyUI's Wan 2.1 BaseModel (text to video: flow matching with shift 8, CONST) as its config detection
+    builds it for the config, weights uninitialised."""
+    import comfy.model_detection
+    import comfy.supported_models
+
+    config = comfy.model_detection.model_config_from_unet_config(dict(WAN_CONFIGS[name]))
+    if type(config) is not comfy.supported_models.WAN21_T2V:
+        raise RuntimeError(f"ComfyUI detected {type(config).__name__} for {name}, not Wan 2.1 text to video")
+    config.latent_format = scene_video_format()
+    config.set_inference_dtype(torch.float32, None)
+    return config.get_model({}, device="cpu")
+
+
 def build_flux_model(name: str):
     """ComfyUI's Flux BaseModel as ComfyUI's config detection builds it for the config, weights uninitialised."""
     import comfy.model_detection
@@ -151,6 +243,8 @@ def build_base_model(name: str):
 
     if is_flux(name):
         return build_flux_model(name)
+    if is_video(name):
+        return build_wan_model(name)
     family = FAMILIES[name]
     config_class = comfy.supported_models.SDXL if family.adm_channels else comfy.supported_models.SD15
     config = config_class(comfy_unet_config(family))
@@ -166,7 +260,9 @@ def build_base_model(name: str):
 
 def adm_vector(name: str, base_model, pooled: torch.Tensor, size: int) -> torch.Tensor | None:
     """The ``y`` input as ComfyUI computes it at sampling time: SDXL pooled text + size embeddings, Flux the
-    pooled text; None for SD1."""
+    pooled text; None for SD1 and Wan."""
+    if is_video(name):
+        return None
     if is_flux(name):
         return base_model.encode_adm(pooled_output=pooled)
     if FAMILIES[name].adm_channels is None:
@@ -179,6 +275,8 @@ def adm_vector(name: str, base_model, pooled: torch.Tensor, size: int) -> torch.
 
 def model_inputs(name: str, base_model, context: torch.Tensor, pooled: torch.Tensor, size: int) -> dict:
     """The conditioning inputs of the diffusion model's forward as ComfyUI passes them while sampling."""
+    if is_video(name):
+        return {"context": context}
     inputs = {"context": context, "y": adm_vector(name, base_model, pooled, size)}
     if is_flux(name) and FLUX_CONFIGS[name]["guidance_embed"]:
         inputs["guidance"] = torch.full((context.shape[0],), FLUX_GUIDANCE)

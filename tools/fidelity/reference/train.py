@@ -47,7 +47,13 @@ MIN_SNR_GAMMA = 5.0  # min-SNR loss weighting for v (arXiv 2303.09556): faster c
 SAVE_EVERY = 250
 LOG_EVERY = 100
 # Per-model optimiser steps and peak learning rate, where ``--steps`` / ``--lr`` do not override them.
-RECIPES = {"ref-sd1": (1500, 1e-3), "ref-sdxl": (1500, 1e-3), "ref-flux": (2000, 1e-3), "ref-flux-deep": (2000, 1e-3)}
+RECIPES = {
+    "ref-sd1": (1500, 1e-3),
+    "ref-sdxl": (1500, 1e-3),
+    "ref-flux": (2000, 1e-3),
+    "ref-flux-deep": (2000, 1e-3),
+    "ref-wan": (2000, 1e-3),
+}
 
 
 def parse_args(argv=None):
@@ -82,10 +88,13 @@ def debiased_ema(ema_state: dict, init_state: dict, updates: int) -> dict:
     }
 
 
-def zero_start(diffusion_model, flux: bool) -> list[nn.Linear]:
-    """The layers that start at zero. UNet: the output convolution (the usual diffusion-UNet init). Flux: the
-    output layer and every modulation (adaLN-Zero, as DiT): each block starts as the identity."""
-    if not flux:
+def zero_start(name: str, diffusion_model) -> list[nn.Linear]:
+    """The layers that start at zero. UNet: the output convolution (the usual diffusion-UNet init). Wan: the
+    output layer (as Wan's own init). Flux: the output layer and every modulation (adaLN-Zero, as DiT): each
+    block starts as the identity."""
+    if models.is_video(name):
+        return [diffusion_model.head.head]
+    if not models.is_flux(name):
         return [diffusion_model.out[-1]]
     layers = [diffusion_model.final_layer.linear, diffusion_model.final_layer.adaLN_modulation[-1]]
     for block in diffusion_model.double_blocks:
@@ -99,7 +108,7 @@ def initial_weights(name: str, seed: int):
     base = models.build_base_model(name)
     initialise(base.diffusion_model, seed)
     with torch.no_grad():  # zero-started output: faster to train
-        for layer in zero_start(base.diffusion_model, models.is_flux(name)):
+        for layer in zero_start(name, base.diffusion_model):
             layer.weight.zero_()
             layer.bias.zero_()
     return base, models.PromptEncoder(models.pooled_dim(name))
@@ -119,10 +128,12 @@ def autograd_safe(flux: bool):
 
 
 def noised_pair(flux: bool, sigmas_table: torch.Tensor, t: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor):
-    """(model input, timestep, target, loss weight per sample) for schedule indices ``t``, exactly as ComfyUI
-    builds the model input while sampling (``calculate_input`` of the model's sampling)."""
-    sigma = sigmas_table[t].view(-1, 1, 1, 1)
-    if flux:  # flow matching, CONST: x_t on the straight line from x0 to eps; timestep = sigma
+    """(model input, sigma or timestep, target, loss weight per sample) for schedule indices ``t``, exactly as
+    ComfyUI builds the model input while sampling (``calculate_input`` of the model's sampling). ``flux``: any
+    flow-matching model (Flux, Wan); its second value is sigma, which the model's sampling turns into the
+    timestep (Flux: sigma itself, Wan: 1000 sigma). Images or clips: ``x0`` of any rank."""
+    sigma = sigmas_table[t].view(-1, *[1] * (x0.dim() - 1))
+    if flux:  # flow matching, CONST: x_t on the straight line from x0 to eps
         return (1.0 - sigma) * x0 + sigma * eps, sigma.view(-1), eps - x0, torch.ones(len(t))
     scale = torch.rsqrt(sigma * sigma + 1.0)
     snr = 1.0 / (sigma.view(-1) ** 2)
@@ -181,7 +192,7 @@ def train_model(name: str, args) -> dict:
     steps, peak_lr = RECIPES[name]
     steps = args.steps or steps
     peak_lr = args.lr or peak_lr
-    flux = models.is_flux(name)
+    flow = models.is_dit(name)
     base, encoder = initial_weights(name, args.seed)
     net = nn.ModuleDict({"unet": base.diffusion_model, "encoder": encoder}).train()
     init_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
@@ -189,23 +200,25 @@ def train_model(name: str, args) -> dict:
     optimiser = torch.optim.AdamW(net.parameters(), lr=peak_lr, weight_decay=0.01)
     sigmas_table = base.model_sampling.sigmas.float()
     generator = torch.Generator().manual_seed(args.seed + 10)
-    size = models.TRAIN_SIZE
+    size = models.train_size(name)
     losses = []
     started = time.time()
     for step in range(steps):
         for group in optimiser.param_groups:
             group["lr"] = lr_at(step, steps, peak_lr)
-        x0, prompts = data.batch(args.batch, size, generator)
+        x0, prompts = models.samples(name, args.batch, size, generator)
         indices = prompts.as_tensor()
         drop = torch.rand(args.batch, generator=generator) < CFG_DROPOUT
         indices = torch.where(drop.view(-1, 1), models.PromptEncoder.empty(args.batch), indices)
         t = torch.randint(0, len(sigmas_table), (args.batch,), generator=generator)
         eps = torch.randn(x0.shape, generator=generator)
-        x_in, timestep, target, weight = noised_pair(flux, sigmas_table, t, x0, eps)
-        with autograd_safe(flux):
+        x_in, timestep, target, weight = noised_pair(flow, sigmas_table, t, x0, eps)
+        if flow:
+            timestep = base.model_sampling.timestep(timestep)
+        with autograd_safe(flow):
             context, pooled = encoder(indices)
             predicted = base.diffusion_model(x_in, timestep, **models.model_inputs(name, base, context, pooled, size))
-        loss = (weight * (predicted - target).square().mean(dim=(1, 2, 3))).mean()
+        loss = (weight * (predicted - target).square().flatten(1).mean(dim=1)).mean()
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
