@@ -125,7 +125,7 @@ def test_video_reference_is_measured_frame_by_frame_and_for_its_motion(wan_repor
     blocks = models.WAN_CONFIGS["ref-wan"]["num_layers"]
     assert len(_row(report, "ours reuse every 3")["work"]["block_shares"]) == blocks
     table = (out / "fidelity-ref-wan.md").read_text()
-    assert "motion error" in table and "2 clips" in table
+    assert "motion error" in table and "2 clips" in table and "at 30 blocks" in table
     assert (out / "fidelity-grid-ref-wan.png").stat().st_size > 0
 
 

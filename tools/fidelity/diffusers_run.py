@@ -40,7 +40,6 @@ import torch
 from tools.fidelity.work import at_depth
 
 ROOT = Path(__file__).resolve().parents[2]
-FLUX_1_DEPTH = 57  # Flux.1's 19 double and 38 single blocks
 # Flux.1-dev's scheduler configuration (its scheduler_config.json), which diffusers users get.
 FLUX_SCHEDULER = {
     "base_image_seq_len": 256,
@@ -317,7 +316,7 @@ def main(argv=None) -> dict:
         print(f"[{time.time() - started:6.0f} s] {message}", flush=True)
 
     conversion = diffusers_wan if video else diffusers_flux
-    depth = diffusers_wan.WAN_1_3B_DEPTH if video else FLUX_1_DEPTH
+    depth = models.FULL_DEPTH[args.model]
     base, encoder = models.load_reference(args.model)
     transformer, _ = conversion.load_transformer(args.model, base)
     difference = conversion.max_difference(args.model)
@@ -405,7 +404,7 @@ def main(argv=None) -> dict:
 
 def table(report: dict) -> str:
     video = any("motion_error" in r for r in report["records"])
-    depth = report.get("full_depth", FLUX_1_DEPTH)
+    depth = report.get("full_depth", 57)  # reports written before Wan's rows: Flux.1's
     lines = [
         f"{report['model']} in diffusers, {report['settings']['steps']} steps, scheduler "
         f"{report['settings']['scheduler']} ({report['date']})",

@@ -12,8 +12,6 @@ import torch
 
 from tools.fidelity.reference import models
 
-WAN_1_3B_DEPTH = 30  # Wan 2.1 1.3B's blocks
-
 
 def transformer_config(name: str) -> dict:
     """``WanTransformer3DModel`` arguments of a reference model's ComfyUI config."""

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from tools.fidelity.work import at_depth
+
 
 def _fmt(value, pattern: str) -> str:
     return "-" if value is None else format(value, pattern)
@@ -27,6 +29,7 @@ def table(report: dict) -> str:
     s = report["settings"]
     n_images = s["prompts"] * s["seeds"]
     video = any("motion_error" in r for r in report["records"])
+    depth = report.get("full_depth")  # DiT references: the real model's blocks, for the converted speed
     samples = "clips (SSIM, accuracy and FD over their frames)" if video else "images"
     sampler = s.get("sampler", "euler")
     lines = [
@@ -35,11 +38,18 @@ def table(report: dict) -> str:
         f"torch {report['versions'].get('torch')}, {report['date']}.",
         "",
         "| size | row | SSIM | min SSIM | PSNR dB | accuracy | all four | FD | time (s) | speed-up | speed-up CPU "
-        "| calls | tokens |" + (" motion error | motion kept |" if video else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if video else ""),
+        "| calls | tokens |"
+        + (f" at {depth} blocks |" if depth else "")
+        + (" motion error | motion kept |" if video else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|" if depth else "")
+        + ("---|---|" if video else ""),
     ]
     for r in report["records"]:
         motion = f" {r['motion_error']:.3f} | {r['motion_kept']:.3f} |" if video else ""
+        shares = r.get("work", {}).get("block_shares")
+        if depth:
+            motion = (f" {1 / at_depth(shares, depth):.2f}x |" if shares else " - |") + motion
         lines.append(
             f"| {r['size']} | {r['row']} | {r['ssim']:.3f} | {r['ssim_min']:.3f} | {_fmt(r['psnr'], '.1f')} "
             f"| {r['accuracy']['mean']:.1%} | {r['accuracy']['all_four']:.1%} | {r['frechet']:.2f} "

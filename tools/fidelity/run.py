@@ -659,6 +659,7 @@ def main(argv=None) -> dict:
     import comfy.utils
 
     from tools.fidelity import report as fidelity_report
+    from tools.fidelity.reference import models
 
     comfy.utils.PROGRESS_BAR_ENABLED = False  # one log line per row instead
 
@@ -676,6 +677,7 @@ def main(argv=None) -> dict:
             "machine": machine(torch.device("cpu")),
             "versions": versions(),
             "settings": {k: v for k, v in vars(args).items() if k not in ("out", "docs")},
+            "full_depth": models.FULL_DEPTH.get(name),
             "date": time.strftime("%Y-%m-%d"),
             "minutes": round((time.time() - started) / 60, 1),
             **{k: v for k, v in result.items() if k != "grids"},

@@ -102,6 +102,9 @@ WAN_CONFIGS = {
 CLIP_FRAMES = 5
 CLIP_SIZE = 20
 MODELS = (*FAMILIES, *FLUX_CONFIGS, *WAN_CONFIGS)
+# The blocks of the real model each DiT reference stands for (Flux.1: 19 double + 38 single; Wan 2.1 1.3B: 30):
+# a step cache's work on the reference is converted to that depth (``tools.fidelity.work.at_depth``).
+FULL_DEPTH = {"ref-flux": 57, "ref-flux-deep": 57, "ref-wan": 30}
 
 
 def _known(name: str) -> str:
