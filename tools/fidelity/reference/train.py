@@ -21,7 +21,9 @@ What is trained, in order:
    the schedule ComfyUI samples Flux.1-dev with (``ModelSamplingFlux``): input ``(1 - sigma) * x0 + sigma * eps``
    at a sigma drawn uniformly from that schedule's table, timestep ``sigma``, target ``eps - x0`` (what
    ComfyUI's CONST prediction turns back into the image), plain mean squared error. Its step count and
-   learning rate are its own (``RECIPES``): a transformer step costs differently from a UNet step.
+   learning rate are its own (``RECIPES``): a transformer step costs differently from a UNet step;
+4. ``ref-wan`` (``--models ref-wan``) likewise on moving clips of the same scenes (``data.render_clip``), on
+   the schedule ComfyUI samples Wan 2.1 with (``ModelSamplingDiscreteFlow``, shift 8; timestep 1000 sigma).
 """
 
 from __future__ import annotations
