@@ -114,6 +114,26 @@ def test_uni_pc_reuses_on_dits(node_classes, dits):
     assert_span_ran_at_full_steps(counts, "wan", STEPS, 2)
 
 
+def test_uni_pc_runs_the_low_noise_steps_in_full(node_classes, dits):
+    """UniPC's corrector multiplies a predicted output's error at low noise (docs/dit.md): with a shift of 3
+    (ModelSamplingSD3) over 30 steps, the steps the schedule would reuse below noise 0.5 run every block."""
+    import comfy.samplers
+    from comfy_extras.nodes_model_advanced import ModelSamplingSD3
+
+    from tome_core.layer_reuse import FULL_BELOW_NOISE_WITH_A_CORRECTOR
+
+    shifted = ModelSamplingSD3().patch(dits["wan"], 3.0)[0]
+    patched = patch(node_classes, shifted, reuse_interval=2, downsample_factor=1.0)
+    steps = 30
+    with torch.no_grad(), BlockCalls(patched, "wan") as counts:
+        host.sample_dit(patched, "wan", SHAPES["wan"], steps=steps, sampler="uni_pc")
+    sigmas = comfy.samplers.calculate_sigmas(shifted.get_model_object("model_sampling"), "normal", steps)
+    schedule = IntervalSchedule(2, full_start=DIT_FULL_START)
+    full = [schedule.is_full(s, steps) or float(sigmas[s]) < FULL_BELOW_NOISE_WITH_A_CORRECTOR for s in range(steps)]
+    assert sum(full) > schedule.full_steps(steps)  # the rule made some reusable steps full
+    assert {counts[key] for key in SPAN["wan"]} == {2 * sum(full)}  # cond and uncond apart
+
+
 def test_bf16_keeps_the_arithmetic_exact(node_classes):
     """In bf16 too (as users run Flux), where the span changes nothing a reusing call changes nothing."""
     model = host.tiny_dit("flux", dtype=torch.bfloat16, **DEEPER["flux"])

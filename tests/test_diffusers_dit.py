@@ -335,6 +335,25 @@ def test_wans_default_unipc_scheduler_reuses_on_dits_only(pipes, caplog, monkeyp
     assert "reuse across steps is off with UniPCMultistepScheduler" in caplog.text
 
 
+def test_unipc_runs_the_low_noise_steps_in_full(pipes, monkeypatch):
+    """UniPC's corrector multiplies a predicted output's error at low noise (docs/dit.md): with Wan's flow shift 3
+    over 30 steps, the steps the schedule would reuse below noise 0.5 run in full, the others still reuse."""
+    from diffusers import UniPCMultistepScheduler
+
+    from tome_core.layer_reuse import DIT_FULL_START, FULL_BELOW_NOISE_WITH_A_CORRECTOR, IntervalSchedule
+
+    pipe = D.wan_pipeline()
+    pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    runs = counting_runs(monkeypatch)
+    patched_run(pipe, steps=30, downsample_factor=1, reuse_interval=2)
+    sigmas = [float(s) for s in pipe.scheduler.sigmas[:30]]
+    schedule = IntervalSchedule(2, full_start=DIT_FULL_START)
+    reusable = [step for step in range(30) if not schedule.is_full(step, 30)]
+    low = [step for step in reusable if sigmas[step] < FULL_BELOW_NOISE_WITH_A_CORRECTOR]
+    assert low and len(low) < len(reusable)  # the rule takes some steps, not all
+    assert [run.reused_calls for run in runs] == [2 * (len(reusable) - len(low))]  # prompt and negative prompt
+
+
 def _flux_lora(transformer, rank: int = 2, seed: int = 3) -> dict:
     """A LoRA in diffusers' format on every attention projection of the Flux transformer (seeded, non-zero B)."""
     generator = torch.Generator().manual_seed(seed)

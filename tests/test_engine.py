@@ -197,3 +197,11 @@ def test_skip_when_slower_has_its_own_threshold_for_scope_block():
     assert MIN_TOKENS["tome block"] < MIN_TOKENS["tome"]
     assert reducer.start_block(torch.randn(1, side * side, 8), (side, side)) is not None
     assert reducer.start_block(torch.randn(1, (side - 1) ** 2, 8), (side - 1, side - 1)) is None
+
+
+def test_unipc_runs_in_full_below_half_noise_and_other_samplers_nowhere():
+    from tome_core.layer_reuse import full_below_noise
+
+    assert full_below_noise("uni_pc") == full_below_noise("UniPCMultistepScheduler") == 0.5
+    assert full_below_noise("euler") == full_below_noise("FlowMatchEulerDiscreteScheduler") == 0.0
+    assert full_below_noise(None) == 0.0

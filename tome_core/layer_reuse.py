@@ -123,6 +123,20 @@ KARRAS_RHO = 7.0  # the exponent of Karras et al.'s noise schedule, as every hos
 # 0.951; docs/dit.md). ComfyUI's uni_pc_bh2 is not measured.
 DIT_SAMPLERS_THAT_KEEP_THE_PICTURE = frozenset({"unipcmultistepscheduler", "uni_pc"})
 
+# UniPC corrects each step with the model's output at the next one (its corrector, UniC), which multiplies a
+# predicted output's error where the picture's details form. On ref-wan (diffusers' UniPC, flow shift 3 as Wan
+# 2.1 at 480p, 30 steps) reusing the steps at noise 0.635 and 0.563 cost nothing (SSIM 0.9997), the steps at
+# 0.478 and 0.376 cost 0.952 (lowest 0.78), and 0.987 with the corrector off; with ComfyUI's shift 8 those noise
+# levels fall in the last four steps, which are full anyway. So with UniPC the calls below this noise level (the
+# flow sigma, 0 to 1) run in full (docs/dit.md).
+SAMPLERS_WITH_A_CORRECTOR = frozenset({"unipcmultistepscheduler", "uni_pc"})
+FULL_BELOW_NOISE_WITH_A_CORRECTOR = 0.5
+
+
+def full_below_noise(sampler: str | None) -> float:
+    """The noise level below which every call of a run with ``sampler`` runs in full (0: none)."""
+    return FULL_BELOW_NOISE_WITH_A_CORRECTOR if (sampler or "").lower() in SAMPLERS_WITH_A_CORRECTOR else 0.0
+
 
 def keeps_the_picture_with(sampler: str | None, schedule: str | None = None, dit: bool = False) -> bool:
     """Whether reuse across steps may run with ``sampler`` (a host's name for it) on the noise schedule
@@ -201,6 +215,8 @@ class LayerReuseRun:
         self.last_step = -1
         self.calls = 0
         self.reused_calls = 0
+        # The noise level below which the host runs every call in full (``full_below_noise``; 0: none).
+        self.full_below = 0.0
         # What the log calls the layers that always run and the prediction (a DiT door says "blocks").
         self.outer_words = "the outer layers (the first input block and the last output block)"
         self.inner_words = "layers' output"

@@ -25,6 +25,7 @@ from ...layer_reuse import (
     LayerReuseRun,
     attach_forwards,
     detach_forwards,
+    full_below_noise,
     is_karras,
     keeps_the_picture_with,
 )
@@ -82,6 +83,7 @@ class LayerReuseHooks(LayerReuse):
             return executor(*args, **kwargs)
         sigmas = call_sigmas(raw_sigmas)
         run = self.new_run(len(sigmas))
+        run.full_below = full_below_noise(name)
         return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
 
     def _ended(self, run) -> None:
@@ -99,7 +101,8 @@ class LayerReuseHooks(LayerReuse):
         layout = tuple(str(u) for u in transformer_options.get("uuids") or ())
         key = (layout, tuple(x.shape), x.dtype)
         position = sigma if self.by_sigma else None
-        self.begin_call(run, step, key, allowed=self.noise_range.contains(sigma), position=position)
+        allowed = self.noise_range.contains(sigma) and sigma >= run.full_below
+        self.begin_call(run, step, key, allowed=allowed, position=position)
         try:
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
         finally:

@@ -38,6 +38,7 @@ from ...layer_reuse import (
     LayerReuseRun,
     attach_forwards,
     detach_forwards,
+    full_below_noise,
     keeps_the_picture_with,
 )
 
@@ -174,6 +175,7 @@ class PipelineReuse(LayerReuse):
             return None
         if self.run is None or step < self._last_step:
             self._new_run(step)
+            self.run.full_below = full_below_noise(type(scheduler).__name__)
         self._call_in_step = self._call_in_step + 1 if step == self._last_step else 0
         self._last_step = step
         # Pipelines that run the prompt and the negative prompt as two calls of one step (Wan, Flux's true CFG)
@@ -181,6 +183,7 @@ class PipelineReuse(LayerReuse):
         key = (tuple(sample.shape), sample.dtype, self._call_in_step)
         position = _sigma_of(scheduler, step, t)
         allowed = self.allowed(t) and not self.must_run_in_full(module, kwargs)
+        allowed = allowed and (position is None or position >= self.run.full_below)
         self.begin_call(self.run, step - self._first_step, key, allowed=allowed, position=position)
         return None
 
