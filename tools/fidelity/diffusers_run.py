@@ -87,7 +87,7 @@ def forget_hook_registries(transformer) -> None:
             registry._child_registries_cache = None
 
 
-def rows(mag_ratios) -> list[Row]:
+def rows(mag_ratios, video: bool = False) -> list[Row]:
     from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
     out = [Row("unpatched", "unpatched")]
@@ -105,6 +105,15 @@ def rows(mag_ratios) -> list[Row]:
         name = f"TaylorSeer every {interval}, order {order}" + (", lite" if lite else "")
         settings = {"cache_interval": interval, "max_order": order, "use_lite_mode": lite}
         out.append(Row(name, "diffusers", _cache(make), settings))
+    if video:
+        # diffusers' default attention patterns are matched whole ("^blocks.*attn"), so they miss Wan's ``attn1``
+        # and ``attn2`` and the default forecasts nothing there: this row names Wan's attention modules.
+        named = [r"^blocks\.\d+\.attn\d$"]
+        make = lambda args: TaylorSeerCacheConfig(  # noqa: E731
+            cache_interval=4, max_order=2, taylor_factors_dtype=torch.float32, cache_identifiers=named
+        )
+        settings = {"cache_interval": 4, "max_order": 2, "cache_identifiers": named}
+        out.append(Row("TaylorSeer every 4, order 2, Wan's attention named", "diffusers", _cache(make), settings))
     for threshold in (0.03, 0.06, 0.12):  # 0.06: diffusers' default
         make = lambda args, t=threshold: MagCacheConfig(  # noqa: E731
             threshold=t, num_inference_steps=args.steps, mag_ratios=list(mag_ratios)
@@ -345,7 +354,7 @@ def main(argv=None) -> dict:
     mag_ratios = calibrate_mag_ratios(pipe, text, args, size)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     records, baseline = [], None
-    for row in rows(mag_ratios):
+    for row in rows(mag_ratios, video):
         if row.group != "unpatched" and wanted and not any(w in row.name for w in wanted):
             continue
         log(f"{row.name} ...")
