@@ -126,17 +126,29 @@ def load_base_graph(page):
 def add_node_by_search(page, query, choose):
     """Double-click the empty canvas, type in the node search and pick the result whose title is ``choose``;
     returns the titles of the results in the node category."""
-    page.mouse.dblclick(*NODE_SPOT)
-    page.keyboard.type(query, delay=20)
-    titles = page.wait_for_function(
-        """title => {
-            const titles = Array.from(document.querySelectorAll('[role=option]'))
-                .filter(e => e.innerText.includes('model_patches'))
-                .map(e => e.innerText.split('\\n')[0].replace(/\\u00a0/g, ' ').trim());
-            return titles.includes(title) && titles;
-        }""",
-        arg=choose,
-    ).json_value()
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    # On a busy machine the first double-click can land before the canvas takes it and no search box opens: the
+    # search is tried again from scratch (the result it waits for is the same).
+    for attempt in range(3):
+        page.mouse.dblclick(*NODE_SPOT)
+        page.keyboard.type(query, delay=20)
+        try:
+            titles = page.wait_for_function(
+                """title => {
+                    const titles = Array.from(document.querySelectorAll('[role=option]'))
+                        .filter(e => e.innerText.includes('model_patches'))
+                        .map(e => e.innerText.split('\\n')[0].replace(/\\u00a0/g, ' ').trim());
+                    return titles.includes(title) && titles;
+                }""",
+                arg=choose,
+                timeout=20_000,
+            ).json_value()
+            break
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise
+            page.keyboard.press("Escape")
     page.locator("[role=option]", has_text="model_patches").nth(titles.index(choose)).click()
     page.locator("[role=option]").first.wait_for(state="detached")
     node_type = "ToMePatchAdvanced" if "Advanced" in choose else "ToMePatch"
