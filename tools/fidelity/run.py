@@ -324,7 +324,7 @@ def broken_dit_patch(model):
     return clone
 
 
-def dit_rows(nodes: dict, variants: bool = False, video: bool = False) -> list[FidelityRow]:
+def dit_rows(nodes: dict, variants: bool = False, video: bool = False, args=None) -> list[FidelityRow]:
     """The rows of a DiT (Flux, Wan): ours through the node, and on Flux ToMe through attention (``dit_tome``),
     which the nodes do not offer on DiTs; the other rows patch UNets only."""
     from tools.fidelity import dit_tome
@@ -362,6 +362,11 @@ def dit_rows(nodes: dict, variants: bool = False, video: bool = False) -> list[F
         for interval, changes in changed:
             name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
             rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
+        if args is not None:
+            for noise in (0.1, 0.15):  # full steps spaced by the noise travelled (docs/dit.md, Wan)
+                name = f"ours reuse by noise {noise} (not shipped)"
+                patch = noise_spaced_variant(noise, args.steps, args.scheduler)
+                rows.append(FidelityRow(name, "ours", patch, settings={"noise_between_full_steps": noise}))
     return rows + step_cache_rows(FLUX_STEP_CACHE_THRESHOLDS) + dit_peer_rows()
 
 
@@ -403,6 +408,45 @@ def dit_reuse_variant(interval: int, outer=1, extrapolate=0.5, **schedule) -> Ca
     return patch
 
 
+def noise_spaced_full_steps(sigmas: list[float], noise: float, start: int = 2, end: int = 4) -> set[int]:
+    """The full steps of a schedule by noise: the first ``start`` and the last ``end`` steps, and in between a
+    step each time the noise fell by ``noise`` since the last full one."""
+    steps = len(sigmas)
+    full = set(range(start)) | set(range(steps - end, steps))
+    last = start - 1
+    for step in range(start, steps - end):
+        if sigmas[last] - sigmas[step] >= noise:
+            full.add(step)
+            last = step
+    return full
+
+
+def noise_spaced_variant(noise: float, steps: int, scheduler: str) -> Callable:
+    """DiT reuse across steps with its full steps spaced by the noise travelled (measured, not shipped): the
+    run's sigmas come from the model's sampling and the sampler's scheduler, as ComfyUI computes them."""
+    import comfy.samplers
+
+    from tome_core.hosts.comfyui import dit_reuse
+    from tome_core.layer_reuse import IntervalSchedule
+    from tome_core.schedule import NoiseRange
+
+    def patch(model):
+        sampling = model.get_model_object("model_sampling")
+        sigmas = [float(s) for s in comfy.samplers.calculate_sigmas(sampling, scheduler, steps)[:steps]]
+        full = noise_spaced_full_steps(sigmas, noise)
+
+        class ByNoise(IntervalSchedule):
+            def is_full(self, step: int, n: int) -> bool:
+                return n != steps or step in full
+
+        clone = model.clone()
+        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=2)
+        dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), 1, ByNoise(2), 0.5)
+        return clone
+
+    return patch
+
+
 def keep_asked_rows(rows: list[FidelityRow], args, broken=broken_patch) -> list[FidelityRow]:
     if args.broken:
         rows.append(FidelityRow("broken (shifted tokens)", "broken", broken))
@@ -422,7 +466,7 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
 
     nodes = load_our_nodes()
     if models.is_dit(name):
-        return keep_asked_rows(dit_rows(nodes, args.variants, models.is_video(name)), args, broken_dit_patch)
+        return keep_asked_rows(dit_rows(nodes, args.variants, models.is_video(name), args), args, broken_dit_patch)
     family = models.FAMILIES[name]
     finest = 1 if family.depth[0] else 2  # the finest level that has attention
     rows = [
