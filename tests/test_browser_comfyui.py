@@ -128,10 +128,17 @@ def add_node_by_search(page, query, choose):
     returns the titles of the results in the node category."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    # On a busy machine the first double-click can land before the canvas takes it and no search box opens: the
-    # search is tried again from scratch (the result it waits for is the same).
+    # A double-click can land before the canvas takes it, and no search box opens; typed keys would then reach the
+    # page's shortcuts ("m" opens the model library). So the query is typed only once the search box has the
+    # focus, and the double-click is tried again where it did not open.
     for attempt in range(3):
         page.mouse.dblclick(*NODE_SPOT)
+        try:
+            page.wait_for_function("() => document.activeElement?.tagName === 'INPUT'", timeout=5_000)
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise
+            continue
         page.keyboard.type(query, delay=20)
         try:
             titles = page.wait_for_function(
