@@ -334,8 +334,7 @@ def main(argv=None) -> dict:
         f"{difference:.2e}"
     )
     # A clip's metrics are its frames' (SSIM, attributes, FD), each frame an image, plus its motion.
-    frames = data.frames_of if video else (lambda x: x)
-    per_frame = models.CLIP_FRAMES if video else 1
+    frames, per_frame = models.as_images(args.model)
     classifier = models.load_classifier()
     every = data.all_prompts().as_tensor()
     prompts = every[torch.randperm(len(every), generator=torch.Generator().manual_seed(PROMPT_SEED))[: args.prompts]]

@@ -578,10 +578,10 @@ def motion_metrics(clips: torch.Tensor, reference: torch.Tensor) -> dict:
     (``d = frame t+1 - frame t``): ``motion_error`` is mean |d_row - d_unpatched| / mean |d_unpatched| (0: the same
     motion), ``motion_kept`` mean |d_row| / mean |d_unpatched| (1: as much motion; below 1 motion lost or
     blurred, above 1 flicker)."""
-    from tools.fidelity.reference.data import to_rgb
+    from tools.fidelity.reference.data import frames_of, to_rgb
 
     def steps(x):
-        frames = to_rgb(x.transpose(1, 2).flatten(0, 1)).unflatten(0, x.shape[:1] + x.shape[2:3])
+        frames = to_rgb(frames_of(x)).unflatten(0, x.shape[:1] + x.shape[2:3])  # (N, T, 3, H, W)
         return frames[:, 1:] - frames[:, :-1]
 
     moved, moved_reference = steps(clips), steps(reference)
@@ -622,8 +622,7 @@ def evaluate_model(name: str, args, log) -> dict:
     classifier = models.load_classifier()
     video = models.is_video(name)
     # A clip's metrics are its frames' (SSIM, attributes, FD), each frame an image, plus its motion.
-    frames = data.frames_of if video else (lambda x: x)
-    per_frame = models.CLIP_FRAMES if video else 1
+    frames, per_frame = models.as_images(name)
     train_size = models.train_size(name)
     cpu = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)

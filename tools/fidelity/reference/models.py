@@ -140,6 +140,14 @@ def latent_shape(name: str, n: int, size: int) -> tuple[int, ...]:
     return (n, data.CHANNELS, size, size)
 
 
+def as_images(name: str):
+    """(how to view a batch of the model's samples as images, images per sample): clips become their frames, each
+    an image the metrics judge; scenes stay as they are."""
+    if is_video(name):
+        return data.frames_of, CLIP_FRAMES
+    return (lambda samples: samples), 1
+
+
 def samples(name: str, n: int, size: int, generator: torch.Generator):
     """``n`` real samples of the model's kind (scenes or clips) and their prompts."""
     if is_video(name):
