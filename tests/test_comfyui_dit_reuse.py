@@ -1,5 +1,5 @@
 """Reuse across steps on ComfyUI's DiTs (``tome_core/hosts/comfyui/dit_reuse.py``), in real ComfyUI with tiny
-random-weight models of its own classes, deep enough that a span lies between the first and the last block."""
+random-weight models of its own classes, deep enough that a span of several blocks follows the first block."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: 
 
 from tome_core.hosts.comfyui import dit_reuse
 from tome_core.hosts.comfyui.layer_reuse import RUN_KEY
-from tome_core.layer_reuse import DIT_FULL_START, IntervalSchedule
+from tome_core.layer_reuse import IntervalSchedule, NoiseSpacedSchedule, full_below_noise
 
 FAMILIES = ("flux", "chroma", "sd3", "wan")
 # Four blocks each: Flux and Chroma two double and two single (the span crosses from one kind to the other).
@@ -24,12 +24,12 @@ DEEPER = {
 }
 SHAPES = {"flux": (1, 9, 13), "chroma": (1, 7, 9), "sd3": (1, 11, 7), "wan": (1, 3, 9, 11)}
 STEPS = 12
-# The span's blocks, per family (first and last block run at every call).
+# The span's blocks, per family (the first block runs at every call).
 SPAN = {
-    "flux": [("double_block", 1), ("single_block", 0)],
-    "chroma": [("double_block", 1), ("single_block", 0)],
-    "sd3": [("double_block", 1), ("double_block", 2)],
-    "wan": [("double_block", 1), ("double_block", 2)],
+    "flux": [("double_block", 1), ("single_block", 0), ("single_block", 1)],
+    "chroma": [("double_block", 1), ("single_block", 0), ("single_block", 1)],
+    "sd3": [("double_block", 1), ("double_block", 2)],  # its last block returns no text: it runs too
+    "wan": [("double_block", 1), ("double_block", 2), ("double_block", 3)],
 }
 REUSE = {"reuse_interval": 3, "downsample_factor": 1.0}  # reuse alone: ToDo has its own tests
 
@@ -84,12 +84,23 @@ def passing_on(args, extra):
     return {name: args[name] for name in ("img", "txt") if name in args}
 
 
-def assert_span_ran_at_full_steps(counts, family, steps, calls_per_step):
+def planned_full_steps(model, steps: int, sampler="euler", part=None) -> int:
+    """The full steps of a run of ``steps`` (``part``: the steps of a longer schedule that one sampling samples)
+    at reuse every 3, on the model's noise levels as ``sample_dit`` samples them."""
+    import comfy.samplers
+
+    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "normal", steps)
+    levels = [float(s) for s in sigmas[:steps]][part or slice(None)]
+    plan = NoiseSpacedSchedule(REUSE["reuse_interval"]).for_run(len(levels), levels, full_below_noise(sampler))
+    return plan.full_steps(len(levels))
+
+
+def assert_span_ran_at_full_steps(counts, family, full, steps, calls_per_step):
     keys = list(counts)
-    assert keys[1:-1] == SPAN[family]
-    assert counts[keys[0]] == counts[keys[-1]] == steps * calls_per_step  # the outer blocks run at every call
-    full = IntervalSchedule(3, full_start=DIT_FULL_START).full_steps(steps)
-    assert full < steps
+    assert keys[1 : 1 + len(SPAN[family])] == SPAN[family]
+    for outer in set(keys) - set(SPAN[family]):
+        assert counts[outer] == steps * calls_per_step  # the first block (SD3: and the last) runs at every call
+    assert 0 < full < steps
     assert {counts[key] for key in SPAN[family]} == {full * calls_per_step}
 
 
@@ -102,7 +113,9 @@ def test_the_span_runs_at_full_steps_only(node_classes, dits, family, calls_per_
     with BlockCalls(patched, family) as counts:
         out = host.sample_dit(patched, family, SHAPES[family], steps=STEPS, negative_tokens=negative_tokens)
     assert torch.isfinite(out).all()
-    assert_span_ran_at_full_steps(counts, family, STEPS, calls_per_step)
+    full = planned_full_steps(patched, STEPS)
+    assert full == STEPS // 2  # under 25 steps one in two at most, spaced by the noise
+    assert_span_ran_at_full_steps(counts, family, full, STEPS, calls_per_step)
 
 
 def test_uni_pc_reuses_on_dits(node_classes, dits):
@@ -111,12 +124,13 @@ def test_uni_pc_reuses_on_dits(node_classes, dits):
     patched = patch(node_classes, dits["wan"], **REUSE)
     with torch.no_grad(), BlockCalls(patched, "wan") as counts:  # uni_pc keeps its graph otherwise
         host.sample_dit(patched, "wan", SHAPES["wan"], steps=STEPS, sampler="uni_pc")
-    assert_span_ran_at_full_steps(counts, "wan", STEPS, 2)
+    assert_span_ran_at_full_steps(counts, "wan", planned_full_steps(patched, STEPS, "uni_pc"), STEPS, 2)
 
 
 def test_uni_pc_runs_the_low_noise_steps_in_full(node_classes, dits):
     """UniPC's corrector multiplies a predicted output's error at low noise (docs/dit.md): with a shift of 3
-    (ModelSamplingSD3) over 30 steps, the steps the schedule would reuse below noise 0.5 run every block."""
+    (ModelSamplingSD3) over 30 steps, every step below noise 0.5 runs every block; they count among the one
+    step in two of the others, spaced by the noise above 0.5."""
     import comfy.samplers
     from comfy_extras.nodes_model_advanced import ModelSamplingSD3
 
@@ -128,10 +142,13 @@ def test_uni_pc_runs_the_low_noise_steps_in_full(node_classes, dits):
     with torch.no_grad(), BlockCalls(patched, "wan") as counts:
         host.sample_dit(patched, "wan", SHAPES["wan"], steps=steps, sampler="uni_pc")
     sigmas = comfy.samplers.calculate_sigmas(shifted.get_model_object("model_sampling"), "normal", steps)
-    schedule = IntervalSchedule(2, full_start=DIT_FULL_START)
-    full = [schedule.is_full(s, steps) or float(sigmas[s]) < FULL_BELOW_NOISE_WITH_A_CORRECTOR for s in range(steps)]
-    assert sum(full) > schedule.full_steps(steps)  # the rule made some reusable steps full
-    assert {counts[key] for key in SPAN["wan"]} == {2 * sum(full)}  # cond and uncond apart
+    low = sum(float(s) < FULL_BELOW_NOISE_WITH_A_CORRECTOR for s in sigmas[:steps])
+    assert 3 < low < steps // 2
+    assert {counts[key] for key in SPAN["wan"]} == {2 * (low + (steps - low + 1) // 2)}  # cond and uncond apart
+    # Which steps ran the span: every call below 0.5, and above it the rest of the budget, one call in two.
+    levels = [float(s) for s in sigmas[:steps]]
+    plan = NoiseSpacedSchedule(2).for_run(steps, levels, FULL_BELOW_NOISE_WITH_A_CORRECTOR)
+    assert all(plan.is_full(step, steps) for step in range(steps) if levels[step] < FULL_BELOW_NOISE_WITH_A_CORRECTOR)
 
 
 def test_bf16_keeps_the_arithmetic_exact(node_classes):
@@ -160,8 +177,9 @@ def test_wan22_two_models_each_sample_their_part(node_classes):
         out = host.sample_dit(low, "wan", SHAPES["wan"], steps=steps, latent=part, start_step=switch,
                               last_step=steps, disable_noise=True)  # fmt: skip
     assert torch.isfinite(out).all()
-    assert_span_ran_at_full_steps(first, "wan", switch, 2)
-    assert_span_ran_at_full_steps(second, "wan", steps - switch, 2)
+    assert_span_ran_at_full_steps(first, "wan", planned_full_steps(high, steps, part=slice(0, switch)), switch, 2)
+    later = planned_full_steps(low, steps, part=slice(switch, steps))
+    assert_span_ran_at_full_steps(second, "wan", later, steps - switch, 2)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -296,7 +314,7 @@ def test_the_log_says_what_was_computed(node_classes, dits, caplog):
     patched = patch(node_classes, dits["wan"], **REUSE)
     with caplog.at_level(logging.INFO, logger="tome_patch"):
         host.sample_dit(patched, "wan", SHAPES["wan"], steps=STEPS)
-    assert "ran only the first and the last block" in caplog.text
+    assert "ran only the first block" in caplog.text
 
 
 def test_variants_that_add_between_blocks_are_not_reused():

@@ -193,10 +193,3 @@ def test_training_feeds_the_model_what_comfyui_feeds_it_while_sampling(name):
         else:
             torch.testing.assert_close(seen[key].expand_as(inputs[key]), inputs[key])
     torch.testing.assert_close(sampling.calculate_denoised(sigma, target, noisy), x0, atol=1e-5, rtol=1e-5)
-
-
-def test_a_schedule_by_noise_computes_where_the_noise_falls():
-    sigmas = [1.0, 0.99, 0.98, 0.97, 0.88, 0.85, 0.7, 0.55, 0.5, 0.4, 0.3, 0.2]
-    # The first two and the last four, and a step each time the noise fell by 0.1 since the last full one.
-    assert fidelity.noise_spaced_full_steps(sigmas, 0.1) == {0, 1, 4, 6, 7, 8, 9, 10, 11}
-    assert fidelity.noise_spaced_full_steps(sigmas, 0.5) == {0, 1, 8, 9, 10, 11}

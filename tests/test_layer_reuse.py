@@ -8,6 +8,7 @@ that reuses runs only the outer layers; interval 1 and removal are bit-identical
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -180,6 +181,46 @@ def test_the_schedule_and_its_short_runs():
         IntervalSchedule(3, short_run=-1)
     with pytest.raises(ValueError, match="min_steps"):
         IntervalSchedule(3, min_steps=-1)
+
+
+# Wan's noise levels in ComfyUI at 30 steps (shift 8, the ``simple`` scheduler), rounded.
+WAN_SIGMAS_30 = [
+    *(1.0, 0.996, 0.991, 0.986, 0.981, 0.976, 0.97, 0.963, 0.957, 0.949, 0.941, 0.933, 0.923, 0.913, 0.902),
+    *(0.889, 0.875, 0.86, 0.842, 0.823, 0.8, 0.774, 0.745, 0.71, 0.667, 0.616, 0.553, 0.471, 0.365, 0.22),
+]
+
+
+def test_the_dit_schedule_spaces_its_full_steps_by_the_noise():
+    """One step in N runs in full, the first one and then one each time the noise fell far enough: where the
+    noise hardly moves (Wan's first half) the full steps lie far apart, where it falls fast they follow each
+    other. The steps a host runs in full (below ``full_below``) come on top; short runs as on the UNets."""
+    from tome_core.layer_reuse import NoiseSpacedSchedule
+
+    def pattern(interval, steps, levels, full_below=0.0, **rules):
+        plan = NoiseSpacedSchedule(interval, **rules).for_run(steps, levels, full_below)
+        return "".join("F" if plan.is_full(step, steps) else "." for step in range(steps))
+
+    assert pattern(3, 30, WAN_SIGMAS_30) == "F.........F....F...F..F.F.FFFF"
+    assert pattern(6, 30, WAN_SIGMAS_30) == "F.................F.....F..F.F"
+    # With UniPC the last three (below 0.5) run in full on top of one in 6 (10) of the other 27.
+    assert pattern(6, 30, WAN_SIGMAS_30, full_below=0.5) == "F............F.....F...F.F.FFF"
+    assert pattern(10, 30, WAN_SIGMAS_30, full_below=0.5) == "F.................F.....F..FFF"
+    for interval in (2, 3, 4, 5, 6, 8):
+        assert pattern(interval, 30, WAN_SIGMAS_30).count("F") == math.ceil(30 / interval)
+    even = [1.0 - step / 30 for step in range(30)]
+    assert pattern(3, 30, even) == pattern(3, 30, None) == "F..F..F..F..F..F..F..F..F..F.."
+    assert pattern(1, 30, WAN_SIGMAS_30) == "F" * 30
+    twenty = [1.0 - step / 20 for step in range(20)]
+    assert pattern(6, 20, twenty) == pattern(2, 20, twenty) == "F.F.F.F.F.F.F.F.F.F."  # under 25: 2 at most
+    for steps in (4, 8, 9):  # distilled models, Lightning LoRAs: nothing reused
+        assert pattern(3, steps, even[:steps]) == "F" * steps
+    assert pattern(3, 9, even[:9], min_steps=0, short_run=0) == "F..F..F.."
+    plan = NoiseSpacedSchedule(3).for_run(30, WAN_SIGMAS_30)
+    assert plan.is_full(5, 31)  # a run of another length than planned: every step in full
+    with pytest.raises(ValueError, match="interval"):
+        NoiseSpacedSchedule(0)
+    with pytest.raises(ValueError, match="min_steps"):
+        NoiseSpacedSchedule(3, min_steps=-1)
 
 
 def test_step_order_schedule_and_layout_changes_compute_in_full():

@@ -42,12 +42,25 @@ import torch
 # the line drawn over the sigmas (``position``), kept the picture best on both reference models
 # (docs/step-reuse.md: 0 and 1 each lose it on one of them).
 DEFAULT_EXTRAPOLATE = 0.5
-OUTER_BLOCKS = 1  # the first input block and the last output block run at every step (a DiT: first and last block)
-# A DiT's schedule keeps the first tenth of the steps full, not the UNets' fifth: on ref-flux-deep at 28 steps
-# that computes less and keeps the picture as well or better at every interval measured (reuse every 4: SSIM
-# 0.996 at 0.52 of the blocks' work, against 0.993 at 0.58; every 6: 0.988 at 0.46 against 0.982 at 0.55;
-# docs/dit.md). The last four steps stay full: two only lost the picture (0.866 at every 6).
-DIT_FULL_START = 0.1
+OUTER_BLOCKS = 1  # the first input block and the last output block run at every step of a UNet
+# A DiT's blocks that run at every call: (at the start, at the end). The first block makes the span's input at
+# each call; the last one is predicted with the others (running it too kept no more of ref-wan's picture,
+# 0.9973 either way with the same full steps, and costs a block per reusing call; docs/dit.md).
+DIT_OUTER_BLOCKS = (1, 0)
+
+
+@dataclass(frozen=True)
+class FullSteps:
+    """A run's full steps, planned when the run starts (``NoiseSpacedSchedule.for_run``)."""
+
+    steps: int
+    full: frozenset
+
+    def is_full(self, step: int, steps: int) -> bool:
+        return steps != self.steps or step in self.full
+
+    def full_steps(self, steps: int) -> int:
+        return sum(self.is_full(step, steps) for step in range(steps))
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,73 @@ class IntervalSchedule:
 
     def full_steps(self, steps: int) -> int:
         return sum(self.is_full(step, steps) for step in range(steps))
+
+    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> IntervalSchedule:
+        """The schedule of a run of ``steps`` (the same at any noise levels)."""
+        return self
+
+
+@dataclass(frozen=True)
+class NoiseSpacedSchedule:
+    """A DiT's full steps: one step in ``interval`` runs in full, spaced evenly in noise level.
+
+    The first step is full, then a step each time the noise has fallen by ``spacing`` since the last full one,
+    with ``spacing`` the smallest that keeps the full steps at one in ``interval`` (the steps a host must run in
+    full, below ``full_below``, come on top). A flow model's noise falls slowly over most of a run and fast
+    over its last steps (Wan's shift 8: 1 to 0.89 over the first half of 30 steps, 0.47 to 0 over the last
+    three), and so does its output: spaced by the noise, the full steps go where the output changes. On ref-wan
+    (30 steps, ``uni_pc``) that kept SSIM 0.996 with six full steps, where one step in five at fixed intervals
+    kept 0.975 with nine (docs/dit.md). Known at the run's start, so the speed is known too: no threshold on the
+    features to tune per model or step count, as the caches that measure the change need.
+    As on the UNets, a run of fewer than ``short_run`` steps runs one step in two at least and a run of fewer
+    than ``min_steps`` every step."""
+
+    interval: int
+    short_run: int = 25
+    min_steps: int = 10
+
+    def __post_init__(self):
+        if self.interval < 1:
+            raise ValueError(f"interval must be an integer from 1 up, got {self.interval!r}")
+        if self.short_run < 0:
+            raise ValueError(f"short_run must be an integer from 0 up, got {self.short_run!r}")
+        if self.min_steps < 0:
+            raise ValueError(f"min_steps must be an integer from 0 up, got {self.min_steps!r}")
+
+    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
+        """The full steps of a run of ``steps`` at ``noise_levels`` (one per step, falling; None or another count:
+        evenly spaced)."""
+        if noise_levels is None or len(noise_levels) != steps:
+            noise_levels = [1.0 - step / steps for step in range(steps)]
+        levels = [float(v) for v in noise_levels]
+        if steps < self.min_steps:
+            return FullSteps(steps, frozenset(range(steps)))
+        interval = min(self.interval, 2) if steps < self.short_run else self.interval
+        low = {step for step, level in enumerate(levels) if level < full_below}
+        # One in ``interval`` of the steps the host lets reuse; the ones it runs in full come on top (counted
+        # against them, they left Wan's first 23 of 30 steps one full step with UniPC at shift 3: SSIM 0.862).
+        budget = math.ceil((steps - len(low)) / interval) + len(low)
+        forced = {0} | low
+        low, high = 0.0, max(levels[0] - min(levels), 0.0) + 1.0  # high: no step but the forced ones
+        full = forced
+        for _ in range(48):  # bisection: the fewest-noise spacing with at most ``budget`` full steps
+            middle = (low + high) / 2
+            spaced = spaced_by_noise(levels, middle, forced)
+            if len(spaced) <= budget:
+                high, full = middle, spaced
+            else:
+                low = middle
+        return FullSteps(steps, frozenset(full))
+
+
+def spaced_by_noise(levels: list[float], spacing: float, forced: set[int]) -> set[int]:
+    """The steps ``forced`` and, after each full step, the first step whose noise lies ``spacing`` below it."""
+    full, last = set(), None
+    for step, level in enumerate(levels):
+        if step in forced or last is None or last - level >= spacing:
+            full.add(step)
+            last = level
+    return full
 
 
 # Samplers with which reuse across steps keeps the picture, measured on both reference models at 25 steps
@@ -416,8 +496,13 @@ class LayerReuse:
     def layer_run(self) -> LayerReuseRun | None:
         return self._current
 
-    def new_run(self, steps: int) -> LayerReuseRun:
-        return LayerReuseRun(self.schedule, steps, self.layers, self.extrapolate)
+    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> LayerReuseRun:
+        """A run of ``steps`` at ``noise_levels`` (one per step; what a DiT's schedule spaces its full steps by),
+        whose calls below ``full_below`` run in full (``full_below_noise``)."""
+        schedule = self.schedule.for_run(steps, noise_levels, full_below)
+        run = LayerReuseRun(schedule, steps, self.layers, self.extrapolate)
+        run.full_below = full_below
+        return run
 
     def begin_call(self, run: LayerReuseRun, step: int | None, key: object, allowed=True, position=None) -> bool:
         """A model call of ``run`` starts (see ``LayerReuseRun.begin_call``); the layers follow it until

@@ -1,15 +1,16 @@
 """``python -m tools.bench.dit_reuse``: what reuse across steps saves on full-width DiTs, over whole runs.
 
-A reusing call runs the model's first and last block and the parts around the blocks (embeddings, the final
-layer), and adds the predicted residual; a full call runs every block. Both are timed here, in A/B pairs, on
-full-width models of ComfyUI's own classes (``tools.bench.dit``'s configurations, random weights) with four
-blocks (Flux: 2 double + 2 single; SD3.5 Medium and Wan 2.1 1.3B: 4), through this project's own code
-(``dit_reuse.install`` and the sampling run's wrappers, driven call by call: full, full, then reusing and full
-in turn). The two timings give the cost of the span's two blocks (full minus reusing) and of everything a
-reusing call runs; the whole model's full call is then that plus the other blocks at the measured cost per
-block (Flux's double and single blocks counted alike: 12 multiply-adds per token and width squared each), and a
-whole run of N steps costs ``full calls x full + reusing calls x reusing`` with the DiT schedule at
-``reuse_interval`` 3 and 6. Speed-ups are taken on process CPU time, as in ``tools.bench.dit``.
+A reusing call runs the model's first block and the parts around the blocks (embeddings, the final layer), and
+adds the predicted residual; a full call runs every block. Both are timed here, in A/B pairs, on full-width
+models of ComfyUI's own classes (``tools.bench.dit``'s configurations, random weights) with four blocks (Flux: 2
+double + 2 single; SD3.5 Medium and Wan 2.1 1.3B: 4), through this project's own code (``dit_reuse.install`` and
+the sampling run's wrappers, driven call by call: full, full, then reusing and full in turn). The two timings
+give the cost of the span's three blocks (full minus reusing) and of everything a reusing call runs; the whole
+model's full call is then that plus the other blocks at the measured cost per block (Flux's double and single
+blocks counted alike: 12 multiply-adds per token and width squared each), and a whole run of N steps costs
+``full calls x full + reusing calls x reusing`` with the DiT schedule at ``reuse_interval`` 3 and 6 on the
+model's own sigmas (ComfyUI's ``simple`` scheduler; Wan with ``uni_pc``, whose calls below noise 0.5 run in
+full). Speed-ups are taken on process CPU time, as in ``tools.bench.dit``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ FOUR_BLOCKS = {
     "wan": ({"num_layers": 4}, 30, (30,)),
     "tiny-flux": ({"depth": 2, "depth_single_blocks": 2}, 19 + 38, (28,)),  # the tests' plumbing check
 }
-INTERVALS = (3, 6)  # the default, and the setting docs/dit.md recommends for speed
+INTERVALS = (3, 6)  # the default, and a setting for speed
+SAMPLERS = {"wan": "uni_pc"}  # the sampler each model's runs are counted with (default: euler)
 WAN_33_FRAMES = (16, 9, 60, 104)  # 480 x 832 px, 33 frames: (33 - 1) / 4 + 1 latent frames
 
 
@@ -48,7 +50,7 @@ def four_block_title(name: str) -> str:
 def reusing_model(name: str):
     """The four-block model and its clone with reuse on a schedule that alternates from step 2 on."""
     from tome_core.hosts.comfyui import dit_reuse
-    from tome_core.layer_reuse import IntervalSchedule
+    from tome_core.layer_reuse import DIT_OUTER_BLOCKS, IntervalSchedule
     from tome_core.schedule import NoiseRange
     from tome_core.settings import PatchSettings
 
@@ -60,7 +62,7 @@ def reusing_model(name: str):
     clone = base.clone()
     settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=2)
     schedule = IntervalSchedule(2, full_start=0.0, full_end=0, short_run=0, min_steps=0)
-    if not dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), 1, schedule):
+    if not dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), DIT_OUTER_BLOCKS, schedule):
         raise RuntimeError(f"reuse does not install on {name}")
     return base, clone
 
@@ -97,8 +99,20 @@ def calls_of(patcher, name: str, steps: int):
     return call, run
 
 
+def full_steps(clone, name: str, steps: int, interval: int) -> int:
+    """How many of a run's ``steps`` the DiT schedule runs in full on the model's own sigmas."""
+    import comfy.samplers
+
+    from tome_core.layer_reuse import NoiseSpacedSchedule, full_below_noise
+
+    sampling = clone.get_model_object("model_sampling")
+    sigmas = [float(s) for s in comfy.samplers.calculate_sigmas(sampling, "simple", steps)[:steps]]
+    plan = NoiseSpacedSchedule(interval).for_run(steps, sigmas, full_below_noise(SAMPLERS.get(name, "euler")))
+    return plan.full_steps(steps)
+
+
 def measure(name: str, rounds: int, log) -> dict:
-    from tome_core.layer_reuse import DIT_FULL_START, IntervalSchedule
+    from tome_core.layer_reuse import DIT_OUTER_BLOCKS
 
     _, clone = reusing_model(name)
     steps = 2 + 2 * rounds
@@ -117,19 +131,20 @@ def measure(name: str, rounds: int, log) -> dict:
     if run.reused_calls != rounds:
         raise RuntimeError(f"{name}: {run.reused_calls} reusing calls, expected {rounds}")
     full, reuse = statistics.median(full_cpu), statistics.median(reuse_cpu)
-    per_block = (full - reuse) / 2  # the span of the four-block model: its two middle blocks
+    span = 4 - sum(DIT_OUTER_BLOCKS)  # the blocks of the four a reusing call skips
+    per_block = (full - reuse) / span
     _, depth, step_counts = FOUR_BLOCKS[name]
-    whole_full = reuse + (depth - 2) * per_block
+    whole_full = reuse + (depth - sum(DIT_OUTER_BLOCKS)) * per_block
     # A span that timed no dearer than the reusing call (timing noise on a small model or a busy machine) gives
     # no cost per block to convert with: the speed-ups are then left out (None) and the record says so.
     measured = per_block > 0
     runs = {}
     for n in step_counts:
         for interval in INTERVALS:
-            full_steps = IntervalSchedule(interval, full_start=DIT_FULL_START).full_steps(n)
-            cost = full_steps * whole_full + (n - full_steps) * reuse
+            full = full_steps(clone, name, n, interval)
+            cost = full * whole_full + (n - full) * reuse
             speedup = n * whole_full / cost if measured else None
-            runs[f"{n} steps, every {interval}"] = {"full_steps": full_steps, "speedup": speedup}
+            runs[f"{n} steps, every {interval}"] = {"full_steps": full, "speedup": speedup}
     return {
         "title": four_block_title(name),
         "four_blocks_full_cpu_s": full,

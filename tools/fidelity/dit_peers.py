@@ -116,7 +116,7 @@ def taylorseer_style_patch(interval: int = 5, first: int = 3) -> Callable:
                 return step < first or (step - first) % interval == interval - 1
 
         schedule = FromStep(interval, full_start=0.0, full_end=0, short_run=0, min_steps=0)
-        dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), 0, schedule, 1.0)
+        dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), (0, 0), schedule, 1.0)
         return clone
 
     return patch

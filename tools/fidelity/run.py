@@ -348,25 +348,20 @@ def dit_rows(nodes: dict, variants: bool = False, video: bool = False, args=None
         )
     for interval in (3,):
         rows.append(ours(nodes, f"ours ToDo 2 + reuse every {interval}", method="todo", reuse_interval=interval))
-    if variants:
+    if variants:  # the choices behind the shipped DiT reuse: the schedule, the blocks that run, the prediction
         changed = (
-            (4, {"full_start": 0.1}),
-            (6, {"full_start": 0.1}),
-            (8, {"full_start": 0.1}),
-            (6, {"full_start": 0.1, "full_end": 2}),
-            (8, {"full_start": 0.1, "full_end": 2}),
-            (6, {"outer": 2}),
+            (4, {"fixed_intervals": True}),
+            (6, {"fixed_intervals": True}),
+            (8, {"fixed_intervals": True}),
+            (4, {"outer": (1, 1)}),
+            (6, {"outer": (1, 1)}),
             (6, {"extrapolate": 0.0}),
             (6, {"extrapolate": 1.0}),
+            (6, {"full_below": 0.0}),
         )
         for interval, changes in changed:
             name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
             rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
-        if args is not None:
-            for noise in (0.1, 0.15):  # full steps spaced by the noise travelled (docs/dit.md, Wan)
-                name = f"ours reuse by noise {noise} (not shipped)"
-                patch = noise_spaced_variant(noise, args.steps, args.scheduler)
-                rows.append(FidelityRow(name, "ours", patch, settings={"noise_between_full_steps": noise}))
     return rows + step_cache_rows(FLUX_STEP_CACHE_THRESHOLDS) + dit_peer_rows()
 
 
@@ -392,56 +387,26 @@ def dit_peer_rows() -> list[FidelityRow]:
     return rows
 
 
-def dit_reuse_variant(interval: int, outer=1, extrapolate=0.5, **schedule) -> Callable:
-    """DiT reuse across steps with engine defaults overridden (the schedule, the prediction, the outer blocks)."""
+def dit_reuse_variant(interval: int, outer=None, extrapolate=0.5, fixed_intervals=False, full_below=None) -> Callable:
+    """DiT reuse across steps with engine defaults overridden: ``outer`` (blocks run at every call: at the start,
+    at the end), ``extrapolate``, ``fixed_intervals`` (the UNets' schedule with a tenth of the steps full at the
+    start, as shipped before the schedule by noise), ``full_below`` (the noise below which every call runs in
+    full, instead of the sampler's rule)."""
     from tome_core.hosts.comfyui import dit_reuse
-    from tome_core.layer_reuse import IntervalSchedule
+    from tome_core.layer_reuse import DIT_OUTER_BLOCKS, IntervalSchedule, NoiseSpacedSchedule
     from tome_core.schedule import NoiseRange
 
     def patch(model):
         clone = model.clone()
         settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=interval)
-        schedule_ = IntervalSchedule(interval, **schedule)
-        dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), outer, schedule_, extrapolate)
-        return clone
-
-    return patch
-
-
-def noise_spaced_full_steps(sigmas: list[float], noise: float, start: int = 2, end: int = 4) -> set[int]:
-    """The full steps of a schedule by noise: the first ``start`` and the last ``end`` steps, and in between a
-    step each time the noise fell by ``noise`` since the last full one."""
-    steps = len(sigmas)
-    full = set(range(start)) | set(range(steps - end, steps))
-    last = start - 1
-    for step in range(start, steps - end):
-        if sigmas[last] - sigmas[step] >= noise:
-            full.add(step)
-            last = step
-    return full
-
-
-def noise_spaced_variant(noise: float, steps: int, scheduler: str) -> Callable:
-    """DiT reuse across steps with its full steps spaced by the noise travelled (measured, not shipped): the
-    run's sigmas come from the model's sampling and the sampler's scheduler, as ComfyUI computes them."""
-    import comfy.samplers
-
-    from tome_core.hosts.comfyui import dit_reuse
-    from tome_core.layer_reuse import IntervalSchedule
-    from tome_core.schedule import NoiseRange
-
-    def patch(model):
-        sampling = model.get_model_object("model_sampling")
-        sigmas = [float(s) for s in comfy.samplers.calculate_sigmas(sampling, scheduler, steps)[:steps]]
-        full = noise_spaced_full_steps(sigmas, noise)
-
-        class ByNoise(IntervalSchedule):
-            def is_full(self, step: int, n: int) -> bool:
-                return n != steps or step in full
-
-        clone = model.clone()
-        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=2)
-        dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), 1, ByNoise(2), 0.5)
+        schedule = IntervalSchedule(interval, full_start=0.1) if fixed_intervals else NoiseSpacedSchedule(interval)
+        noise_range = NoiseRange(0.0, 1.0, lambda p: p)
+        dit_reuse.install(clone, settings, noise_range, outer or DIT_OUTER_BLOCKS, schedule, extrapolate)
+        if full_below is not None:  # every run of this clone: the schedule and the calls' check follow it
+            replaced = dit_reuse._replacements(clone).values()
+            hooks = next(block.hooks for block in replaced if isinstance(block, dit_reuse.SpanBlock))
+            new_run = hooks.new_run
+            hooks.new_run = lambda steps, levels=None, _below=0.0: new_run(steps, levels, full_below)
         return clone
 
     return patch

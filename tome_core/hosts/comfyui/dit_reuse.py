@@ -1,10 +1,10 @@
 """ComfyUI: reuse across steps on DiTs (Flux and Chroma, SD3 / SD3.5, Wan 2.x), setting ``reuse_interval``.
 
-A DiT is a stack of blocks run one after the other. At a *reusing* call the first block and the last block run
-(``OUTER_BLOCKS`` each) and the blocks between them, the *span*, do not: the span's output is its input at this
-call plus its residual (output minus input) predicted from the last full calls (the engine's
-``LayerReuseRun.start_span`` / ``predicted_span_output``, the UNets' prediction and schedule, with a shorter full
-start: ``DIT_FULL_START``).
+A DiT is a stack of blocks run one after the other. At a *reusing* call the first block runs
+(``DIT_OUTER_BLOCKS``) and the blocks after it, the *span*, do not: the span's output is its input at this call
+plus its residual (output minus input) predicted from the last full calls (the engine's
+``LayerReuseRun.start_span`` / ``predicted_span_output``, the UNets' prediction). Which calls run in full:
+``NoiseSpacedSchedule``, one step in ``reuse_interval``, spaced evenly in the run's sigmas.
 
 Hook point (checked in ComfyUI 0.3.75): every family's ``forward_orig`` hands block ``i`` to
 ``transformer_options["patches_replace"]["dit"][(block_type, i)]`` when that key is set, with the block's inputs
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 
-from ...layer_reuse import DEFAULT_EXTRAPOLATE, DIT_FULL_START, OUTER_BLOCKS, IntervalSchedule, LayerReuseRun
+from ...layer_reuse import DEFAULT_EXTRAPOLATE, DIT_OUTER_BLOCKS, LayerReuseRun, NoiseSpacedSchedule
 from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerReuseHooks
 
 log = logging.getLogger("tome_patch")
@@ -44,6 +44,8 @@ _BLOCK_LISTS = {
 _NO_REUSE_CLASSES = ("ChromaRadiance", "VaceWanModel", "WanModel_S2V", "HumoWanModel", "AnimateWanModel")
 # The streams a block passes on, per block type and family: Wan's ``txt`` is the text it reads, not a stream.
 _STREAMS = {"Wan": ("img",), "other": ("txt", "img")}
+# Families whose last block runs at every call, after the span: SD3's returns no text stream (``pre_only``).
+_LAST_BLOCK_RUNS = ("MMDiT",)
 
 
 def block_keys(diffusion_model) -> list[tuple[str, int]] | None:
@@ -82,9 +84,9 @@ class DitReuseHooks(LayerReuseHooks):
         self.blocks: dict = {}  # key -> SpanBlock, to tell ours from another node's replacement
         self.warned = False
 
-    def new_run(self, steps: int) -> LayerReuseRun:
-        run = super().new_run(steps)
-        run.outer_words = "the first and the last block"
+    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> LayerReuseRun:
+        run = super().new_run(steps, noise_levels, full_below)
+        run.outer_words = "the first block"
         run.inner_words = "blocks' residual"
         return run
 
@@ -146,19 +148,22 @@ class SpanBlock:
 
 
 def install(
-    clone, settings, noise_range, outer: int = OUTER_BLOCKS, schedule=None, extrapolate=DEFAULT_EXTRAPOLATE
+    clone, settings, noise_range, outer=DIT_OUTER_BLOCKS, schedule=None, extrapolate=DEFAULT_EXTRAPOLATE
 ) -> bool:
     """Give ``clone`` (a DiT's patcher) reuse across steps at ``settings.reuse_interval``; False where it cannot
-    (left as it is). ``outer`` (blocks run at every call at each end), ``schedule`` and ``extrapolate`` are for
-    the benchmarks."""
+    (left as it is). ``outer`` (blocks run at every call: at the start, at the end), ``schedule`` and
+    ``extrapolate`` are for the benchmarks."""
     diffusion_model = clone.model.diffusion_model
     keys = block_keys(diffusion_model)
-    if settings.reuse_interval <= 1 or keys is None or len(keys) <= 2 * outer:
+    first, last = outer
+    if {c.__name__ for c in type(diffusion_model).__mro__} & set(_LAST_BLOCK_RUNS):
+        last = max(last, 1)
+    if settings.reuse_interval <= 1 or keys is None or len(keys) <= first + last + 1:
         return False
     if not (hasattr(clone, "add_wrapper_with_key") and hasattr(clone, "set_model_patch_replace")):
         return False
-    span = keys[outer : len(keys) - outer]
-    schedule = IntervalSchedule(settings.reuse_interval, full_start=DIT_FULL_START) if schedule is None else schedule
+    span = keys[first : len(keys) - last]
+    schedule = NoiseSpacedSchedule(settings.reuse_interval) if schedule is None else schedule
     hooks = DitReuseHooks(schedule, span, block_streams(diffusion_model), noise_range, extrapolate)
     replaced = _replacements(clone)
     for position, (block_type, index) in enumerate(span):

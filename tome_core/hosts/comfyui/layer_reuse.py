@@ -82,8 +82,7 @@ class LayerReuseHooks(LayerReuse):
             )
             return executor(*args, **kwargs)
         sigmas = call_sigmas(raw_sigmas)
-        run = self.new_run(len(sigmas))
-        run.full_below = full_below_noise(name)
+        run = self.new_run(len(sigmas), sigmas, full_below_noise(name))
         return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
 
     def _ended(self, run) -> None:

@@ -1,9 +1,9 @@
 """diffusers: reuse across steps on DiT pipelines (Flux, SD3 / SD3.5, Wan 2.x), setting ``reuse_interval``.
 
 The engine's DiT reuse (``LayerReuseRun.span_block``), as in ComfyUI's door (``hosts.comfyui.dit_reuse``): at a
-*reusing* call the transformer's first and last block run and the blocks between them, the *span*, do not; the
-span's output is its input plus its residual predicted from the last full calls. The same schedule
-(``IntervalSchedule`` with the DiT full start, ``DIT_FULL_START``).
+*reusing* call the transformer's first block runs (``DIT_OUTER_BLOCKS``) and the blocks after it, the *span*, do
+not; the span's output is its input plus its residual predicted from the last full calls. The same schedule
+(``NoiseSpacedSchedule``: one step in ``reuse_interval`` full, spaced evenly in the scheduler's sigmas).
 
 Hook points (checked in diffusers 0.39.0): each transformer's ``forward`` calls its blocks one after the other,
 ``FluxTransformer2DModel`` its ``transformer_blocks`` then ``single_transformer_blocks`` and
@@ -29,9 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from ...layer_reuse import (
-    DIT_FULL_START,
-    OUTER_BLOCKS,
-    IntervalSchedule,
+    DIT_OUTER_BLOCKS,
+    NoiseSpacedSchedule,
     SkippableLayer,
     attach_forwards,
     detach_forwards,
@@ -53,6 +52,8 @@ class DitLayout:
     streams: tuple[tuple[str, int], ...]  # (keyword, position) of the streams a block passes on, in token order
     timestep_scale: float  # the pipeline gives the transformer the scheduler's timestep divided by this
     in_full_when: tuple[str, ...]  # the transformer's keyword arguments that, when given, make a call full
+    # SD3's last block returns no text stream (``context_pre_only``): it runs at every call, after the span.
+    last_block_runs: bool = False
 
     def blocks(self, transformer) -> list[torch.nn.Module] | None:
         found = []
@@ -88,7 +89,7 @@ LAYOUTS = {
         ("controlnet_block_samples", "controlnet_single_block_samples"),
     ),
     "SD3Transformer2DModel": DitLayout(
-        "SD3", ("transformer_blocks",), _JOINT, 1.0, ("block_controlnet_hidden_states", "skip_layers")
+        "SD3", ("transformer_blocks",), _JOINT, 1.0, ("block_controlnet_hidden_states", "skip_layers"), True
     ),
     "WanTransformer3DModel": DitLayout("Wan", ("blocks",), (("hidden_states", 0),), 1.0, ()),
 }
@@ -115,9 +116,9 @@ class DitReuse(PipelineReuse):
         self._transformer = transformer
         self._warned_cache = False
 
-    def new_run(self, steps: int):
-        run = super().new_run(steps)
-        run.outer_words = "the first and the last block"
+    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0):
+        run = super().new_run(steps, noise_levels, full_below)
+        run.outer_words = "the first block"
         run.inner_words = "blocks' residual"
         return run
 
@@ -155,9 +156,11 @@ class SpanForward(SkippableLayer):
         )
 
 
-def span_of(transformer, layout: DitLayout, outer: int = OUTER_BLOCKS) -> list[torch.nn.Module]:
+def span_of(transformer, layout: DitLayout, outer=DIT_OUTER_BLOCKS) -> list[torch.nn.Module]:
+    """The blocks a reusing call skips: all but ``outer`` (at the start, at the end)."""
     blocks = layout.blocks(transformer) or []
-    return blocks[outer : len(blocks) - outer] if len(blocks) > 2 * outer else []
+    first, last = outer[0], max(outer[1], int(layout.last_block_runs))
+    return blocks[first : len(blocks) - last] if len(blocks) > first + last + 1 else []
 
 
 def install(transformer, pipeline, settings, allowed: Callable[[float], bool], schedule=None) -> bool:
@@ -170,7 +173,7 @@ def install(transformer, pipeline, settings, allowed: Callable[[float], bool], s
     if not span:
         return False
     if schedule is None:
-        schedule = IntervalSchedule(settings.reuse_interval, full_start=DIT_FULL_START)
+        schedule = NoiseSpacedSchedule(settings.reuse_interval)
     owner = DitReuse(pipeline, transformer, layout, schedule, span, allowed)
     attach_forwards(owner, span, SpanForward)
     transformer.__dict__[_STATE] = owner

@@ -174,8 +174,7 @@ class PipelineReuse(LayerReuse):
         if step is None:  # not on the schedule (a call of the user's own): run in full, leave the run as it is
             return None
         if self.run is None or step < self._last_step:
-            self._new_run(step)
-            self.run.full_below = full_below_noise(type(scheduler).__name__)
+            self._new_run(step, scheduler)
         self._call_in_step = self._call_in_step + 1 if step == self._last_step else 0
         self._last_step = step
         # Pipelines that run the prompt and the negative prompt as two calls of one step (Wan, Flux's true CFG)
@@ -199,14 +198,16 @@ class PipelineReuse(LayerReuse):
             self._finish()
         return None
 
-    def _new_run(self, first_step: int | None) -> None:
+    def _new_run(self, first_step: int | None, scheduler=None) -> None:
         self._finish()
         self.run = None
         self._last_step = -1
         if first_step is not None:
             self._first_step = first_step
             steps = len(self._timesteps.values) - first_step
-            self.run = self.new_run(steps)
+            levels = [_sigma_of(scheduler, step, float(t)) for step, t in enumerate(self._timesteps.values)]
+            levels = levels[first_step:] if None not in levels else None
+            self.run = self.new_run(steps, levels, full_below_noise(type(scheduler).__name__))
 
     def _finish(self) -> None:
         run = self.run
