@@ -2,8 +2,7 @@
 from the real diffusers classes with random weights (``hosts/diffusers_dit_host.py``).
 
 At 12 steps and the default ``reuse_interval`` 3 the DiT schedule (a run under 25 steps reuses one step in two at
-most; full: the first tenth, two at least, and the last four) computes steps 0, 1, 3, 5, 7 and 8-11 in full and
-reuses 2, 4 and 6: three of twelve steps.
+most; the full steps spaced by the noise) computes six of twelve steps in full and reuses the other six.
 """
 
 from __future__ import annotations

@@ -191,27 +191,31 @@ WAN_SIGMAS_30 = [
 
 
 def test_the_dit_schedule_spaces_its_full_steps_by_the_noise():
-    """One step in N runs in full, the first one and then one each time the noise fell far enough: where the
-    noise hardly moves (Wan's first half) the full steps lie far apart, where it falls fast they follow each
-    other. The steps a host runs in full (below ``full_below``) come on top; short runs as on the UNets."""
+    """One step in N runs in full: the first one, then one each time the noise fell by the same fraction. Where
+    the noise hardly moves (Wan's first half) the full steps lie far apart, where it falls fast (the last steps,
+    where the details form) they follow each other. The steps a host runs in full (below ``full_below``) come on
+    top; short runs as on the UNets."""
     from tome_core.layer_reuse import NoiseSpacedSchedule
 
     def pattern(interval, steps, levels, full_below=0.0, **rules):
         plan = NoiseSpacedSchedule(interval, **rules).for_run(steps, levels, full_below)
         return "".join("F" if plan.is_full(step, steps) else "." for step in range(steps))
 
-    assert pattern(3, 30, WAN_SIGMAS_30) == "F.........F....F...F..F.F.FFFF"
-    assert pattern(6, 30, WAN_SIGMAS_30) == "F.................F.....F..F.F"
-    # With UniPC the last three (below 0.5) run in full on top of one in 6 (10) of the other 27.
-    assert pattern(6, 30, WAN_SIGMAS_30, full_below=0.5) == "F............F.....F...F.F.FFF"
-    assert pattern(10, 30, WAN_SIGMAS_30, full_below=0.5) == "F.................F.....F..FFF"
+    assert pattern(3, 30, WAN_SIGMAS_30) == "F...........F.....F..F.F.FFFFF"
+    assert pattern(6, 30, WAN_SIGMAS_30) == "F....................F....F.FF"
     for interval in (2, 3, 4, 5, 6, 8):
         assert pattern(interval, 30, WAN_SIGMAS_30).count("F") == math.ceil(30 / interval)
+    # With UniPC the last three (below 0.5) run in full on top of one in 6 (10) of the other 27.
+    assert pattern(6, 30, WAN_SIGMAS_30, full_below=0.5) == "F..............F.....F..F.FFFF"
+    assert pattern(10, 30, WAN_SIGMAS_30, full_below=0.5) == "F..................F....F..FFF"
+    # Evenly falling noise: by the same fraction, so closer together as the noise gets low.
     even = [1.0 - step / 30 for step in range(30)]
-    assert pattern(3, 30, even) == pattern(3, 30, None) == "F..F..F..F..F..F..F..F..F..F.."
+    assert pattern(3, 30, even) == pattern(3, 30, None) == "F......F....F...F...F..F.F.FFF"
+    # Only the ratios count: the same steps at noise levels ten times as high (a UNet's sigmas).
+    assert pattern(3, 30, [10 * level for level in WAN_SIGMAS_30]) == pattern(3, 30, WAN_SIGMAS_30)
     assert pattern(1, 30, WAN_SIGMAS_30) == "F" * 30
     twenty = [1.0 - step / 20 for step in range(20)]
-    assert pattern(6, 20, twenty) == pattern(2, 20, twenty) == "F.F.F.F.F.F.F.F.F.F."  # under 25: 2 at most
+    assert pattern(6, 20, twenty) == pattern(2, 20, twenty) == "F...F..F..F.F.F.FFFF"  # under 25: 2 at most
     for steps in (4, 8, 9):  # distilled models, Lightning LoRAs: nothing reused
         assert pattern(3, steps, even[:steps]) == "F" * steps
     assert pattern(3, 9, even[:9], min_steps=0, short_run=0) == "F..F..F.."

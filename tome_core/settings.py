@@ -238,7 +238,8 @@ _SPEC_LIST += (
         "where the steps lie further apart; nothing is reused under 10 steps); at the other steps only the "
         "outermost layers run and the inner layers' output is carried over (extrapolated) from the steps that ran "
         "them. SD1.x, SD2.x and SDXL. With ToDo 2 (the default), about 1.9x as fast as off at 25 steps with "
-        "nearly the same picture.",
+        "nearly the same picture. On DiTs (Flux, SD3, Wan) one step in N runs every block, spaced by the noise "
+        "level (the last steps full), and the others only the first block.",
     ),
 )
 

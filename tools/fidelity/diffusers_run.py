@@ -296,7 +296,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--any-scheduler", action="store_true", help="let reuse run with a scheduler it is not measured with yet"
     )
-    parser.add_argument("--only", default="", help="comma-separated words: rows whose name contains one")
+    parser.add_argument(
+        "--only", default="", help="comma-separated words: rows whose name contains one ('=name': exactly that row)"
+    )
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--real", type=int, default=1024, help="real scenes for the Frechet distance")
     parser.add_argument("--out", default=str(ROOT / "results"))
@@ -354,7 +356,8 @@ def main(argv=None) -> dict:
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     records, baseline = [], None
     for row in rows(mag_ratios, video):
-        if row.group != "unpatched" and wanted and not any(w in row.name for w in wanted):
+        asked = any(row.name == w[1:] if w.startswith("=") else w in row.name for w in wanted)
+        if row.group != "unpatched" and wanted and not asked:
             continue
         log(f"{row.name} ...")
         if row.setup is not None:

@@ -9,9 +9,9 @@
   batch layout (``uuids``), dropped when the noise level goes up (a new sampling run).
 - **TaylorSeer-style forecast** (diffusers' ``TaylorSeerCacheConfig`` defaults: every 5th call computed, the
   first 3 too, first order): every block is forecast at the other calls, from the last two computed ones, one
-  whole step along the line (no damping, no block kept running). Built from this project's span machinery
-  with those settings (``dit_reuse.install`` with no outer blocks), so it differs from TaylorSeer in that the
-  line is drawn over the noise level rather than the step index.
+  whole step along the line (no damping, no block kept running, no call kept full at low noise). Built from
+  this project's span machinery with those settings (``dit_reuse.install`` with no outer blocks), so it differs
+  from TaylorSeer in that the line is drawn over the noise level rather than the step index.
 """
 
 from __future__ import annotations
@@ -117,6 +117,18 @@ def taylorseer_style_patch(interval: int = 5, first: int = 3) -> Callable:
 
         schedule = FromStep(interval, full_start=0.0, full_end=0, short_run=0, min_steps=0)
         dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), (0, 0), schedule, 1.0)
-        return clone
+        return with_full_below(clone, 0.0)  # TaylorSeer has no low-noise rule of its own
 
     return patch
+
+
+def with_full_below(clone, full_below: float):
+    """``clone`` (patched by ``dit_reuse.install``) with every run's calls below ``full_below`` in full, in
+    place of the sampler's rule (``layer_reuse.full_below_noise``); returns it."""
+    from tome_core.hosts.comfyui import dit_reuse
+
+    replaced = dit_reuse._replacements(clone).values()
+    hooks = next(block.hooks for block in replaced if isinstance(block, dit_reuse.SpanBlock))
+    new_run = hooks.new_run
+    hooks.new_run = lambda steps, levels=None, _rule=0.0: new_run(steps, levels, full_below)
+    return clone

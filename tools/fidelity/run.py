@@ -395,6 +395,7 @@ def dit_reuse_variant(interval: int, outer=None, extrapolate=0.5, fixed_interval
     from tome_core.hosts.comfyui import dit_reuse
     from tome_core.layer_reuse import DIT_OUTER_BLOCKS, IntervalSchedule, NoiseSpacedSchedule
     from tome_core.schedule import NoiseRange
+    from tools.fidelity import dit_peers
 
     def patch(model):
         clone = model.clone()
@@ -402,12 +403,7 @@ def dit_reuse_variant(interval: int, outer=None, extrapolate=0.5, fixed_interval
         schedule = IntervalSchedule(interval, full_start=0.1) if fixed_intervals else NoiseSpacedSchedule(interval)
         noise_range = NoiseRange(0.0, 1.0, lambda p: p)
         dit_reuse.install(clone, settings, noise_range, outer or DIT_OUTER_BLOCKS, schedule, extrapolate)
-        if full_below is not None:  # every run of this clone: the schedule and the calls' check follow it
-            replaced = dit_reuse._replacements(clone).values()
-            hooks = next(block.hooks for block in replaced if isinstance(block, dit_reuse.SpanBlock))
-            new_run = hooks.new_run
-            hooks.new_run = lambda steps, levels=None, _below=0.0: new_run(steps, levels, full_below)
-        return clone
+        return clone if full_below is None else dit_peers.with_full_below(clone, full_below)
 
     return patch
 

@@ -54,8 +54,8 @@ class WorkCount:
 
 def at_depth(shares: list[float], depth: int) -> float:
     """A run's blocks' work on a model of ``depth`` blocks, from the reference's per-block shares in call order:
-    the first and the last block as measured (reuse across steps always runs them), every other block at the
-    mean of the reference's inner blocks."""
+    the first and the last block as measured (reuse across steps always runs the first, and SD3's last), every
+    other block at the mean of the reference's inner blocks."""
     middle = shares[1:-1]
     return (shares[0] + shares[-1] + (depth - 2) * sum(middle) / len(middle)) / depth
 
