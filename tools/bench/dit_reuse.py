@@ -105,9 +105,15 @@ def full_steps(clone, name: str, steps: int, interval: int) -> int:
 
     from tome_core.layer_reuse import NoiseSpacedSchedule, full_below_noise
 
+    sampler = SAMPLERS.get(name, "euler")
     sampling = clone.get_model_object("model_sampling")
-    sigmas = [float(s) for s in comfy.samplers.calculate_sigmas(sampling, "simple", steps)[:steps]]
-    plan = NoiseSpacedSchedule(interval).for_run(steps, sigmas, full_below_noise(SAMPLERS.get(name, "euler")))
+    if sampler in comfy.samplers.KSampler.DISCARD_PENULTIMATE_SIGMA_SAMPLERS:  # as ComfyUI samples uni_pc
+        sigmas = comfy.samplers.calculate_sigmas(sampling, "simple", steps + 1)
+        sigmas = torch.cat([sigmas[:-2], sigmas[-1:]])
+    else:
+        sigmas = comfy.samplers.calculate_sigmas(sampling, "simple", steps)
+    levels = [float(s) for s in sigmas[:steps]]
+    plan = NoiseSpacedSchedule(interval).for_run(steps, levels, full_below_noise(sampler))
     return plan.full_steps(steps)
 
 
