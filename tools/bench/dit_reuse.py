@@ -5,7 +5,7 @@ adds the predicted residual; a full call runs every block. Both are timed here, 
 models of ComfyUI's own classes (``tools.bench.dit``'s configurations, random weights) with four blocks (Flux: 2
 double + 2 single; SD3.5 Medium and Wan 2.1 1.3B: 4), through this project's own code (``dit_reuse.install`` and
 the sampling run's wrappers, driven call by call: full, full, then reusing and full in turn). The two timings
-give the cost of the span's three blocks (full minus reusing) and of everything a reusing call runs; the whole
+give the cost of the span's three blocks (SD3: two; full minus reusing) and of everything a reusing call runs; the whole
 model's full call is then that plus the other blocks at the measured cost per block (Flux's double and single
 blocks counted alike: 12 multiply-adds per token and width squared each), and a whole run of N steps costs
 ``full calls x full + reusing calls x reusing`` with the DiT schedule at ``reuse_interval`` 3 and 6 on the
@@ -117,9 +117,14 @@ def full_steps(clone, name: str, steps: int, interval: int) -> int:
     return plan.full_steps(steps)
 
 
-def measure(name: str, rounds: int, log) -> dict:
-    from tome_core.layer_reuse import DIT_OUTER_BLOCKS
+def span_length(clone) -> int:
+    """How many blocks the clone's reusing calls skip."""
+    from tome_core.hosts.comfyui import dit_reuse
 
+    return sum(isinstance(block, dit_reuse.SpanBlock) for block in dit_reuse._replacements(clone).values())
+
+
+def measure(name: str, rounds: int, log) -> dict:
     _, clone = reusing_model(name)
     steps = 2 + 2 * rounds
     call, run = calls_of(clone, name, steps)
@@ -137,20 +142,20 @@ def measure(name: str, rounds: int, log) -> dict:
     if run.reused_calls != rounds:
         raise RuntimeError(f"{name}: {run.reused_calls} reusing calls, expected {rounds}")
     full, reuse = statistics.median(full_cpu), statistics.median(reuse_cpu)
-    span = 4 - sum(DIT_OUTER_BLOCKS)  # the blocks of the four a reusing call skips
+    span = span_length(clone)  # the blocks of the four a reusing call skips (SD3: two, its last block runs)
     per_block = (full - reuse) / span
     _, depth, step_counts = FOUR_BLOCKS[name]
-    whole_full = reuse + (depth - sum(DIT_OUTER_BLOCKS)) * per_block
+    whole_full = reuse + (depth - (4 - span)) * per_block
     # A span that timed no dearer than the reusing call (timing noise on a small model or a busy machine) gives
     # no cost per block to convert with: the speed-ups are then left out (None) and the record says so.
     measured = per_block > 0
     runs = {}
     for n in step_counts:
         for interval in INTERVALS:
-            full = full_steps(clone, name, n, interval)
-            cost = full * whole_full + (n - full) * reuse
+            computed = full_steps(clone, name, n, interval)
+            cost = computed * whole_full + (n - computed) * reuse
             speedup = n * whole_full / cost if measured else None
-            runs[f"{n} steps, every {interval}"] = {"full_steps": full, "speedup": speedup}
+            runs[f"{n} steps, every {interval}"] = {"full_steps": computed, "speedup": speedup}
     return {
         "title": four_block_title(name),
         "four_blocks_full_cpu_s": full,
