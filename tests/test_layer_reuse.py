@@ -405,3 +405,59 @@ def test_a_dit_or_a_patcher_without_wrappers_is_left_as_it_is(node_classes):
     flux = host.tiny_dit("flux")
     patched = host.patch_with_node(node_classes, flux, **REUSE)
     assert hooks_of(patched) is None  # DiTs: layer reuse is for UNets; ToDo factor 1 leaves nothing either
+
+
+def test_a_large_residual_keeps_its_slope_in_four_bits():
+    """Above ``COMPACT_SLOPE_BYTES`` an entry keeps its last record whole and the slope to the one before in 4
+    bits with a scale per token: the prediction moves from the exact one by at most half a step of that scale
+    times how far along the line it goes (the rounding), an unchanged residual predicts exactly, and the entry
+    holds the last record plus half a byte per value."""
+    from tome_core.layer_reuse import _Entry
+
+    generator = torch.Generator().manual_seed(0)
+    first = torch.randn(2, 50, 96, generator=generator)
+    last = first + 0.1 * torch.randn(2, 50, 96, generator=generator)
+    exact, compact = _Entry(), _Entry()
+    for entry, squeeze in ((exact, False), (compact, True)):
+        entry.record(0.9, first, squeeze)
+        entry.record(0.7, last, squeeze)
+    assert len(exact.outputs) == 2 and exact.slope is None
+    assert len(compact.outputs) == 1 and compact.slope is not None
+    along = 0.5 * (0.6 - 0.7) / (0.7 - 0.9)  # extrapolate 0.5, half a step of the line ahead
+    step = (last - first).abs().amax(dim=-1, keepdim=True) / 7
+    error = (compact.predict(0.6, 0.5) - exact.predict(0.6, 0.5)).abs()
+    assert (error <= along * step / 2 + 1e-6).all()
+    assert error.max() > 0  # the rounding is there
+    assert torch.equal(compact.predict(0.6, 0.0), last)
+    assert compact.nbytes() == last.numel() * 4 + last.numel() // 2 + 2 * 50 * 4
+    assert exact.nbytes() == 2 * last.numel() * 4
+
+    still = _Entry()  # the residual did not change: the line is flat, the prediction exact
+    still.record(0.9, last, True)
+    still.record(0.7, last.clone(), True)
+    assert torch.equal(still.predict(0.5, 0.5), last)
+
+    odd = _Entry()  # an odd last axis cannot be packed two to a byte: both records stay whole
+    odd.record(0.9, first[..., :95], True)
+    odd.record(0.7, last[..., :95], True)
+    assert len(odd.outputs) == 2 and odd.slope is None
+
+
+def test_the_span_keeps_a_compact_slope_from_the_size_on(monkeypatch):
+    import tome_core.layer_reuse as engine
+    from tome_core.layer_reuse import LayerReuseRun, NoiseSpacedSchedule
+
+    def recorded(threshold):
+        monkeypatch.setattr(engine, "COMPACT_SLOPE_BYTES", threshold)
+        run = LayerReuseRun(NoiseSpacedSchedule(1).for_run(12), 12, 1)  # every step full: records
+        for step in (0, 1):
+            run.begin_call(step, "layout", position=1.0 - step / 12)
+            joined = torch.full((1, 4, 8), float(step))
+            run.start_span(joined)
+            run.end_span(joined + step + 1)
+            run.end_call()
+        return run.entries["layout"]
+
+    assert recorded(0).slope is not None
+    whole = recorded(4 * 8 * 4 + 1)  # one byte more than a residual: kept whole
+    assert whole.slope is None and len(whole.outputs) == 2

@@ -252,31 +252,82 @@ def is_karras(sigmas: torch.Tensor, sigma_min: float, sigma_max: float) -> bool:
     return bool(torch.allclose(levels, karras, rtol=1e-3, atol=0.0))
 
 
-class _Entry:
-    """One batch layout's record: the boundary's outputs at the last two full steps, every layer's output shape."""
+# A DiT's residual of this size or more keeps the line's slope (the difference of its last two records) in 4
+# bits per value, with a scale per token, instead of the record before the last: Wan 2.1 1.3B at 480x832, 81
+# frames, with CFG then holds 251 MB (8.9% of its weights) where two records held 403 MB (14%). Smaller caches
+# (Flux at 1024 px: 28 MB per record) keep both records whole. The slope moves the prediction by a fraction of
+# itself, so its rounding (a fourteenth of a token's largest change at most) is a small part of a small part.
+COMPACT_SLOPE_BYTES = 64 * 2**20
 
-    __slots__ = ("outputs", "shapes")
+
+class _Entry:
+    """One batch layout's record: the boundary's outputs at the last two full steps (or the last one and the
+    slope between them, packed), every layer's output shape."""
+
+    __slots__ = ("outputs", "shapes", "slope")
 
     def __init__(self):
         self.outputs: list[tuple[int, torch.Tensor]] = []  # (step, boundary output), oldest first, at most two
         self.shapes: dict[int, object] = {}
+        self.slope: _PackedSlope | None = None  # with one output: the line from the record before it
 
     # Both kept out of a compiled graph (torch.compile of the UNet): they compare and weigh the noise levels, which
     # a graph would take as constants and compile again at every step.
     @torch.compiler.disable
-    def record(self, position: float, output: torch.Tensor) -> None:
+    def record(self, position: float, output: torch.Tensor, compact: bool = False) -> None:
         if self.outputs and self.outputs[-1][0] == position:  # the same step again (another call of this layout)
             self.outputs.pop()
+            self.slope = None
+        if compact and self.outputs and output.shape[-1] % 2 == 0:
+            last_position, last = self.outputs[-1]
+            self.slope = _PackedSlope.of(output - last, last_position)
+            self.outputs = [(position, output)]
+            return
+        self.slope = None
         self.outputs = (self.outputs + [(position, output)])[-2:]
 
     @torch.compiler.disable
     def predict(self, position: float, extrapolate: float) -> torch.Tensor:
         last_position, last = self.outputs[-1]
+        if self.slope is not None:
+            if not extrapolate:
+                return last
+            ahead = (position - last_position) / (last_position - self.slope.position)
+            return last + self.slope.unpacked(last.dtype) * (extrapolate * ahead)
         if not extrapolate or len(self.outputs) < 2:
             return last
         first_position, first = self.outputs[0]
         ahead = (position - last_position) / (last_position - first_position)
         return torch.lerp(first, last, 1.0 + extrapolate * ahead)
+
+    def nbytes(self) -> int:
+        held = sum(t.numel() * t.element_size() for _, t in self.outputs)
+        return held + (self.slope.nbytes() if self.slope is not None else 0)
+
+
+class _PackedSlope:
+    """The difference of two records in 4 bits per value (two to a byte), with a float32 scale per token (the
+    last axis), and the position of the earlier record."""
+
+    __slots__ = ("packed", "scale", "position")
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, position: float):
+        self.packed, self.scale, self.position = packed, scale, position
+
+    @classmethod
+    def of(cls, slope: torch.Tensor, position: float) -> _PackedSlope:
+        wide = slope.float()
+        scale = wide.abs().amax(dim=-1, keepdim=True) / 7
+        levels = torch.round(wide / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-7, 7)
+        codes = (levels + 8).to(torch.uint8)  # 1 to 15
+        return cls(codes[..., 0::2] | (codes[..., 1::2] << 4), scale, position)
+
+    def unpacked(self, dtype: torch.dtype) -> torch.Tensor:
+        codes = torch.stack((self.packed & 15, self.packed >> 4), dim=-1).flatten(-2)
+        return ((codes.float() - 8) * self.scale).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scale.numel() * self.scale.element_size()
 
 
 @dataclass
@@ -402,7 +453,8 @@ class LayerReuseRun:
         residual = joined_output.detach() - call.span_input
         call.span_input = None
         call.entry.shapes[0] = _spec_of(residual)
-        call.entry.record(call.position, residual)
+        compact = residual.numel() * residual.element_size() >= COMPACT_SLOPE_BYTES
+        call.entry.record(call.position, residual, compact)
 
     def predicted_span_output(self, joined_input: torch.Tensor) -> torch.Tensor:
         """A reusing call: the span's output, its input plus the residual predicted from the last full calls."""
@@ -436,7 +488,7 @@ class LayerReuseRun:
 
     def cache_bytes(self) -> int:
         """What the cache holds now: the recorded boundary outputs of every batch layout."""
-        return sum(t.numel() * t.element_size() for entry in self.entries.values() for _, t in entry.outputs)
+        return sum(entry.nbytes() for entry in self.entries.values())
 
     def summary(self) -> str:
         return (

@@ -362,7 +362,24 @@ def dit_rows(nodes: dict, variants: bool = False, video: bool = False, args=None
         for interval, changes in changed:
             name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
             rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
+        for interval in (3, 4, 6, 8):  # the slope in 4 bits, as large caches keep it, forced on the reference
+            name = f"ours reuse every {interval} variant slope in 4 bits"
+            row = ours(nodes, name, method="todo", downsample_factor=1.0, reuse_interval=interval)
+            row.enter, row.leave = (lambda: compact_slopes(0)), (lambda: compact_slopes(None))
+            rows.append(row)
     return rows + step_cache_rows(FLUX_STEP_CACHE_THRESHOLDS) + dit_peer_rows()
+
+
+_COMPACT_DEFAULTS: dict = {}
+
+
+def compact_slopes(threshold: int | None) -> None:
+    """Every loaded copy of the engine (ComfyUI loads the node package under its folder's name) keeps a DiT
+    residual's slope in 4 bits from ``threshold`` bytes on; None: the engine's own threshold again."""
+    for name, module in list(sys.modules.items()):
+        if name.endswith("tome_core.layer_reuse"):
+            _COMPACT_DEFAULTS.setdefault(name, module.COMPACT_SLOPE_BYTES)
+            module.COMPACT_SLOPE_BYTES = _COMPACT_DEFAULTS[name] if threshold is None else threshold
 
 
 def dit_peer_rows() -> list[FidelityRow]:
