@@ -437,6 +437,18 @@ def test_a_large_residual_keeps_its_slope_in_four_bits():
     still.record(0.7, last.clone(), True)
     assert torch.equal(still.predict(0.5, 0.5), last)
 
+    from tome_core.layer_reuse import _PackedSlope
+
+    whole_rows = _PackedSlope.of(last - first, 0.9)
+    rows = _PackedSlope.ROWS
+    _PackedSlope.ROWS = 7  # packed a few tokens at a time (the float32 working copies stay small): the same bytes
+    try:
+        in_parts = _PackedSlope.of(last - first, 0.9)
+    finally:
+        _PackedSlope.ROWS = rows
+    assert torch.equal(in_parts.packed, whole_rows.packed) and torch.equal(in_parts.scale, whole_rows.scale)
+    assert in_parts.unpacked(torch.bfloat16).dtype == torch.bfloat16
+
     odd = _Entry()  # an odd last axis cannot be packed two to a byte: both records stay whole
     odd.record(0.9, first[..., :95], True)
     odd.record(0.7, last[..., :95], True)

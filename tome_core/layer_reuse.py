@@ -314,17 +314,27 @@ class _PackedSlope:
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, position: float):
         self.packed, self.scale, self.position = packed, scale, position
 
+    ROWS = 4096  # tokens packed at a time: the float32 working copies stay small beside the cache itself
+
     @classmethod
     def of(cls, slope: torch.Tensor, position: float) -> _PackedSlope:
-        wide = slope.float()
-        scale = wide.abs().amax(dim=-1, keepdim=True) / 7
-        levels = torch.round(wide / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-7, 7)
-        codes = (levels + 8).to(torch.uint8)  # 1 to 15
-        return cls(codes[..., 0::2] | (codes[..., 1::2] << 4), scale, position)
+        rows = slope.reshape(-1, slope.shape[-1])
+        packed = torch.empty(rows.shape[0], rows.shape[1] // 2, dtype=torch.uint8, device=slope.device)
+        scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=slope.device)
+        for start in range(0, rows.shape[0], cls.ROWS):
+            wide = rows[start : start + cls.ROWS].float()
+            step = wide.abs().amax(dim=-1, keepdim=True) / 7
+            levels = torch.round(wide / step.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-7, 7)
+            codes = (levels + 8).to(torch.uint8)  # 1 to 15
+            packed[start : start + cls.ROWS] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+            scale[start : start + cls.ROWS] = step
+        shape = slope.shape[:-1]
+        return cls(packed.reshape(*shape, -1), scale.reshape(*shape, 1), position)
 
     def unpacked(self, dtype: torch.dtype) -> torch.Tensor:
+        """The slope in ``dtype`` (the codes are small integers, exact in any float type)."""
         codes = torch.stack((self.packed & 15, self.packed >> 4), dim=-1).flatten(-2)
-        return ((codes.float() - 8) * self.scale).to(dtype)
+        return (codes.to(dtype) - 8) * self.scale.to(dtype)
 
     def nbytes(self) -> int:
         return self.packed.numel() + self.scale.numel() * self.scale.element_size()
