@@ -356,7 +356,7 @@ def dit_rows(nodes: dict, variants: bool = False, video: bool = False, args=None
             (4, {"outer": (1, 1)}),
             (6, {"outer": (1, 1)}),
             (6, {"extrapolate": 0.0}),
-            (6, {"extrapolate": 1.0}),
+            *((interval, {"extrapolate": 1.0}) for interval in (3, 4, 6, 8)),
             (6, {"full_below": 0.0}),
         )
         for interval, changes in changed:
