@@ -63,6 +63,13 @@ class FullSteps:
         return sum(self.is_full(step, steps) for step in range(steps))
 
 
+def _check_run_rules(schedule) -> None:
+    """The rules both schedules share: ``interval`` from 1 up, ``short_run`` and ``min_steps`` from 0 up."""
+    for name, lowest in (("interval", 1), ("short_run", 0), ("min_steps", 0)):
+        if getattr(schedule, name) < lowest:
+            raise ValueError(f"{name} must be an integer from {lowest} up, got {getattr(schedule, name)!r}")
+
+
 @dataclass(frozen=True)
 class IntervalSchedule:
     """Which steps run every layer: the first ones, the last ones and every ``interval``-th one in between."""
@@ -82,16 +89,11 @@ class IntervalSchedule:
     min_steps: int = 10
 
     def __post_init__(self):
-        if self.interval < 1:
-            raise ValueError(f"interval must be an integer from 1 up, got {self.interval!r}")
+        _check_run_rules(self)
         if not 0.0 <= self.full_start <= 1.0:
             raise ValueError(f"full_start must be a number from 0 to 1, got {self.full_start!r}")
         if self.full_end < 0:
             raise ValueError(f"full_end must be an integer from 0 up, got {self.full_end!r}")
-        if self.short_run < 0:
-            raise ValueError(f"short_run must be an integer from 0 up, got {self.short_run!r}")
-        if self.min_steps < 0:
-            raise ValueError(f"min_steps must be an integer from 0 up, got {self.min_steps!r}")
 
     def is_full(self, step: int, steps: int) -> bool:
         if steps < self.min_steps:
@@ -117,7 +119,7 @@ class NoiseSpacedSchedule:
     The first step is full, then a step each time the noise level has fallen by the same fraction since the last
     full one, the fraction chosen as the smallest that keeps the full steps at one in ``interval`` (the steps a
     host runs in full, below ``full_below``, come on top). A flow model's noise falls slowly over most of a run
-    and fast over its last steps (Wan's shift 8 at 30 steps: from 1 to 0.90 over the first half, from 0.47 to 0
+    and fast over its last steps (Wan's shift 8 at 30 steps: from 1 to 0.90 over the first half, from 0.55 to 0
     over the last three), and its output changes with it: spaced by the noise, the full steps go where the
     output changes, few over the first steps and all of the last ones, where the details form. Spaced by the
     fraction (not by the noise itself), the last steps stay full whatever the model's shift, and only ratios
@@ -125,46 +127,41 @@ class NoiseSpacedSchedule:
     keeps SSIM 0.993 at 4.4x where fixed intervals kept 0.972 at 3.1x, and on ref-flux-deep (Euler, 28 steps)
     every 3 keeps 0.996 at 2.7x where fixed intervals kept 0.988 at the same speed (docs/dit.md). Spaced by
     the noise itself, the last steps of a weakly shifted run were reused and the picture lost (ref-flux-deep in
-    diffusers, shift 1.65: 0.850 at every 3). The plan is made when
-    the run starts, so its speed is known: no threshold on the features to tune per model or step count, as the
-    caches that measure the change need. As on the UNets, a run of fewer than ``short_run`` steps runs one step
-    in two at least and a run of fewer than ``min_steps`` every step."""
+    diffusers, shift 1.65: 0.850 at every 3). The plan is made when the run starts, so its speed is known: no
+    threshold on the features to tune per model or step count, as the caches that measure the change need. As
+    on the UNets, a run of fewer than ``short_run`` steps runs one step in two at least and a run of fewer than
+    ``min_steps`` every step."""
 
     interval: int
     short_run: int = 25
     min_steps: int = 10
 
     def __post_init__(self):
-        if self.interval < 1:
-            raise ValueError(f"interval must be an integer from 1 up, got {self.interval!r}")
-        if self.short_run < 0:
-            raise ValueError(f"short_run must be an integer from 0 up, got {self.short_run!r}")
-        if self.min_steps < 0:
-            raise ValueError(f"min_steps must be an integer from 0 up, got {self.min_steps!r}")
+        _check_run_rules(self)
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
         """The full steps of a run of ``steps`` at ``noise_levels`` (one per step, falling; None or another count:
         evenly spaced)."""
+        if steps < self.min_steps:
+            return FullSteps(steps, frozenset(range(steps)))
         if noise_levels is None or len(noise_levels) != steps:
             noise_levels = [1.0 - step / steps for step in range(steps)]
         levels = [math.log(max(float(v), MIN_NOISE_LEVEL)) for v in noise_levels]
-        if steps < self.min_steps:
-            return FullSteps(steps, frozenset(range(steps)))
         interval = min(self.interval, 2) if steps < self.short_run else self.interval
-        low = {step for step, level in enumerate(noise_levels) if level < full_below}
+        low_noise = {step for step, level in enumerate(noise_levels) if level < full_below}
         # One in ``interval`` of the steps the host lets reuse; the ones it runs in full come on top (counted
         # against them, they left Wan's first 23 of 30 steps one full step with UniPC at shift 3: SSIM 0.862).
-        budget = math.ceil((steps - len(low)) / interval) + len(low)
-        forced = {0} | low
-        low, high = 0.0, max(levels[0] - min(levels), 0.0) + 1.0  # high: no step but the forced ones
+        budget = math.ceil((steps - len(low_noise)) / interval) + len(low_noise)
+        forced = {0} | low_noise
+        tight, loose = 0.0, max(levels[0] - min(levels), 0.0) + 1.0  # loose: no step but the forced ones
         full = forced
         for _ in range(48):  # bisection: the fewest-noise spacing with at most ``budget`` full steps
-            middle = (low + high) / 2
+            middle = (tight + loose) / 2
             spaced = spaced_by_noise(levels, middle, forced)
             if len(spaced) <= budget:
-                high, full = middle, spaced
+                loose, full = middle, spaced
             else:
-                low = middle
+                tight = middle
         return FullSteps(steps, frozenset(full))
 
 
@@ -310,11 +307,10 @@ class _PackedSlope:
     last axis), and the position of the earlier record."""
 
     __slots__ = ("packed", "scale", "position")
+    ROWS = 4096  # tokens packed at a time: the float32 working copies stay small beside the cache itself
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, position: float):
         self.packed, self.scale, self.position = packed, scale, position
-
-    ROWS = 4096  # tokens packed at a time: the float32 working copies stay small beside the cache itself
 
     @classmethod
     def of(cls, slope: torch.Tensor, position: float) -> _PackedSlope:

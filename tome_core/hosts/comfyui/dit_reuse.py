@@ -48,10 +48,14 @@ _STREAMS = {"Wan": ("img",), "other": ("txt", "img")}
 _LAST_BLOCK_RUNS = ("MMDiT",)
 
 
+def _class_names(diffusion_model) -> set[str]:
+    return {c.__name__ for c in type(diffusion_model).__mro__}
+
+
 def block_keys(diffusion_model) -> list[tuple[str, int]] | None:
     """Every block of a supported DiT in call order, as its ``patches_replace["dit"]`` key; None if reuse does not
     run on this model."""
-    names = {c.__name__ for c in type(diffusion_model).__mro__}
+    names = _class_names(diffusion_model)
     if names & set(_NO_REUSE_CLASSES):
         return None
     for classes, lists in _BLOCK_LISTS.items():
@@ -68,7 +72,7 @@ def block_keys(diffusion_model) -> list[tuple[str, int]] | None:
 
 def block_streams(diffusion_model) -> tuple[str, ...]:
     """The streams each block passes on: Flux and SD3 ``txt`` and ``img``, Wan ``img`` alone."""
-    names = {c.__name__ for c in type(diffusion_model).__mro__}
+    names = _class_names(diffusion_model)
     return _STREAMS["Wan"] if names & {"WanModel", "CameraWanModel"} else _STREAMS["other"]
 
 
@@ -156,7 +160,7 @@ def install(
     diffusion_model = clone.model.diffusion_model
     keys = block_keys(diffusion_model)
     first, last = outer
-    if {c.__name__ for c in type(diffusion_model).__mro__} & set(_LAST_BLOCK_RUNS):
+    if _class_names(diffusion_model) & set(_LAST_BLOCK_RUNS):
         last = max(last, 1)
     if settings.reuse_interval <= 1 or keys is None or len(keys) <= first + last + 1:
         return False
