@@ -94,7 +94,7 @@ def test_gpu_table_machine_block_and_reliability_line(gpu_table):
     table = (out / "gpu-table.md").read_text()
     assert table.startswith("UNRELIABLE: ") and done.stdout.startswith("UNRELIABLE: ")
     assert "## ToDo on Flux" in table and "## Break-even per token count: one sd15 transformer block" in table
-    assert "skip_when_slower today: todo 1024" in table
+    assert "skip_when_slower today on cpu: todo 1024" in table
     dit = json.loads((out / "dit.json").read_text())
     flux = dit["results"]["tiny-flux"]
     assert dit["meta"]["clock"] == measure.PERF_COUNTER and dit["meta"]["dtype"] == "bf16"
@@ -227,3 +227,21 @@ def test_carried_wheels_are_the_tested_versions():
     script = (ROOT / "tools" / "gpu_bench.sh").read_text()
     assert "--python-version 3.12" in script and "requirements/gpu-wheels.txt" in script
     assert subprocess.run(["bash", "-n", str(ROOT / "tools" / "gpu_bench.sh")]).returncode == 0
+
+
+def test_ldm_unet_runs_in_half_precision_as_the_webui_runs_it():
+    """ldm embeds timesteps and casts its input in float32 whatever its weights: the tomesd rows on a GPU (fp16)
+    failed until the UNet ran under autocast, as the WebUI runs it. A subprocess: building it patches ldm's
+    attention class for the whole process."""
+    code = (
+        "import torch\n"
+        "from tools.bench import host\n"
+        "family = host.FAMILIES['tiny']\n"
+        "unet = host.build_ldm_unet(family, None, torch.bfloat16, 'cpu')\n"
+        "x = torch.randn(2, 4, 8, 8, dtype=torch.bfloat16)\n"
+        "context = torch.randn(2, 77, family.context_dim, dtype=torch.bfloat16)\n"
+        "out = unet(x, torch.tensor([500.0, 20.0]), context=context)\n"
+        "assert out.shape == x.shape and out.dtype == torch.bfloat16 and out.isfinite().all(), out.dtype\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

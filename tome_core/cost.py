@@ -13,6 +13,15 @@ ComfyUI transformer block of SD1.5's level 1 (320 channels, 8 heads) and of SDXL
 tokens on with SD1.5 and SDXL alike; each threshold below is that measurement with a safety margin, and the
 whole-UNet rows of ``python -m tools.bench.speed`` confirm it at 512 and 768 px.
 
+On CUDA the shares are different: a GPU runs a UNet's kernels faster than the host issues them at the sizes most
+people use, so a reduction's extra kernels cost more than the attention it shrinks saves, until the attention is
+large. One SD1.5 level-1 block in fp16 on an NVIDIA H200 (2026-11-26, ``python -m tools.bench.gpu``) was slower
+with every method at 256 to 9216 tokens (0.74x to 1.00x) and faster with all of them at 16384 (1.32x to 1.47x);
+whole 25-step ComfyUI runs agreed (ToDo 2 alone: 0.99x on SD1.5 at 512 px and 0.98x on SDXL at 1024 px, 1.26x on
+SD1.5 at 1024 px; ToMe block 0.5: 0.89x and 0.76x). So CUDA has its own table, ``MIN_TOKENS_CUDA``; other
+devices (MPS included, not measured) keep the CPU's. A smaller GPU, slower per kernel, may already gain below
+16384 tokens: there the rule costs a little speed, never a picture; ``skip_when_slower`` off forces the reduction.
+
 DiTs (``joint_attention.py``) weigh the image tokens of one attention call (frames x h x w for video) against
 this ToDo threshold, or against a family's own where it was measured higher (Flux, whose wide blocks spend
 little of their time in attention at small sizes: ``hosts/comfyui/dit.MIN_IMAGE_TOKENS``, docs/dit.md).
@@ -30,6 +39,17 @@ MIN_TOKENS = {
     "tome": 2304,
     "tome block": 256,
 }
+# On CUDA: SD1.5 at 1024 px (16384 tokens at level 1) and SDXL from 2048 px are reduced, smaller sizes are not.
+MIN_TOKENS_CUDA = {
+    "todo": 16384,
+    "tome": 16384,
+    "tome block": 16384,
+}
+
+
+def min_tokens(key: str, device_type: str = "cpu") -> int:
+    """The minimum token count of ``key`` (a ``MIN_TOKENS`` key) on a device type ("cpu", "cuda", "mps" ...)."""
+    return (MIN_TOKENS_CUDA if device_type == "cuda" else MIN_TOKENS)[key]
 
 
 def threshold_key(settings: PatchSettings) -> str:
@@ -37,7 +57,7 @@ def threshold_key(settings: PatchSettings) -> str:
     return "tome block" if settings.merges_whole_block else settings.method
 
 
-def worth_reducing(settings: PatchSettings, n_tokens: int) -> bool:
+def worth_reducing(settings: PatchSettings, n_tokens: int, device_type: str = "cpu") -> bool:
     if not settings.skip_when_slower:
         return True
-    return n_tokens >= MIN_TOKENS[threshold_key(settings)]
+    return n_tokens >= min_tokens(threshold_key(settings), device_type)

@@ -175,7 +175,7 @@ class Reducer:
             return None
         level, h, w = found
         s = self.settings
-        if level not in self.levels or not worth_reducing(s, h * w):
+        if level not in self.levels or not worth_reducing(s, h * w, x.device.type):
             return None
         if s.method == "todo":
             if downsampled_size(h, w, s.downsample_factor) == (h, w):  # e.g. a 2x2 grid at factor 1.5

@@ -384,9 +384,9 @@ def unet_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def breakeven_table(model: str, results: dict) -> str:
+def breakeven_table(model: str, results: dict, device_type: str) -> str:
     """Each method's speed-up on one block per grid side, and the first side from which it stays above 1."""
-    from tome_core.cost import MIN_TOKENS
+    from tome_core.cost import MIN_TOKENS, min_tokens
 
     sides = sorted(results)
     methods = [name for name in results[sides[0]] if name != "off"]
@@ -403,8 +403,11 @@ def breakeven_table(model: str, results: dict) -> str:
         faster = [results[side]["off"] / results[side][name] > 1.0 for side in sides]
         first = next((i for i in range(len(sides)) if all(faster[i:])), None)
         pays.append(f"{name}: {'never' if first is None else f'from {sides[first] ** 2} tokens'}")
-    thresholds = ", ".join(f"{key} {value}" for key, value in MIN_TOKENS.items())
-    summary = f"Faster than the unpatched block ({model}): {'; '.join(pays)}. skip_when_slower today: {thresholds}."
+    thresholds = ", ".join(f"{key} {min_tokens(key, device_type)}" for key in MIN_TOKENS)
+    summary = (
+        f"Faster than the unpatched block ({model}): {'; '.join(pays)}. "
+        f"skip_when_slower today on {device_type}: {thresholds}."
+    )
     lines += ["", summary]
     return "\n".join(lines)
 
@@ -435,7 +438,10 @@ def markdown(report: dict) -> str:
         text = report["dit_markdown"].split("\n", 2)[-1].strip()  # without its own title
         parts += ["## ToDo on Flux", text]
     for model, results in report.get("breakeven", {}).items():
-        parts += [f"## Break-even per token count: one {model} transformer block", breakeven_table(model, results)]
+        parts += [
+            f"## Break-even per token count: one {model} transformer block",
+            breakeven_table(model, results, torch.device(s["device"]).type),
+        ]
     return "\n\n".join(part for part in parts if part) + "\n"
 
 

@@ -209,7 +209,7 @@ def _sdpa_forward(self, x, context=None, mask=None, **kwargs):
     return self.to_out(out.transpose(1, 2).reshape(batch, -1, heads * out.shape[-1]))
 
 
-def build_ldm_unet(family: Family, state_dict: dict, dtype: torch.dtype, device: torch.device):
+def build_ldm_unet(family: Family, state_dict: dict | None, dtype: torch.dtype, device: torch.device):
     """The WebUI's SD1/SD2 ldm UNet with the given (ComfyUI) weights, or None for a layout ldm cannot build.
 
     SDXL runs on ``sgm`` in the WebUI, which is not on PyPI; ldm's UNet has one transformer depth for all
@@ -239,8 +239,25 @@ def build_ldm_unet(family: Family, state_dict: dict, dtype: torch.dtype, device:
         use_checkpoint=False,
         legacy=False,
     )
-    unet.load_state_dict(state_dict, strict=True)
-    return unet.to(device=device, dtype=dtype).eval()
+    if state_dict is not None:  # None: ldm's own initialisation (a test's plumbing)
+        unet.load_state_dict(state_dict, strict=True)
+    unet = unet.to(device=device, dtype=dtype).eval()
+    if dtype != torch.float32:
+        # ldm embeds the timesteps and casts its input to float32 whatever its weights are; the WebUI runs it in
+        # half precision under torch.autocast (its devices.autocast around sampling), and so does this. Autocast
+        # runs group norms in float32 on CUDA; ldm's GroupNorm32 casts its input to float32 itself, so its
+        # scales are kept in float32 too (the same arithmetic, and the CPU's autocast accepts it).
+        for module in unet.modules():
+            if isinstance(module, torch.nn.GroupNorm):
+                module.float()
+        forward = unet.forward
+
+        def autocast_forward(*args, **kwargs):
+            with torch.autocast(torch.device(device).type, dtype=dtype):
+                return forward(*args, **kwargs)
+
+        unet.forward = autocast_forward
+    return unet
 
 
 class LdmHolder(torch.nn.Module):
