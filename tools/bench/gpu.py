@@ -62,8 +62,8 @@ CONFIGS = "sd15:512,sd15:768,sd15:1024,sdxl:1024"
 EASYCACHE_DEFAULTS = {"reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
 BREAKEVEN_SIDES = "16,24,32,40,48,56,64,80,96,128"
 BREAKEVEN_SHAPES = {"sd15": "sd15", "sdxl": "sdxl", "tiny": "sd15", "tiny-xl": "sdxl"}
-# Minutes set aside for the parts after the UNet table (Flux: estimated; a break-even: SD1.5's took about 1.3 on an
-# H200, SDXL's more).
+# Minutes set aside for the parts after the UNet table (on an H200: Flux 0.4, SD1.5's break-even about 1.3, SDXL's
+# more), with a margin.
 DIT_MINUTES, BREAKEVEN_MINUTES = 1.0, 2.5
 
 
