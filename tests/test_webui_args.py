@@ -51,7 +51,7 @@ def test_ui_returns_the_documented_order_with_engine_defaults_and_ranges(host):
     assert by_name["scope"].kwargs["value"] == "self-attention" and by_name["scope"].kind == "Dropdown"
     assert webui_args.ARG_NAMES[19] == "reuse_interval" and by_name["reuse_interval"].kind == "Slider"
     reuse = by_name["reuse_interval"].kwargs
-    assert (reuse["minimum"], reuse["maximum"], reuse["step"], reuse["value"]) == (1, 8, 1, 3)
+    assert (reuse["minimum"], reuse["maximum"], reuse["step"], reuse["value"]) == (1, 16, 1, 3)
     # The shipped default: ToDo, factor 2, with reuse every third step (README "Which setting to use").
     assert by_name["method"].kwargs["value"] == "ToDo" and webui_args.defaults().method == "todo"
     assert dataclasses.replace(webui_args.defaults(), enabled=True).settings_for_pass(False, 0) == PatchSettings()
@@ -79,7 +79,7 @@ def test_api_args_from_json_are_cast(host, sd1):
         (9, 2.5, ['"Stride x (ToMe)"', "whole number"]),
         (16, -0.1, ['"Stop after (fraction of steps)"', "from 0 to 1"]),
         (18, "all", ['"Scope (ToMe)"', "'self-attention', 'block'", "'all'"]),
-        (19, 9, ['"Reuse interval (across steps)"', "from 1 to 8"]),
+        (19, 17, ['"Reuse interval (across steps)"', "from 1 to 16"]),
         (19, 2.5, ['"Reuse interval (across steps)"', "whole number"]),
     ],
 )

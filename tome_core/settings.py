@@ -231,7 +231,7 @@ _SPEC_LIST += (
         "int",
         3,
         minimum=1,
-        maximum=8,
+        maximum=16,
         step=1,
         tooltip="ToMe and ToDo: reuse across steps. 1 = off. N (default 3): between the first fifth of the steps "
         "and the last four, the UNet's inner layers run at one step in N only (one in 2 at most under 25 steps, "
@@ -239,7 +239,7 @@ _SPEC_LIST += (
         "outermost layers run and the inner layers' output is carried over (extrapolated) from the steps that ran "
         "them. SD1.x, SD2.x and SDXL. With ToDo 2 (the default), about 1.9x as fast as off at 25 steps with "
         "nearly the same picture. On DiTs (Flux, SD3, Wan) one step in N runs every block, spaced by the noise "
-        "level (the last steps full), and the others only the first block.",
+        "level (the last steps full), and the others only the first block; video keeps the picture up to 16.",
     ),
 )
 

@@ -87,11 +87,16 @@ def forget_hook_registries(transformer) -> None:
             registry._child_registries_cache = None
 
 
+# reuse_interval's rows; on video also 12 and 16, where the peers' largest thresholds go.
+INTERVALS = (2, 3, 4, 6, 8)
+VIDEO_INTERVALS = INTERVALS + (12, 16)
+
+
 def rows(mag_ratios, video: bool = False) -> list[Row]:
     from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
     out = [Row("unpatched", "unpatched")]
-    for interval in (2, 3, 4, 6, 8):
+    for interval in VIDEO_INTERVALS if video else INTERVALS:
         out.append(Row(f"ours reuse every {interval}", "ours", _ours(interval), {"reuse_interval": interval}))
     for threshold in (0.08, 0.12, 0.2):
         make = lambda args, t=threshold: FirstBlockCacheConfig(threshold=t)  # noqa: E731
