@@ -309,7 +309,7 @@ def test_runs_back_to_back_and_after_an_interrupted_one_start_afresh(node_classe
 def test_a_controlnet_call_computes_every_block():
     """ControlNet adds to the streams between blocks, which a skipped span would count twice: such a call runs
     without the run, so every block computes."""
-    hooks = dit_reuse.DitReuseHooks(IntervalSchedule(3), SPAN["flux"], ("txt", "img"), noise_range=None)
+    hooks = dit_reuse.DitReuseHooks(IntervalSchedule(3), SPAN["flux"], ("txt", "img"), None, extrapolate=1.0)
     seen = []
 
     def executor(*args, **kwargs):
@@ -360,3 +360,20 @@ def test_compiled_model_samples_the_same(node_classes, dits):
     finally:
         torch._dynamo.reset()
     assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family, extrapolate", [("flux", 1.0), ("chroma", 1.0), ("sd3", 0.5), ("wan", 0.5)])
+def test_flux_predicts_a_whole_step_along_the_line_and_the_others_half_of_one(
+    node_classes, dits, family, extrapolate, monkeypatch
+):
+    """``layer_reuse.DIT_EXTRAPOLATE``: measured per family on the references (docs/dit.md)."""
+    runs = []
+    for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.layer_reuse")]:
+
+        def record(self, *args, _made=engine.LayerReuseRun.__init__, **kwargs):
+            _made(self, *args, **kwargs)
+            runs.append(self)
+
+        monkeypatch.setattr(engine.LayerReuseRun, "__init__", record)
+    host.sample_dit(patch(node_classes, dits[family], **REUSE), family, SHAPES[family], steps=STEPS)
+    assert runs and {run.extrapolate for run in runs} == {extrapolate}

@@ -90,13 +90,14 @@ def test_the_default_changes_the_picture_and_removal_is_exact(pipes, kind):
     assert torch.equal(D.run(pipe), plain)  # bit-identical to never patched
 
 
-@pytest.mark.parametrize("kind, calls_per_step", [("flux", 1), ("sd3", 1), ("wan", 2)])
-def test_reuse_skips_the_dit_schedules_steps(pipes, kind, calls_per_step, monkeypatch):
+@pytest.mark.parametrize("kind, calls_per_step, extrapolate", [("flux", 1, 1.0), ("sd3", 1, 0.5), ("wan", 2, 0.5)])
+def test_reuse_skips_the_dit_schedules_steps(pipes, kind, calls_per_step, extrapolate, monkeypatch):
     pipe = pipeline(pipes, kind)
     runs = counting_runs(monkeypatch)
     patched_run(pipe, steps=12, downsample_factor=1, reuse_interval=3)
     (run,) = runs
     assert (run.calls, run.reused_calls) == (12 * calls_per_step, 6 * calls_per_step)  # under 25 steps: 1 in 2
+    assert run.extrapolate == extrapolate  # the family's step along the line (layer_reuse.DIT_EXTRAPOLATE)
     assert not run.entries  # the cache is dropped after the last step
 
 

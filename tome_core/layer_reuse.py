@@ -42,11 +42,21 @@ import torch
 # the line drawn over the sigmas (``position``), kept the picture best on both reference models
 # (docs/step-reuse.md: 0 and 1 each lose it on one of them).
 DEFAULT_EXTRAPOLATE = 0.5
+# On DiTs, per family where it was measured to differ: on ref-flux-deep the whole step kept more of the picture
+# at every interval and sampler (28 Euler steps every 4: SSIM 0.986 against 0.973; Heun every 4: 0.990 against
+# 0.978; docs/dit.md); on ref-wan it kept the same mean and a lower lowest clip, so Wan keeps the half step, and
+# SD3 (no reference model) too.
+DIT_EXTRAPOLATE = {"Flux": 1.0}
 OUTER_BLOCKS = 1  # the first input block and the last output block run at every step of a UNet
 # A DiT's blocks that run at every call: (at the start, at the end). The first block makes the span's input at
 # each call; the last one is predicted with the others: running it too kept no more of the picture (ref-wan,
 # reuse every 4 and 6: SSIM 0.997 and 0.994 either way; docs/dit.md) and costs a block per reusing call.
 DIT_OUTER_BLOCKS = (1, 0)
+
+
+def dit_extrapolate(family: str) -> float:
+    """How far along the line a DiT family's prediction moves (``DIT_EXTRAPOLATE``, else the UNets')."""
+    return DIT_EXTRAPOLATE.get(family, DEFAULT_EXTRAPOLATE)
 
 
 @dataclass(frozen=True)

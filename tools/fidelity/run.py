@@ -357,7 +357,8 @@ def dit_rows(nodes: dict, variants: bool = False, video: bool = False, args=None
             (4, {"outer": (1, 1)}),
             (6, {"outer": (1, 1)}),
             (6, {"extrapolate": 0.0}),
-            *((interval, {"extrapolate": 1.0}) for interval in (3, 4, 6, 8)),
+            # The step along the line the other family takes (Flux a whole one, Wan half of one).
+            *((interval, {"extrapolate": 1.0 if video else 0.5}) for interval in (3, 4, 6, 8)),
             (6, {"full_below": 0.0}),
         )
         for interval, changes in changed:
@@ -405,11 +406,11 @@ def dit_peer_rows() -> list[FidelityRow]:
     return rows
 
 
-def dit_reuse_variant(interval: int, outer=None, extrapolate=0.5, fixed_intervals=False, full_below=None) -> Callable:
+def dit_reuse_variant(interval: int, outer=None, extrapolate=None, fixed_intervals=False, full_below=None) -> Callable:
     """DiT reuse across steps with engine defaults overridden: ``outer`` (blocks run at every call: at the start,
-    at the end), ``extrapolate``, ``fixed_intervals`` (the UNets' schedule with a tenth of the steps full at the
-    start, as shipped before the schedule by noise), ``full_below`` (the noise below which every call runs in
-    full, instead of the sampler's rule)."""
+    at the end), ``extrapolate`` (None: the family's), ``fixed_intervals`` (the UNets' schedule with a tenth of
+    the steps full at the start, as shipped before the schedule by noise), ``full_below`` (the noise below which
+    every call runs in full, instead of the sampler's rule)."""
     from tome_core.hosts.comfyui import dit_reuse
     from tome_core.layer_reuse import DIT_OUTER_BLOCKS, IntervalSchedule, NoiseSpacedSchedule
     from tome_core.schedule import NoiseRange

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 
-from ...layer_reuse import DEFAULT_EXTRAPOLATE, DIT_OUTER_BLOCKS, LayerReuseRun, NoiseSpacedSchedule
+from ...layer_reuse import DIT_OUTER_BLOCKS, LayerReuseRun, NoiseSpacedSchedule, dit_extrapolate
 from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerReuseHooks
 
 log = logging.getLogger("tome_patch")
@@ -70,6 +70,14 @@ def block_keys(diffusion_model) -> list[tuple[str, int]] | None:
     return None
 
 
+def family_name(diffusion_model) -> str:
+    """ "Flux" (Chroma too), "SD3" or "Wan": the engine's name of the family (``layer_reuse.DIT_EXTRAPOLATE``)."""
+    names = _class_names(diffusion_model)
+    if names & {"Flux", "Chroma"}:
+        return "Flux"
+    return "SD3" if "MMDiT" in names else "Wan"
+
+
 def block_streams(diffusion_model) -> tuple[str, ...]:
     """The streams each block passes on: Flux and SD3 ``txt`` and ``img``, Wan ``img`` alone."""
     names = _class_names(diffusion_model)
@@ -81,7 +89,7 @@ class DitReuseHooks(LayerReuseHooks):
 
     DIT = True
 
-    def __init__(self, schedule, keys: list, streams: tuple[str, ...], noise_range, extrapolate=DEFAULT_EXTRAPOLATE):
+    def __init__(self, schedule, keys: list, streams: tuple[str, ...], noise_range, extrapolate: float):
         super().__init__(schedule, 1, noise_range, extrapolate, by_sigma=True)
         self.keys = keys  # the span's blocks, in call order
         self.streams = streams
@@ -151,12 +159,10 @@ class SpanBlock:
         )
 
 
-def install(
-    clone, settings, noise_range, outer=DIT_OUTER_BLOCKS, schedule=None, extrapolate=DEFAULT_EXTRAPOLATE
-) -> bool:
+def install(clone, settings, noise_range, outer=DIT_OUTER_BLOCKS, schedule=None, extrapolate=None) -> bool:
     """Give ``clone`` (a DiT's patcher) reuse across steps at ``settings.reuse_interval``; False where it cannot
     (left as it is). ``outer`` (blocks run at every call: at the start, at the end), ``schedule`` and
-    ``extrapolate`` are for the benchmarks."""
+    ``extrapolate`` (default: the family's, ``layer_reuse.dit_extrapolate``) are for the benchmarks."""
     diffusion_model = clone.model.diffusion_model
     keys = block_keys(diffusion_model)
     first, last = outer
@@ -168,6 +174,8 @@ def install(
         return False
     span = keys[first : len(keys) - last]
     schedule = NoiseSpacedSchedule(settings.reuse_interval) if schedule is None else schedule
+    if extrapolate is None:
+        extrapolate = dit_extrapolate(family_name(diffusion_model))
     hooks = DitReuseHooks(schedule, span, block_streams(diffusion_model), noise_range, extrapolate)
     replaced = _replacements(clone)
     for position, (block_type, index) in enumerate(span):

@@ -34,6 +34,7 @@ from ...layer_reuse import (
     SkippableLayer,
     attach_forwards,
     detach_forwards,
+    dit_extrapolate,
 )
 from .layer_reuse import PipelineReuse, _disabled
 
@@ -108,7 +109,8 @@ class DitReuse(PipelineReuse):
     DIT = True
 
     def __init__(self, pipeline, transformer, layout: DitLayout, schedule, span, allowed: Callable[[float], bool]):
-        super().__init__(pipeline, schedule, [(f"span.{i}", block) for i, block in enumerate(span)], allowed)
+        blocks = [(f"span.{i}", block) for i, block in enumerate(span)]
+        super().__init__(pipeline, schedule, blocks, allowed, dit_extrapolate(layout.name))
         self.layers = 1  # what is recorded: the span's residual, one tensor per batch layout
         self.layout = layout
         self.span_length = len(span)
