@@ -264,6 +264,31 @@ def test_step_order_schedule_and_layout_changes_compute_in_full():
     assert run.reused_calls == 2 and run.calls == 8
 
 
+def test_a_layout_that_missed_the_latest_full_step_computes_in_full():
+    """ComfyUI batches cond and uncond into one call or splits them by its memory estimate, which can change
+    during a run: a layout that missed a full step (the other layout ran it) must not draw its line through the
+    steps before it (found on ref-flux-deep: reuse every 3 kept 0.994 where the layouts changed, 0.999 where
+    not). It computes in full and records afresh; a layout that is up to date goes on reusing."""
+    from tome_core.layer_reuse import FullSteps, LayerReuseRun
+
+    run = LayerReuseRun(FullSteps(8, frozenset({0, 1, 4})), steps=8, layers=1)
+
+    def call(step, key):
+        reusing = run.begin_call(step, key)
+        run.run_layer(0, lambda: torch.full((2, 3), float(step)), (), {})
+        run.end_call()
+        return reusing
+
+    assert not call(0, "joined") and not call(1, "joined")
+    assert call(2, "joined")
+    assert not call(3, "apart")  # a new layout: nothing recorded for it, in full
+    assert call(3, "joined")  # it missed no full step: its line is as good as ever
+    assert not call(4, "apart")  # a full step, run by the other layout only
+    assert not call(5, "joined")  # it missed step 4: in full, not a line through steps 0 and 1
+    assert call(5, "apart") and call(6, "joined") and call(6, "apart")  # both up to date
+    assert run.reused_calls == 5 and run.calls == 10
+
+
 def test_a_reusing_call_with_unchanged_inner_features_equals_the_full_call():
     """Where the math says so the reuse is exact: the prediction from two equal recorded features is the feature."""
     from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun

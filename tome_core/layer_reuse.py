@@ -271,12 +271,13 @@ class _Entry:
     """One batch layout's record: the boundary's outputs at the last two full steps (or the last one and the
     slope between them, packed), every layer's output shape."""
 
-    __slots__ = ("outputs", "shapes", "slope")
+    __slots__ = ("outputs", "shapes", "slope", "step")
 
     def __init__(self):
         self.outputs: list[tuple[int, torch.Tensor]] = []  # (step, boundary output), oldest first, at most two
         self.shapes: dict[int, object] = {}
         self.slope: _PackedSlope | None = None  # with one output: the line from the record before it
+        self.step = -1  # the run's step of the last record
 
     # Both kept out of a compiled graph (torch.compile of the UNet): they compare and weigh the noise levels, which
     # a graph would take as constants and compile again at every step.
@@ -368,6 +369,10 @@ class LayerReuseRun:
         self.entries: dict[object, _Entry] = {}
         self.current: _Call | None = None
         self.last_step = -1
+        # The latest step the schedule (or the user's step range) ran in full. A batch layout that missed it (the
+        # host split or joined cond and uncond differently since, as ComfyUI does by its memory estimate) would
+        # draw its line through the steps before: its call runs in full and records afresh instead.
+        self.latest_full_step = -1
         self.calls = 0
         self.reused_calls = 0
         # The noise level below which the host runs every call in full (``full_below_noise``; 0: none).
@@ -379,6 +384,7 @@ class LayerReuseRun:
     def drop(self) -> None:
         self.entries.clear()
         self.current = None
+        self.latest_full_step = -1
 
     def begin_call(self, step: int | None, key: object, allowed: bool = True, position: float | None = None) -> bool:
         """Start a model call at ``step`` (None: not on this run's schedule) for the batch layout ``key``;
@@ -394,11 +400,14 @@ class LayerReuseRun:
             self.drop()
         self.last_step = step
         entry = self.entries.setdefault(key, _Entry())
+        scheduled = allowed and not self.schedule.is_full(step, self.steps)
+        if not scheduled:
+            self.latest_full_step = step
         reuse = (
-            allowed
-            and not self.schedule.is_full(step, self.steps)
+            scheduled
             and len(entry.shapes) == self.layers
             and bool(entry.outputs)
+            and entry.step >= self.latest_full_step
         )
         self.current = _Call(step, float(step if position is None else position), reuse, entry)
         self.reused_calls += reuse
@@ -430,6 +439,7 @@ class LayerReuseRun:
             else:
                 # A copy: the host may add to its output in place (ControlNet).
                 call.entry.record(call.position, feature.detach().clone())
+                call.entry.step = call.step
         return out
 
     # A DiT's blocks run one after the other, with no skip connection around them: there the inner blocks are one
@@ -471,6 +481,7 @@ class LayerReuseRun:
         call.entry.shapes[0] = _spec_of(residual)
         compact = residual.numel() * residual.element_size() >= COMPACT_SLOPE_BYTES
         call.entry.record(call.position, residual, compact)
+        call.entry.step = call.step
 
     def predicted_span_output(self, joined_input: torch.Tensor) -> torch.Tensor:
         """A reusing call: the span's output, its input plus the residual predicted from the last full calls."""
