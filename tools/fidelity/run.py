@@ -342,8 +342,9 @@ def dit_rows(nodes: dict, variants: bool = False, video: bool = False, args=None
             FidelityRow(f"ToMe attention {ratio} (not shipped)", "ours", dit_tome.patch(ratio), settings=settings)
         )
     # Reuse across steps (tome_core/hosts/comfyui/dit_reuse.py): alone, and with ToDo 2 on the calls that run.
-    # On video also 12 and 16, where First Block Cache's largest threshold goes (Flux loses the picture from 8 on).
-    for interval in (2, 3, 4, 6, 8) + ((12, 16) if video else ()):
+    # On video also 5, 12 and 16: First Block Cache's thresholds reach 3.1x, 4.4x and 6.2x there (Flux loses the
+    # picture from 6 on).
+    for interval in (2, 3, 4, 6, 8) + ((5, 12, 16) if video else ()):
         rows.append(
             ours(nodes, f"ours reuse every {interval}", method="todo", downsample_factor=1.0, reuse_interval=interval)
         )
