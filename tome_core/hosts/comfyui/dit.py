@@ -87,22 +87,32 @@ class DitFamily:
         return ImageTokens(grid, before=before)
 
 
-def _class_names(module) -> set[str]:
+def class_names(module) -> set[str]:
+    """The names of the module's class and of every class it derives from."""
     return {c.__name__ for c in type(module).__mro__}
+
+
+def family_name(diffusion_model) -> str | None:
+    """ "Flux" (Chroma too), "SD3" or "Wan" by the model's classes, or None for any other model."""
+    names = class_names(diffusion_model)
+    for name, classes in (("Flux", _FLUX_CLASSES), ("SD3", _SD3_CLASSES), ("Wan", _WAN_CLASSES)):
+        if names & set(classes):
+            return name
+    return None
 
 
 def family_of(diffusion_model) -> DitFamily | None:
     """The family of a ComfyUI diffusion model, or None if this patch does not support it."""
-    names = _class_names(diffusion_model)
-    if names & set(_REFUSED_CLASSES):
+    if class_names(diffusion_model) & set(_REFUSED_CLASSES):
         return None
+    name = family_name(diffusion_model)
     try:
-        if names & set(_FLUX_CLASSES):
+        if name == "Flux":
             p = int(diffusion_model.patch_size)
             return DitFamily("Flux", (p, p))
-        if names & set(_SD3_CLASSES):
+        if name == "SD3":
             return DitFamily("SD3", tuple(int(p) for p in diffusion_model.x_embedder.patch_size))
-        if names & set(_WAN_CLASSES):
+        if name == "Wan":
             patch = tuple(int(p) for p in diffusion_model.patch_size)
             if len(patch) != 3:
                 return None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 
 from ...layer_reuse import DIT_OUTER_BLOCKS, LayerReuseRun, NoiseSpacedSchedule, dit_extrapolate
+from .dit import class_names, family_name
 from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerReuseHooks
 
 log = logging.getLogger("tome_patch")
@@ -48,14 +49,10 @@ _STREAMS = {"Wan": ("img",), "other": ("txt", "img")}
 _LAST_BLOCK_RUNS = ("MMDiT",)
 
 
-def _class_names(diffusion_model) -> set[str]:
-    return {c.__name__ for c in type(diffusion_model).__mro__}
-
-
 def block_keys(diffusion_model) -> list[tuple[str, int]] | None:
     """Every block of a supported DiT in call order, as its ``patches_replace["dit"]`` key; None if reuse does not
     run on this model."""
-    names = _class_names(diffusion_model)
+    names = class_names(diffusion_model)
     if names & set(_NO_REUSE_CLASSES):
         return None
     for classes, lists in _BLOCK_LISTS.items():
@@ -70,17 +67,9 @@ def block_keys(diffusion_model) -> list[tuple[str, int]] | None:
     return None
 
 
-def family_name(diffusion_model) -> str:
-    """ "Flux" (Chroma too), "SD3" or "Wan": the engine's name of the family (``layer_reuse.DIT_EXTRAPOLATE``)."""
-    names = _class_names(diffusion_model)
-    if names & {"Flux", "Chroma"}:
-        return "Flux"
-    return "SD3" if "MMDiT" in names else "Wan"
-
-
 def block_streams(diffusion_model) -> tuple[str, ...]:
     """The streams each block passes on: Flux and SD3 ``txt`` and ``img``, Wan ``img`` alone."""
-    names = _class_names(diffusion_model)
+    names = class_names(diffusion_model)
     return _STREAMS["Wan"] if names & {"WanModel", "CameraWanModel"} else _STREAMS["other"]
 
 
@@ -166,7 +155,7 @@ def install(clone, settings, noise_range, outer=DIT_OUTER_BLOCKS, schedule=None,
     diffusion_model = clone.model.diffusion_model
     keys = block_keys(diffusion_model)
     first, last = outer
-    if _class_names(diffusion_model) & set(_LAST_BLOCK_RUNS):
+    if class_names(diffusion_model) & set(_LAST_BLOCK_RUNS):
         last = max(last, 1)
     if settings.reuse_interval <= 1 or keys is None or len(keys) <= first + last + 1:
         return False
@@ -175,7 +164,7 @@ def install(clone, settings, noise_range, outer=DIT_OUTER_BLOCKS, schedule=None,
     span = keys[first : len(keys) - last]
     schedule = NoiseSpacedSchedule(settings.reuse_interval) if schedule is None else schedule
     if extrapolate is None:
-        extrapolate = dit_extrapolate(family_name(diffusion_model))
+        extrapolate = dit_extrapolate(family_name(diffusion_model) or "")
     hooks = DitReuseHooks(schedule, span, block_streams(diffusion_model), noise_range, extrapolate)
     replaced = _replacements(clone)
     for position, (block_type, index) in enumerate(span):
