@@ -19,7 +19,10 @@ DESCRIPTION = (
     "changed."
 )
 
-MODEL_TOOLTIP = "The diffusion model to patch: SD1.x, SD2.x, SDXL; Flux, SD3/SD3.5 and Wan 2.x with method todo."
+MODEL_TOOLTIP = (
+    "The diffusion model to patch: SD1.x, SD2.x, SDXL; DiTs (Flux.1 and Flux.2, Chroma, SD3/SD3.5, Wan 2.x, "
+    "Qwen-Image, HunyuanVideo 1.0/1.5, LTX-Video) as dit_settings says."
+)
 
 # Saved workflows store widget values by position: new inputs are only ever appended to each tuple.
 _FIRST_INPUTS = (
@@ -31,7 +34,7 @@ _FIRST_INPUTS = (
     "end_percent",
     "skip_when_slower",
 )
-BASIC_INPUTS = _FIRST_INPUTS + ("scope", "reuse_interval")
+BASIC_INPUTS = _FIRST_INPUTS + ("scope", "reuse_interval", "dit_settings")
 ADVANCED_INPUTS = _FIRST_INPUTS + (
     "sx",
     "sy",
@@ -42,11 +45,12 @@ ADVANCED_INPUTS = _FIRST_INPUTS + (
     "downsample_method",
     "scope",
     "reuse_interval",
+    "dit_settings",
 )
 
 # Inputs added after the first release are optional: an API prompt or a saved workflow without them still
 # validates, and they take their default.
-OPTIONAL_INPUTS = frozenset({"scope", "reuse_interval"})
+OPTIONAL_INPUTS = frozenset({"scope", "reuse_interval", "dit_settings"})
 
 # Integer inputs are settings that stay as the user set them: ComfyUI's front end would otherwise add its
 # "control after generate" widget to an input named "seed" and draw a new seed after every run (by default),

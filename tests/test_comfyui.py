@@ -44,11 +44,12 @@ def test_package_registers_both_nodes(node_classes):
         "skip_when_slower",
         "scope",
         "reuse_interval",
+        "dit_settings",
     ]
     assert all(i.tooltip for i in schema.inputs)
     # Saved workflows keep widget values by position: both nodes only ever append inputs.
     advanced = [i.id for i in node_classes["ToMePatchAdvanced"].GET_SCHEMA().inputs]
-    assert advanced == names[:-2] + [
+    assert advanced == names[:-3] + [
         "sx",
         "sy",
         "use_rand",
@@ -58,6 +59,7 @@ def test_package_registers_both_nodes(node_classes):
         "downsample_method",
         "scope",
         "reuse_interval",
+        "dit_settings",
     ]
 
 
@@ -80,6 +82,7 @@ def test_each_input_says_which_method_it_belongs_to(node_classes):
         "merge_crossattn": "ToMe, scope self-attention: ",
         "downsample_method": "ToDo: ",
         "reuse_interval": "ToMe and ToDo: ",
+        "dit_settings": "DiTs: ",
     }
     for node_id in ("ToMePatch", "ToMePatchAdvanced"):
         for spec in node_classes[node_id].GET_SCHEMA().inputs[1:]:

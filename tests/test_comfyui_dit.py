@@ -37,6 +37,7 @@ def unpatched(dits):
 def patch(node_classes, model, **values):
     # The tiny grids are far below the skip_when_slower threshold: force the reduction unless a test says not.
     values.setdefault("skip_when_slower", False)
+    values.setdefault("dit_settings", "as set")  # the inputs as set: ``auto`` has tests of its own
     return host.patch_with_node(node_classes, model, **values)
 
 
@@ -199,7 +200,7 @@ def test_unsupported_dit_passes_through_unchanged(node_classes, caplog):
     with caplog.at_level(logging.WARNING, logger="tome_patch"):
         out = patch(node_classes, dit)
     assert out is dit and dit.model_options == before
-    assert "Flux, SD3/SD3.5, Wan 2.x" in caplog.text and "unchanged" in caplog.text
+    assert "NextDiT" in caplog.text and "no block" in caplog.text and "unchanged" in caplog.text
 
 
 def test_tome_on_a_dit_is_refused_with_a_message(node_classes, dits, caplog):

@@ -46,7 +46,7 @@ def dits():
 
 
 def patch(node_classes, model, **values):
-    return host.patch_with_node(node_classes, model, **{"skip_when_slower": False, **values})
+    return host.patch_with_node(node_classes, model, **{"skip_when_slower": False, "dit_settings": "as set", **values})
 
 
 def blocks_of(model, family):

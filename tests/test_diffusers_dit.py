@@ -18,7 +18,9 @@ import tome_core
 from tome_core.hosts.diffusers import dit_attention, dit_reuse, pipeline_patch
 from tome_core.layer_reuse import LayerReuseRun
 
-FORCE = {"skip_when_slower": False}  # the tiny grids are far below the break-even: reduce them anyway
+# The tiny grids are far below the break-even: reduce them anyway; and the settings as set (``dit_settings`` auto,
+# the default, has tests of its own at the end).
+FORCE = {"skip_when_slower": False, "dit_settings": "as set"}
 KINDS = ("flux", "sd3", "wan", "wan2.2")
 MAKERS = {
     "flux": D.flux_pipeline,
@@ -447,3 +449,28 @@ def test_model_cpu_offload_keeps_the_patchs_picture(monkeypatch):
     finally:
         tome_core.remove_patch(pipe)
     assert runs[0].reused_calls == 6
+
+
+@pytest.mark.parametrize(("kind", "steps", "interval"), (("flux", 28, 3), ("wan", 30, 5)))
+def test_no_settings_run_the_familys_measured_reuse_without_todo(pipes, kind, steps, interval):
+    """``apply_patch(pipe)`` (``dit_settings`` auto): reuse at the family's measured interval for the step count
+    (``layer_reuse.DIT_AUTO_INTERVALS``) and no ToDo, bit for bit what naming that setting computes."""
+    pipe = pipeline(pipes, kind)
+    auto = patched_run(pipe, steps=steps)
+    by_hand = patched_run(pipe, steps=steps, downsample_factor=1, reuse_interval=interval, dit_settings="as set")
+    assert torch.isfinite(auto).all() and torch.equal(auto, by_hand)
+    other = patched_run(pipe, steps=steps, downsample_factor=1, reuse_interval=interval + 1, dit_settings="as set")
+    assert not torch.equal(auto, other)
+
+
+def test_auto_keeps_what_the_user_names(pipes, monkeypatch):
+    """Under auto a named setting is used as set: ToDo where ``downsample_factor`` is named, the named interval."""
+    pipe = pipeline(pipes, "flux")
+    named = patched_run(pipe, steps=12, downsample_factor=2, reuse_interval=2, skip_when_slower=False)
+    by_hand = patched_run(pipe, steps=12, downsample_factor=2, reuse_interval=2, **FORCE)
+    assert torch.equal(named, by_hand)
+    tome_core.apply_patch(pipe.transformer)  # no pipeline: no reuse, and no ToDo unless named
+    try:
+        assert not pipeline_patch.is_patched(pipe)
+    finally:
+        tome_core.remove_patch(pipe)

@@ -428,7 +428,7 @@ def test_the_patched_unet_compiles(node_classes, models):
 
 def test_a_dit_or_a_patcher_without_wrappers_is_left_as_it_is(node_classes):
     flux = host.tiny_dit("flux")
-    patched = host.patch_with_node(node_classes, flux, **REUSE)
+    patched = host.patch_with_node(node_classes, flux, **REUSE, dit_settings="as set")
     assert hooks_of(patched) is None  # DiTs: layer reuse is for UNets; ToDo factor 1 leaves nothing either
 
 

@@ -243,12 +243,29 @@ _SPEC_LIST += (
     ),
 )
 
+# What a DiT runs: the setting measured for its family, or the inputs as they are set.
+DIT_SETTINGS = ("auto", "as set")
+_SPEC_LIST += (
+    Spec(
+        "dit_settings",
+        "choice",
+        "auto",
+        choices=DIT_SETTINGS,
+        tooltip="DiTs: what a DiT (Flux, SD3, Wan, Qwen-Image, HunyuanVideo, LTX-Video) runs. auto (the default): "
+        "the setting measured to keep each family's picture, whatever method, downsample_factor and reuse_interval "
+        "say: reuse across steps every 3 on Flux, SD3 and Qwen-Image (every 4 from 40 steps), every 5 on Wan, "
+        "every 4 on the other video models, and no ToDo (on a DiT it shifts the colours). as set: the inputs as "
+        "they are set. UNets (SD1.x, SD2.x, SDXL) ignore it.",
+    ),
+)
+
 SPECS: dict[str, Spec] = {spec.name: spec for spec in _SPEC_LIST}
 
 # What a saved ComfyUI prompt or a WebUI infotext that does not name a setting meant: its default when it was
 # saved. A setting whose default changed keeps its old value here, so what was saved gives the same picture
 # (reuse_interval was 1, off, until reuse across steps became part of the default).
-IMPLIED_WHEN_ABSENT = {"reuse_interval": 1}
+# A prompt saved before ``dit_settings`` existed ran a DiT with its inputs as set.
+IMPLIED_WHEN_ABSENT = {"reuse_interval": 1, "dit_settings": "as set"}
 
 log = logging.getLogger("tome_patch")
 
@@ -304,6 +321,7 @@ class PatchSettings:
     downsample_method: str = SPECS["downsample_method"].default
     scope: str = SPECS["scope"].default
     reuse_interval: int = SPECS["reuse_interval"].default
+    dit_settings: str = SPECS["dit_settings"].default
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

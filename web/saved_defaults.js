@@ -3,11 +3,13 @@
 // The front end restores a node's widget values by position and leaves widgets past the saved ones at their
 // current defaults. reuse_interval was added after the first inputs, with 1 (off), and its default is 3 now: a
 // workflow whose saved values stop before it meant 1, so it gets 1 back here (as the server side does for an API
-// prompt that leaves it out: tome_core/settings.py, IMPLIED_WHEN_ABSENT). A node added anew keeps the default.
+// prompt that leaves it out: tome_core/settings.py, IMPLIED_WHEN_ABSENT). dit_settings came later still: a
+// workflow saved before it ran a DiT with its inputs as set ("as set"; "auto" is the default now). A node added
+// anew keeps the defaults.
 import { app } from "../../scripts/app.js";
 
 const NODES = new Set(["ToMePatch", "ToMePatchAdvanced"]);
-const IMPLIED_WHEN_ABSENT = { reuse_interval: 1 };
+const IMPLIED_WHEN_ABSENT = { reuse_interval: 1, dit_settings: "as set" };
 
 app.registerExtension({
   name: "tome_patch.saved_defaults",

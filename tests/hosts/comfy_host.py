@@ -194,15 +194,302 @@ DIT_TINY = {
         "axes_dims": [4, 6, 6],
         "axes_lens": [300, 64, 64],
     },
+    # Z-Image: Lumina 2's NextDiT with its own modulation. ComfyUI only detects it at dim 3840 (no tiny config
+    # matches supported_models.ZImage), so tiny_dit builds that class directly (``_DIT_SUPPORTED_MODEL``). Its
+    # time embedding is 256 wide and the blocks read min(dim, 256) of it: dim must be at least 256.
+    "z_image": {
+        "image_model": "lumina2",
+        "patch_size": 2,
+        "in_channels": 16,
+        "dim": 256,
+        "cap_feat_dim": 64,
+        "n_layers": 1,
+        "n_refiner_layers": 1,
+        "n_heads": 2,
+        "n_kv_heads": 2,
+        "qk_norm": True,
+        "axes_dims": [32, 48, 48],
+        "axes_lens": [1536, 512, 512],
+        "rope_theta": 256.0,
+        "ffn_dim_multiplier": 8.0 / 3.0,
+        "z_image_modulation": True,
+        "time_scale": 1000.0,
+        "pad_tokens_multiple": 32,
+    },
+    # Flux 2: one shared (global) modulation per stream instead of one per block, no vector input, patch 1 on
+    # 128-channel latents, four rope axes (the text's position on the fourth).
+    "flux2": {
+        "image_model": "flux2",
+        "in_channels": 128,
+        "out_channels": 128,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "axes_dim": [4, 4, 4, 4],
+        "depth": 1,
+        "depth_single_blocks": 1,
+        "context_in_dim": 64,
+        "vec_in_dim": None,
+        "patch_size": 1,
+        "mlp_ratio": 3.0,
+        "theta": 2000,
+        "qkv_bias": False,
+        "guidance_embed": True,
+        "global_modulation": True,
+        "mlp_silu_act": True,
+        "ops_bias": False,
+        "default_ref_method": "index",
+        "ref_index_scale": 10.0,
+    },
+    # Qwen-Image: one list of MMDiT blocks; 16-channel latents of Wan 2.1's (3-D) format, one frame, patch 2.
+    "qwen_image": {
+        "image_model": "qwen_image",
+        "in_channels": 64,
+        "out_channels": 16,
+        "patch_size": 2,
+        "num_layers": 1,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 64,
+        "axes_dims_rope": [4, 6, 6],
+    },
+    # HunyuanVideo 1.5 (supported_models.HunyuanVideo15, told apart by vision_in_dim 1152): Flux's double and
+    # single blocks on video (image tokens before the text's), patch 1x1x1, 32-channel latents plus 32 channels of
+    # image condition and a mask (65 in; zeros for text to video). No ByT5 glyph input here.
+    "hunyuan_video15": {
+        "image_model": "hunyuan_video",
+        "in_channels": 65,
+        "out_channels": 32,
+        "patch_size": [1, 1, 1],
+        "vec_in_dim": None,
+        "axes_dim": [4, 6, 6],
+        "meanflow": False,
+        "context_in_dim": 64,
+        "hidden_size": 32,
+        "mlp_ratio": 4.0,
+        "num_heads": 2,
+        "depth": 1,
+        "depth_single_blocks": 1,
+        "theta": 256,
+        "qkv_bias": True,
+        "byt5": False,
+        "guidance_embed": False,
+        "use_cond_type_embedding": True,
+        "vision_in_dim": 1152,
+    },
+    # LTX-Video: one list of blocks (self-attention, cross-attention to the text, MLP), patch 1 on 128-channel
+    # video latents (32x spatial, 8x temporal compression).
+    "ltxv": {
+        "image_model": "ltxv",
+        "in_channels": 128,
+        "num_layers": 1,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "cross_attention_dim": 32,
+        "caption_channels": 64,
+    },
+    # Chroma Radiance: Chroma's blocks on pixels (3 channels; patch 4 here, 16 in the real model) and a small
+    # per-pixel "NeRF" head after the last block.
+    "chroma_radiance": {
+        "image_model": "chroma_radiance",
+        "in_channels": 3,
+        "out_channels": 3,
+        "context_in_dim": 64,
+        "hidden_size": 32,
+        "mlp_ratio": 2.0,
+        "num_heads": 2,
+        "depth": 1,
+        "depth_single_blocks": 1,
+        "axes_dim": [4, 6, 6],
+        "theta": 10000,
+        "patch_size": 4,
+        "qkv_bias": True,
+        "in_dim": 64,
+        "out_dim": 32,
+        "hidden_dim": 64,
+        "n_layers": 1,
+        "nerf_hidden_size": 16,
+        "nerf_mlp_ratio": 2,
+        "nerf_depth": 1,
+        "nerf_max_freqs": 4,
+        "nerf_tile_size": 512,
+        "nerf_final_head_type": "conv",
+        "nerf_embedder_dtype": torch.float32,
+    },
+    # HiDream-I1: double then single blocks with mixture-of-experts MLPs; every block also reads one layer of
+    # Llama features (``conditioning_llama3``: batch x layers x tokens x width) besides the T5 context. tiny_dit
+    # fills ``llama_layers`` (which Llama layer each block reads) from the block counts.
+    "hidream": {
+        "image_model": "hidream",
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "axes_dims_rope": [4, 6, 6],
+        "caption_channels": [64, 64],
+        "max_resolution": [128, 128],
+        "in_channels": 16,
+        "out_channels": 16,
+        "patch_size": 2,
+        "text_emb_dim": 32,
+        "num_routed_experts": 4,
+        "num_activated_experts": 2,
+        "num_layers": 1,
+        "num_single_layers": 1,
+    },
+    # Cosmos Predict2 (MiniTrainDIT): blocks on a (batch, frames, h, w, width) grid, not a flat sequence; 16-channel
+    # latents of Wan 2.1's (3-D) format, one frame for an image.
+    "cosmos_predict2": {
+        "image_model": "cosmos_predict2",
+        "max_img_h": 240,
+        "max_img_w": 240,
+        "max_frames": 128,
+        "in_channels": 16,
+        "out_channels": 16,
+        "patch_spatial": 2,
+        "patch_temporal": 1,
+        "model_channels": 32,
+        "concat_padding_mask": True,
+        "crossattn_emb_channels": 64,
+        "pos_emb_cls": "rope3d",
+        "pos_emb_learnable": True,
+        "pos_emb_interpolation": "crop",
+        "min_fps": 1,
+        "max_fps": 30,
+        "use_adaln_lora": True,
+        "adaln_lora_dim": 16,
+        "num_blocks": 1,
+        "num_heads": 2,
+        "extra_per_block_abs_pos_emb": False,
+        "rope_h_extrapolation_ratio": 4.0,
+        "rope_w_extrapolation_ratio": 4.0,
+        "rope_t_extrapolation_ratio": 1.0,
+        "extra_h_extrapolation_ratio": 1.0,
+        "extra_w_extrapolation_ratio": 1.0,
+        "extra_t_extrapolation_ratio": 1.0,
+        "rope_enable_fps_modulation": False,
+    },
+    # OmniGen2: Lumina-like; refiners for text and image tokens, then one list of blocks on [text, image].
+    "omnigen2": {
+        "image_model": "omnigen2",
+        "axes_dim_rope": [4, 6, 6],
+        "axes_lens": [1024, 1664, 1664],
+        "ffn_dim_multiplier": None,
+        "hidden_size": 32,
+        "in_channels": 16,
+        "multiple_of": 32,
+        "norm_eps": 1e-05,
+        "num_attention_heads": 2,
+        "num_kv_heads": 1,
+        "num_layers": 1,
+        "num_refiner_layers": 1,
+        "out_channels": None,
+        "patch_size": 2,
+        "text_feat_dim": 64,
+        "timestep_scale": 1000.0,
+    },
 }
+
+
+# Latent channels per family (ComfyUI's latent format; KSampler widens an all-zero latent to them anyway).
+# Chroma Radiance samples pixels: 3 channels, no compression. Qwen-Image and Cosmos Predict2 use Wan 2.1's 3-D
+# latent format: ComfyUI gives an image latent a frame axis of 1, so their samples come back 5-D.
+DIT_LATENT_CHANNELS = {
+    "flux": 16,
+    "sd3": 16,
+    "wan": 16,
+    "chroma": 16,
+    "lumina2": 16,
+    "z_image": 16,
+    "flux2": 128,
+    "qwen_image": 16,
+    "hunyuan_video15": 32,
+    "ltxv": 128,
+    "chroma_radiance": 3,
+    "hidream": 16,
+    "cosmos_predict2": 16,
+    "omnigen2": 16,
+}
+# Families whose ``sample_dit`` latent_shape is (batch, frames, h, w); the others take (batch, h, w).
+# Cosmos Predict2 takes either. Temporal compression: Wan and HunyuanVideo 1.5 4x, LTXV 8x (any frame count is a
+# valid latent here).
+DIT_VIDEO = ("wan", "hunyuan_video15", "ltxv", "cosmos_predict2")
+# Width of the text context (every tiny config reads 64-wide text; HiDream's Llama features are 64 wide too).
+DIT_CONTEXT_DIM = dict.fromkeys(DIT_LATENT_CHANNELS, 64)
+# The config key(s) for the number of blocks, in call order (two keys: double then single blocks). SD3's depth
+# also sets its width (64 x depth) and so its context_embedder_config out_features; see ``dit_blocks``.
+DIT_BLOCK_DEPTH_KEY = {
+    "flux": ("depth", "depth_single_blocks"),
+    "chroma": ("depth", "depth_single_blocks"),
+    "flux2": ("depth", "depth_single_blocks"),
+    "chroma_radiance": ("depth", "depth_single_blocks"),
+    "hunyuan_video15": ("depth", "depth_single_blocks"),
+    "sd3": ("depth",),
+    "wan": ("num_layers",),
+    "qwen_image": ("num_layers",),
+    "ltxv": ("num_layers",),
+    "lumina2": ("n_layers",),
+    "z_image": ("n_layers",),
+    "hidream": ("num_layers", "num_single_layers"),
+    "cosmos_predict2": ("num_blocks",),
+    "omnigen2": ("num_layers",),
+}
+# The module attributes holding each family's blocks in call order, each with the ``patches_replace["dit"]`` key
+# kind its forward asks for, ``(kind, index)`` with the index counted within that list; None: the forward asks
+# for no block replacement (and sets no transformer_options["block_index"]). Lumina 2 / Z-Image and OmniGen2 run
+# refiner blocks first (context_refiner, noise_refiner, and OmniGen2's ref_image_refiner), not listed here.
+# Token order in the joint stream: Flux, Chroma, Flux 2, Chroma Radiance [text, image]; HunyuanVideo 1.5 and
+# HiDream [image, text]; Lumina 2, Z-Image and OmniGen2 [text, image]; Qwen-Image's and SD3's blocks keep the two
+# streams apart (Qwen-Image's block_wrap returns txt, img; SD3's last block returns no text); Wan and LTXV
+# cross-attend to the text; Cosmos Predict2 cross-attends on a (batch, frames, h, w, width) grid.
+DIT_BLOCK_LISTS_FOR_TESTS = {
+    "flux": (("double_blocks", "double_block"), ("single_blocks", "single_block")),
+    "chroma": (("double_blocks", "double_block"), ("single_blocks", "single_block")),
+    "flux2": (("double_blocks", "double_block"), ("single_blocks", "single_block")),
+    "chroma_radiance": (("double_blocks", "double_block"), ("single_blocks", "single_block")),
+    "hunyuan_video15": (("double_blocks", "double_block"), ("single_blocks", "single_block")),
+    "sd3": (("joint_blocks", "double_block"),),
+    "wan": (("blocks", "double_block"),),
+    "qwen_image": (("transformer_blocks", "double_block"),),
+    "ltxv": (("transformer_blocks", "double_block"),),  # LTXV's one kind of block is asked for as "double_block"
+    "lumina2": (("layers", None),),
+    "z_image": (("layers", None),),
+    "hidream": (("double_stream_blocks", None), ("single_stream_blocks", None)),
+    "cosmos_predict2": (("blocks", None),),
+    "omnigen2": (("layers", None),),
+}
+# Families built from their supported_models class directly: ComfyUI's detection matches it only at full size.
+_DIT_SUPPORTED_MODEL = {"z_image": "ZImage"}
+# HiDream's Llama layers in ``conditioning_llama3``; block i reads layer min(i, HIDREAM_LLAMA_LAYERS - 1), as the
+# real model's llama_layers read 0..31 and then 31 again.
+HIDREAM_LLAMA_LAYERS = 4
+
+
+def dit_blocks(family: str, blocks: int) -> dict:
+    """``tiny_dit`` config for ``blocks`` blocks in all (two lists: the first half, rounded up, double)."""
+    keys = DIT_BLOCK_DEPTH_KEY[family]
+    if len(keys) == 2:
+        config = {keys[0]: (blocks + 1) // 2, keys[1]: blocks // 2}
+    else:
+        config = {keys[0]: blocks}
+    if family == "sd3":  # hidden size 64 x depth: the text projection follows it
+        config["context_embedder_config"] = {
+            "target": "torch.nn.Linear",
+            "params": {"in_features": DIT_CONTEXT_DIM["sd3"], "out_features": 64 * blocks},
+        }
+    return config
 
 
 def tiny_dit(family: str, seed: int = 0, dtype=torch.float32, **config) -> comfy.model_patcher.ModelPatcher:
     """A ModelPatcher over a small random-weight DiT of ComfyUI's own classes (see ``DIT_TINY``; ``config``
-    overrides its entries, e.g. more blocks), computing in ``dtype``."""
+    overrides its entries, e.g. more blocks: ``DIT_BLOCK_DEPTH_KEY``, ``dit_blocks``), computing in ``dtype``."""
     import comfy.model_detection
 
-    config = comfy.model_detection.model_config_from_unet_config({**DIT_TINY[family], **config})
+    unet_config = {**DIT_TINY[family], **config}
+    if family == "hidream" and "llama_layers" not in config:
+        blocks = unet_config["num_layers"] + unet_config["num_single_layers"]
+        unet_config["llama_layers"] = [min(i, HIDREAM_LLAMA_LAYERS - 1) for i in range(blocks)]
+    if family in _DIT_SUPPORTED_MODEL:
+        config = getattr(comfy.supported_models, _DIT_SUPPORTED_MODEL[family])(unet_config)
+    else:
+        config = comfy.model_detection.model_config_from_unet_config(unet_config)
     config.set_inference_dtype(dtype, None)
     model = config.get_model({})
     initialise(model.diffusion_model, seed)
@@ -211,12 +498,27 @@ def tiny_dit(family: str, seed: int = 0, dtype=torch.float32, **config) -> comfy
 
 
 def dit_conditioning(family: str, seed: int = 1, tokens: int = 9, **extra) -> list:
+    """One prompt's conditioning for a tiny DiT: ``tokens`` of text, ``DIT_CONTEXT_DIM`` wide, and the extra
+    inputs each family's model asks for (``extra`` overrides them)."""
     generator = torch.Generator().manual_seed(seed)
-    cond = torch.randn(1, tokens, 64, generator=generator)
-    if family in ("flux", "chroma", "sd3"):
+    cond = torch.randn(1, tokens, DIT_CONTEXT_DIM.get(family, 64), generator=generator)
+    if family in ("flux", "chroma", "sd3", "chroma_radiance"):
         extra.setdefault("pooled_output", torch.randn(1, 32, generator=generator))
-    if family in ("flux", "chroma"):
+    if family in ("flux", "chroma", "flux2", "chroma_radiance"):
         extra.setdefault("guidance", 3.5)
+    if family in ("flux2", "hunyuan_video15"):
+        # Their model_base reads kwargs["pooled_output"] (Flux's and HunyuanVideo's encode_adm); neither model has
+        # a vector input, so none is given.
+        extra.setdefault("pooled_output", None)
+    if family in ("ltxv", "omnigen2"):
+        # LTXVModel.forward takes attention_mask as a required argument; OmniGen2's forward requires num_tokens,
+        # which its model_base only sets from an attention_mask.
+        extra.setdefault("attention_mask", torch.ones(1, tokens, dtype=torch.long))
+    if family == "hidream":
+        extra.setdefault("pooled_output", torch.randn(1, DIT_TINY["hidream"]["text_emb_dim"], generator=generator))
+        width = DIT_TINY["hidream"]["caption_channels"][1]
+        llama = torch.randn(1, HIDREAM_LLAMA_LAYERS, tokens, width, generator=generator)
+        extra.setdefault("conditioning_llama3", llama)
     return [[cond, extra]]
 
 
@@ -233,15 +535,17 @@ def sample_dit(
     **advanced,
 ):
     """Sample a DiT through ComfyUI's KSampler path (``sampler``, Euler by default, with the normal scheduler);
-    ``latent_shape`` without the channel axis:
-    (batch, h, w) for images, (batch, frames, h, w) for Wan. ``negative_tokens`` 9 (the prompt's) lets ComfyUI
+    ``latent_shape`` without the channel axis (``DIT_LATENT_CHANNELS``):
+    (batch, h, w) for images, (batch, frames, h, w) for video (``DIT_VIDEO``; Cosmos Predict2 either). Chroma
+    Radiance's are pixels. ``negative_tokens`` 9 (the prompt's) lets ComfyUI
     batch cond and uncond into one call. ``latent`` (a start latent) and ``start_step``, ``last_step``,
     ``disable_noise``, ``force_full_denoise`` sample part of a schedule, as KSamplerAdvanced does; any other
     keyword goes into the conditioning."""
     batch, *rest = latent_shape
     parts = ("start_step", "last_step", "disable_noise", "force_full_denoise")
     sampling = {k: advanced.pop(k) for k in parts if k in advanced}
-    latent = {"samples": torch.zeros(batch, 16, *rest) if latent is None else latent}
+    channels = DIT_LATENT_CHANNELS.get(family, 16)
+    latent = {"samples": torch.zeros(batch, channels, *rest) if latent is None else latent}
     positive = dit_conditioning(family, 1, **advanced)
     negative = dit_conditioning(family, 2, tokens=negative_tokens, **advanced)
     (out,) = comfy_nodes.common_ksampler(

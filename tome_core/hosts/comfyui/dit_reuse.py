@@ -1,4 +1,4 @@
-"""ComfyUI: reuse across steps on DiTs (Flux and Chroma, SD3 / SD3.5, Wan 2.x), setting ``reuse_interval``.
+"""ComfyUI: reuse across steps on DiTs, setting ``reuse_interval`` (or ``dit_settings`` auto: the family's).
 
 A DiT is a stack of blocks run one after the other. At a *reusing* call the first block runs
 (``DIT_OUTER_BLOCKS``) and the blocks after it, the *span*, do not: the span's output is its input at this call
@@ -6,71 +6,148 @@ plus its residual (output minus input) predicted from the last full calls (the e
 ``LayerReuseRun.start_span`` / ``predicted_span_output``, the UNets' prediction). Which calls run in full:
 ``NoiseSpacedSchedule``, one step in ``reuse_interval``, spaced evenly in the run's sigmas.
 
-Hook point (checked in ComfyUI 0.3.75): every family's ``forward_orig`` hands block ``i`` to
-``transformer_options["patches_replace"]["dit"][(block_type, i)]`` when that key is set, with the block's inputs
-as a dict (``img``, ``txt``, ``vec``, ``pe``, ``transformer_options``) and ``{"original_block": ...}``, and reads
-the block's outputs back from the dict it returns. The patch sets such a replacement (``SpanBlock``) on every
-block of the span, on the clone's options only, wrapping a replacement another node put there before. Per family:
-- Flux / Chroma: ``("double_block", i)`` with streams ``img`` and ``txt``, then ``("single_block", i)`` on the
-  text and image tokens joined (``torch.cat((txt, img), 1)``), which is also how the two streams are joined here;
-- SD3 / MMDiT: ``("double_block", i)`` over ``joint_blocks``, streams ``img`` and ``txt`` (context);
-- Wan: ``("double_block", i)`` over ``blocks``, the stream ``img`` (``txt`` is the text the blocks attend to).
+Hook point (checked in ComfyUI 0.3.75; 0.8.0 the same): the forward loop of every family in ``LAYOUTS`` hands
+block ``i`` to ``transformer_options["patches_replace"]["dit"][(block_type, i)]`` when that key is set, with the
+block's inputs as a dict and ``{"original_block": ...}``, and reads the block's outputs back from the dict it
+returns. The patch sets such a replacement (``SpanBlock``) on every block of the span, on the clone's options
+only, wrapping a replacement another node put there before. A family is one row of ``LAYOUTS``: its block lists,
+the streams a block passes on and the order the model joins them in, and whether its last block must run. The
+argument names of each family's dict (``attention_mask`` or ``attn_mask``, ``vec`` as a tensor or Flux.2's tuple
+of modulations) never matter: a span block passes the dict on or runs the original block with it, and reads and
+writes only the streams. Families that hand no block to the hook, or add inputs between blocks outside it, are in
+``NO_REUSE`` with the reason the log gives.
 
 The sampling run, the step of each call and the batch layout come from the same wrappers as on the UNets
-(``layer_reuse.LayerReuseHooks``). A call computes every block (and records) where a step cache, a ControlNet or
-another node's replacement of a span block is there, where its tokens are laid out otherwise than at the last
-full call, and at the schedule's full steps.
+(``layer_reuse.LayerReuseHooks``). A call computes every block (and records) where a step cache, a ControlNet,
+another node's replacement of a span block or a patch after each block (``patches["double_block"]``) is there,
+where its tokens are laid out otherwise than at the last full call, and at the schedule's full steps.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from ...layer_reuse import DIT_OUTER_BLOCKS, LayerReuseRun, NoiseSpacedSchedule, dit_extrapolate
-from .dit import class_names, family_name
+from .dit import class_names
 from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerReuseHooks
 
 log = logging.getLogger("tome_patch")
 
 PATCH_NAME = "dit"  # transformer_options["patches_replace"]["dit"]
+BLOCK_PATCHES = ("double_block", "single_block")  # transformer_options["patches"]: run after each block
 
-# Families whose blocks reuse can skip: the class names (any class in the MRO) and their block lists, in call
-# order, as (block type, attribute). VACE adds hints between blocks that a skipped span would count twice, and
-# the other families add tokens or inputs of their own: they run every block.
-_BLOCK_LISTS = {
-    ("Flux", "Chroma"): (("double_block", "double_blocks"), ("single_block", "single_blocks")),
-    ("MMDiT",): (("double_block", "joint_blocks"),),
-    ("WanModel", "CameraWanModel"): (("double_block", "blocks"),),
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How one DiT family hands its blocks to ``patches_replace["dit"]``: a row of ``LAYOUTS``, not a class."""
+
+    family: str  # the words of messages and docs; the engine's per-family choices (``dit_extrapolate``)
+    classes: tuple[str, ...]  # class names (any class in the model's MRO)
+    lists: tuple[tuple[str, str], ...]  # (block type, attribute of the block list), in call order
+    # The streams each block passes on, in the order the model joins them where its single blocks take one joined
+    # stream (Flux ``cat((txt, img))``, HunyuanVideo ``cat((img, txt))``). Not a stream: the text a block only
+    # reads (Wan's and LTX-Video's ``txt``).
+    streams: tuple[str, ...]
+    last_block_runs: bool = False  # the last block runs at every call (SD3's returns no text stream)
+    video: bool = False  # for the family's measured interval (``AUTO_INTERVALS``)
+
+
+# Every family whose blocks reuse can skip (checked in ComfyUI 0.3.75, the same in 0.8.0; REFERENCE.md section 10).
+# Order matters where one family's class derives from another's: the first row that matches wins.
+LAYOUTS = (
+    # Flux.1, Flux.2 (the same class with global modulation: its ``vec`` is a tuple, which passes through) and
+    # Kontext (reference tokens after the image, in the same stream).
+    # Flux.1, Flux.2 (the same class with global modulation: its ``vec`` is a tuple, which passes through),
+    # Kontext (reference tokens after the image, in the same stream), Chroma and Chroma Radiance (Flux's blocks;
+    # Radiance's pixel-space head runs after them, at every call).
+    BlockLayout(
+        "Flux",
+        ("Flux", "Chroma"),
+        (("double_block", "double_blocks"), ("single_block", "single_blocks")),
+        ("txt", "img"),
+    ),
+    BlockLayout("SD3", ("MMDiT",), (("double_block", "joint_blocks"),), ("txt", "img"), last_block_runs=True),
+    BlockLayout("Wan", ("WanModel",), (("double_block", "blocks"),), ("img",), video=True),
+    # Qwen-Image and Qwen-Image Edit (its reference latents are tokens of the image stream); blocks return
+    # ``(txt, img)``, which the hook's ``block_wrap`` turns into the dict.
+    BlockLayout(
+        "Qwen-Image", ("QwenImageTransformer2DModel",), (("double_block", "transformer_blocks"),), ("txt", "img")
+    ),
+    # HunyuanVideo 1.0 and 1.5, HunyuanImage 2.1: image before text in the joined stream of the single blocks.
+    BlockLayout(
+        "HunyuanVideo",
+        ("HunyuanVideo",),
+        (("double_block", "double_blocks"), ("single_block", "single_blocks")),
+        ("img", "txt"),
+        video=True,
+    ),
+    BlockLayout("LTX-Video", ("LTXVModel",), (("double_block", "transformer_blocks"),), ("img",), video=True),
+)
+
+# Families that run every block, and why (the log says it). Checked before ``LAYOUTS``: most derive from a class
+# there.
+NO_REUSE = {
+    "VaceWanModel": "VACE adds its hints between blocks, outside the block hook, which a skipped span would miss",
+    "WanModel_S2V": "Wan S2V injects audio and adds tokens of its own between blocks",
+    "HumoWanModel": "Wan HuMo adds audio inputs of its own between blocks",
+    "AnimateWanModel": "Wan Animate fuses face features every few blocks, outside the block hook",
+    "NextDiT": "Lumina 2 and Z-Image hand no block to the block hook (they have none)",
+    "HiDreamImageTransformer2DModel": "HiDream hands no block to the block hook, and its blocks change the token count",
+    "GeneralDIT": "Cosmos hands no block to the block hook",
+    "MiniTrainDIT": "Cosmos Predict2 hands no block to the block hook",
+    "OmniGen2Transformer2DModel": "OmniGen2 hands no block to the block hook",
 }
-_NO_REUSE_CLASSES = ("ChromaRadiance", "VaceWanModel", "WanModel_S2V", "HumoWanModel", "AnimateWanModel")
-# The streams a block passes on, per block type and family: Wan's ``txt`` is the text it reads, not a stream.
-_STREAMS = {"Wan": ("img",), "other": ("txt", "img")}
-# Families whose last block runs at every call, after the span: SD3's returns no text stream (``pre_only``).
-_LAST_BLOCK_RUNS = ("MMDiT",)
+
+
+def layout_of(diffusion_model) -> BlockLayout | None:
+    """The block layout of a DiT whose blocks reuse can skip, or None (``why_not`` says why)."""
+    names = class_names(diffusion_model)
+    if names & set(NO_REUSE):
+        return None
+    for layout in LAYOUTS:
+        if names & set(layout.classes):
+            return layout
+    return None
+
+
+SUPPORTED_WORDS = "Flux.1, Flux.2, Chroma, SD3/SD3.5, Wan 2.x, Qwen-Image, HunyuanVideo 1.0/1.5, LTX-Video"
+
+
+def known_without_reuse(diffusion_model) -> bool:
+    """Whether ``diffusion_model`` is a DiT this patch knows to run every block (``NO_REUSE``)."""
+    return diffusion_model is not None and bool(class_names(diffusion_model) & set(NO_REUSE))
+
+
+def why_not(diffusion_model) -> str:
+    """Why reuse does not run on ``diffusion_model`` (for the log)."""
+    for name in class_names(diffusion_model):
+        if name in NO_REUSE:
+            return NO_REUSE[name]
+    if layout_of(diffusion_model) is not None:
+        return "too few blocks, or a patcher without block replacements"
+    return f"{type(diffusion_model).__name__} is no DiT family this patch knows"
 
 
 def block_keys(diffusion_model) -> list[tuple[str, int]] | None:
     """Every block of a supported DiT in call order, as its ``patches_replace["dit"]`` key; None if reuse does not
     run on this model."""
-    names = class_names(diffusion_model)
-    if names & set(_NO_REUSE_CLASSES):
+    layout = layout_of(diffusion_model)
+    if layout is None:
         return None
-    for classes, lists in _BLOCK_LISTS.items():
-        if names & set(classes):
-            keys = []
-            for block_type, attribute in lists:
-                blocks = getattr(diffusion_model, attribute, None)
-                if blocks is None:
-                    return None
-                keys += [(block_type, i) for i in range(len(blocks))]
-            return keys
-    return None
+    keys = []
+    for block_type, attribute in layout.lists:
+        blocks = getattr(diffusion_model, attribute, None)
+        if blocks is None:
+            return None
+        keys += [(block_type, i) for i in range(len(blocks))]
+    return keys
 
 
 def block_streams(diffusion_model) -> tuple[str, ...]:
-    """The streams each block passes on: Flux and SD3 ``txt`` and ``img``, Wan ``img`` alone."""
-    names = class_names(diffusion_model)
-    return _STREAMS["Wan"] if names & {"WanModel", "CameraWanModel"} else _STREAMS["other"]
+    """The streams each block passes on, in the order the model joins them."""
+    layout = layout_of(diffusion_model)
+    return layout.streams if layout is not None else ("txt", "img")
 
 
 class DitReuseHooks(LayerReuseHooks):
@@ -100,19 +177,22 @@ class DitReuseHooks(LayerReuseHooks):
             executor, x, t, c_concat, c_crossattn, control, transformer_options, **kwargs
         )
 
-    def ours_everywhere(self, transformer_options) -> bool:
-        """Whether every block of the span still has our replacement in this call (another node may have set its
-        own on one of them after ours)."""
-        replaced = ((transformer_options or {}).get("patches_replace") or {}).get(PATCH_NAME) or {}
-        if all(replaced.get(key) is self.blocks.get(key) for key in self.keys):
-            return True
+    def runs_in_full(self, transformer_options) -> bool:
+        """Whether this call must run every block: another node replaced one of the span's blocks after ours, or
+        patches after each block (``patches["double_block"]``, Qwen-Image's block-wise ControlNets) add to the
+        streams between blocks, which a predicted residual already holds."""
+        options = transformer_options or {}
+        replaced = (options.get("patches_replace") or {}).get(PATCH_NAME) or {}
+        if not all(replaced.get(key) is self.blocks.get(key) for key in self.keys):
+            why = "another node replaces one of the DiT's inner blocks"
+        elif any((options.get("patches") or {}).get(kind) for kind in BLOCK_PATCHES):
+            why = "another node patches the DiT's blocks' outputs"
+        else:
+            return False
         if not self.warned:
             self.warned = True
-            log.warning(
-                "ToMe reuse across steps: another node replaces one of the DiT's inner blocks; every block runs in "
-                "full (ToDo still applies)."
-            )
-        return False
+            log.warning("ToMe reuse across steps: %s; every block runs in full (ToDo still applies).", why)
+        return True
 
 
 class SpanBlock:
@@ -144,28 +224,32 @@ class SpanBlock:
             streams=streams,
             run_block=lambda: self.run_block(args, extra),
             streams_of=lambda out: {name: out.get(name) for name in streams},
-            in_full=lambda: not hooks.ours_everywhere(args.get("transformer_options")),
+            in_full=lambda: hooks.runs_in_full(args.get("transformer_options")),
         )
 
 
 def install(clone, settings, noise_range, outer=DIT_OUTER_BLOCKS, schedule=None, extrapolate=None) -> bool:
-    """Give ``clone`` (a DiT's patcher) reuse across steps at ``settings.reuse_interval``; False where it cannot
-    (left as it is). ``outer`` (blocks run at every call: at the start, at the end), ``schedule`` and
-    ``extrapolate`` (default: the family's, ``layer_reuse.dit_extrapolate``) are for the benchmarks."""
+    """Give ``clone`` (a DiT's patcher) reuse across steps at ``settings.reuse_interval`` (or ``schedule``); False
+    where it cannot (left as it is). ``outer`` (blocks run at every call: at the start, at the end), ``schedule``
+    and ``extrapolate`` (default: the family's, ``layer_reuse.dit_extrapolate``) are for the benchmarks and the
+    family defaults."""
     diffusion_model = clone.model.diffusion_model
+    layout = layout_of(diffusion_model)
     keys = block_keys(diffusion_model)
     first, last = outer
-    if class_names(diffusion_model) & set(_LAST_BLOCK_RUNS):
+    if layout is not None and layout.last_block_runs:
         last = max(last, 1)
-    if settings.reuse_interval <= 1 or keys is None or len(keys) <= first + last + 1:
+    if schedule is None and settings.reuse_interval <= 1:
+        return False
+    if keys is None or len(keys) <= first + last + 1:
         return False
     if not (hasattr(clone, "add_wrapper_with_key") and hasattr(clone, "set_model_patch_replace")):
         return False
     span = keys[first : len(keys) - last]
     schedule = NoiseSpacedSchedule(settings.reuse_interval) if schedule is None else schedule
     if extrapolate is None:
-        extrapolate = dit_extrapolate(family_name(diffusion_model) or "")
-    hooks = DitReuseHooks(schedule, span, block_streams(diffusion_model), noise_range, extrapolate)
+        extrapolate = dit_extrapolate(layout.family)
+    hooks = DitReuseHooks(schedule, span, layout.streams, noise_range, extrapolate)
     replaced = _replacements(clone)
     for position, (block_type, index) in enumerate(span):
         previous = replaced.get((block_type, index))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from ...layer_reuse import DIT_AUTO_INTERVALS, DIT_AUTO_INTERVALS_OTHER, describe_intervals, dit_auto_schedule
 from ...schedule import NoiseRange
 from ...settings import SPECS
 from ..shared import model_patcher
@@ -23,15 +24,23 @@ def patch_model(model, settings):
     be patched (with a warning that says why)."""
     percent_to_sigma = model.get_model_object("model_sampling").percent_to_sigma
     diffusion_model = getattr(getattr(model, "model", None), "diffusion_model", None)
-    if dit.family_of(diffusion_model) is not None:
+    if dit.family_of(diffusion_model) is not None or dit_reuse.layout_of(diffusion_model) is not None:
         return _patch_dit(model, settings, percent_to_sigma)
+    if dit_reuse.known_without_reuse(diffusion_model):
+        log.warning(
+            "ToMe Patch: %s is passed through unchanged: %s.",
+            dit.describe(diffusion_model),
+            dit_reuse.why_not(diffusion_model),
+        )
+        return model
     try:
         return patched_unet(model, settings, percent_to_sigma)
     except model_patcher.NotAUNetError as err:
         log.warning(
             "ToMe Patch: this model (%s) is neither a UNet with attention blocks (SD1.x, SD2.x, SDXL) nor a DiT "
-            "this patch supports (Flux, SD3/SD3.5, Wan 2.x); it is passed through unchanged.",
+            "this patch supports (%s); it is passed through unchanged.",
             err,
+            dit_reuse.SUPPORTED_WORDS,
         )
         return model
 
@@ -48,32 +57,58 @@ def patched_unet(patcher, settings, percent_to_sigma):
 
 
 def _patch_dit(model, settings, percent_to_sigma):
-    """Flux, SD3 and Wan: ToDo on the image tokens' keys and values; ToMe is not offered on DiTs yet."""
-    family = dit.family_of(model.model.diffusion_model)
-    if settings.method == "tome":
+    """A DiT: ToDo on the image tokens' keys and values where the family's attention is known (``dit``), reuse
+    across steps where its blocks are (``dit_reuse``); with ``dit_settings`` auto, the family's measured setting."""
+    diffusion_model = model.model.diffusion_model
+    family = dit.family_of(diffusion_model)  # None: ToDo does not know this family's attention
+    layout = dit_reuse.layout_of(diffusion_model)  # None: reuse does not know its blocks
+    name = layout.family if layout is not None else family.name
+    schedule = None
+    if settings.dit_settings == "auto":
+        intervals = DIT_AUTO_INTERVALS.get(name, DIT_AUTO_INTERVALS_OTHER)
+        schedule = dit_auto_schedule(name) if layout is not None else None
+        log.info(
+            "ToMe Patch: %s (%s) with dit_settings auto: %s, no ToDo (set dit_settings to 'as set' to use the "
+            "other inputs).",
+            name,
+            dit.describe(diffusion_model),
+            f"reuse across steps {describe_intervals(intervals)}"
+            if schedule is not None
+            else f"nothing to do ({dit_reuse.why_not(diffusion_model)})",
+        )
+        settings = settings.replace(method="todo", downsample_factor=1.0)
+    elif settings.method == "tome":
         log.warning(
             "ToMe Patch: method tome is not available for %s (DiT) models; choose method todo. The model is "
             "passed through unchanged.",
-            family.name,
+            name,
         )
         return model
-    if settings.max_downsample != SPECS["max_downsample"].default:
+    elif settings.max_downsample != SPECS["max_downsample"].default:
         log.warning(
             "ToMe Patch: max_downsample does not apply to %s (a DiT has one token grid, always reduced); ignored.",
-            family.name,
+            name,
         )
-    try:
-        clone = dit.patched_clone(model, settings, percent_to_sigma)
-    except dit.NotADitError as err:  # a patcher without model wrappers (an older ComfyUI)
-        log.warning("ToMe Patch: %s cannot be patched here (%s); it is passed through unchanged.", family.name, err)
-        return model
+    if family is not None:
+        try:
+            clone = dit.patched_clone(model, settings, percent_to_sigma)
+        except dit.NotADitError as err:  # a patcher without model wrappers (an older ComfyUI)
+            log.warning("ToMe Patch: %s cannot be patched here (%s); it is passed through unchanged.", name, err)
+            return model
+    else:
+        if not settings.reduces_nothing:
+            log.info("ToMe Patch: ToDo is not available for %s yet (its attention is not mapped); reuse only.", name)
+        clone = model.clone()
+        dit.remove_patch(clone)  # an earlier patch's, on the model it was given
     dit_reuse.remove(clone)  # an earlier patch's, on the model it was given
-    if not settings.is_noop and settings.reuse_interval > 1:
+    in_range = settings.start_percent < settings.end_percent
+    if in_range and (schedule is not None or settings.reuse_interval > 1):
         noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
-        if not dit_reuse.install(clone, settings, noise_range):
+        if not dit_reuse.install(clone, settings, noise_range, schedule=schedule):
             log.info(
-                "ToMe Patch: reuse across steps (reuse_interval) is not available for %s (%s); ToDo only.",
-                family.name,
-                dit.describe(model.model.diffusion_model),
+                "ToMe Patch: reuse across steps (reuse_interval) is not available for %s (%s): %s.",
+                name,
+                dit.describe(diffusion_model),
+                dit_reuse.why_not(diffusion_model),
             )
     return clone

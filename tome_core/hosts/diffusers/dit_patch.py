@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from ...layer_reuse import DIT_AUTO_INTERVALS, DIT_AUTO_INTERVALS_OTHER, describe_intervals, dit_auto_schedule
 from ...settings import SPECS, PatchSettings
 from . import dit_attention, dit_reuse
 from .step_range import StepRange, flow_timestep_of_percent
@@ -43,6 +44,26 @@ def find_transformers(pipe_or_transformer) -> tuple[list, object | None] | None:
     return (found, pipe_or_transformer) if found else None
 
 
+def family_settings(family: str, validated: PatchSettings, asked: dict) -> tuple[PatchSettings, object]:
+    """(settings, schedule or None) for ``family`` under ``dit_settings``: with "auto" (the default) the settings
+    the user did not name take the family's measured ones: no ToDo unless ``method`` or ``downsample_factor`` is
+    named, and reuse across steps at the family's interval (``layer_reuse.DIT_AUTO_INTERVALS``) unless
+    ``reuse_interval`` is named. With "as set", the settings as they are (their defaults where not named)."""
+    if validated.dit_settings != "auto":
+        return validated, None
+    if not {"method", "downsample_factor"} & set(asked):
+        validated = validated.replace(downsample_factor=1.0)
+    schedule = None if "reuse_interval" in asked else dit_auto_schedule(family)
+    if schedule is not None:
+        log.info(
+            "ToMe Patch: %s with dit_settings 'auto': reuse across steps %s%s.",
+            family,
+            describe_intervals(DIT_AUTO_INTERVALS.get(family, DIT_AUTO_INTERVALS_OTHER)),
+            "" if validated.downsample_factor > 1 else ", no ToDo",
+        )
+    return validated, schedule
+
+
 def apply_patch(found: tuple[list, object | None], validated: PatchSettings, asked: dict):
     """Patch the transformers of ``found`` (from ``find_transformers``) with ``validated``; ``asked``: the
     settings the user named (a default that cannot apply is left out with a log line, a named one raises)."""
@@ -55,7 +76,9 @@ def apply_patch(found: tuple[list, object | None], validated: PatchSettings, ask
         )
     if "max_downsample" in asked and validated.max_downsample != SPECS["max_downsample"].default:
         log.info("ToMe Patch: max_downsample does not apply to %s (a DiT has one token grid); ignored.", family)
-    reuse = validated.reuse_interval > 1 and not validated.is_noop
+    validated, schedule = family_settings(family, validated, asked)
+    in_range = validated.start_percent < validated.end_percent
+    reuse = in_range and (schedule is not None or validated.reuse_interval > 1)
     if reuse and pipeline is None:
         message = (
             "reuse_interval above 1 needs the pipeline, whose scheduler tells which step each transformer call is: "
@@ -63,7 +86,8 @@ def apply_patch(found: tuple[list, object | None], validated: PatchSettings, ask
         )
         if "reuse_interval" in asked:
             raise ValueError(message)
-        log.info("ToMe Patch: reuse across steps (the default reuse_interval 3) is left out: %s", message)
+        default = "the default reuse_interval 3" if schedule is None else "dit_settings auto's"
+        log.info("ToMe Patch: reuse across steps (%s) is left out: %s", default, message)
         reuse = False
     for transformer in transformers:
         remove(transformer)
@@ -76,7 +100,7 @@ def apply_patch(found: tuple[list, object | None], validated: PatchSettings, ask
                     "across steps stands down while it is (ToDo still applies).",
                     family,
                 )
-            dit_reuse.install(transformer, pipeline, validated, allowed.contains)
+            dit_reuse.install(transformer, pipeline, validated, allowed.contains, schedule)
         layout = dit_reuse.layout_of(transformer)
         dit_attention.install(transformer, validated, allowed.contains, layout.name, layout.timestep_scale)
 

@@ -166,10 +166,11 @@ def span_of(transformer, layout: DitLayout, outer=DIT_OUTER_BLOCKS) -> list[torc
 
 
 def install(transformer, pipeline, settings, allowed: Callable[[float], bool], schedule=None) -> bool:
-    """Give ``transformer`` reuse across steps at ``settings.reuse_interval``, following ``pipeline``'s scheduler;
-    False where its class is not one this door knows (it is then left as it is)."""
+    """Give ``transformer`` reuse across steps at ``settings.reuse_interval`` (or ``schedule``: the family's under
+    ``dit_settings`` auto), following ``pipeline``'s scheduler; False where its class is not one this door knows
+    (it is then left as it is)."""
     layout = layout_of(transformer)
-    if settings.reuse_interval <= 1 or layout is None:
+    if (schedule is None and settings.reuse_interval <= 1) or layout is None:
         return False
     span = span_of(transformer, layout)
     if not span:

@@ -1,0 +1,111 @@
+"""``dit_settings``: what a freshly added node runs on a DiT (``auto``: each family's measured setting, reuse across
+steps and no ToDo), and what a prompt or workflow saved before the input existed runs (its inputs as set).
+
+``auto`` is checked bit for bit against the same reuse set by hand (``as set``, ``downsample_factor`` 1): so the
+figures measured for those settings (docs/dit.md) are the figures of the defaults."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+
+from tome_core.hosts.comfyui import dit, dit_reuse
+from tome_core.layer_reuse import DIT_AUTO_INTERVALS, StepCountSchedule
+from tome_core.settings import IMPLIED_WHEN_ABSENT, SPECS
+
+SHAPES = {"flux": (1, 9, 13), "wan": (1, 3, 9, 11)}
+DEEPER = {"flux": {"depth": 2, "depth_single_blocks": 2}, "wan": {"num_layers": 4}}
+
+
+@pytest.fixture(scope="module")
+def node_classes():
+    return host.load_our_package()
+
+
+@pytest.fixture(scope="module")
+def dits():
+    return {family: host.tiny_dit(family, **DEEPER[family]) for family in SHAPES}
+
+
+def fresh_node(node_classes, model, **values):
+    """The node as added anew: every input at its default (``dit_settings`` auto) unless given."""
+    return host.patch_with_node(node_classes, model, **values)
+
+
+def as_set(node_classes, model, **values):
+    return host.patch_with_node(node_classes, model, dit_settings="as set", **values)
+
+
+def test_the_default_is_auto_and_an_older_prompt_means_as_set():
+    assert SPECS["dit_settings"].default == "auto"
+    assert IMPLIED_WHEN_ABSENT["dit_settings"] == "as set"
+
+
+@pytest.mark.parametrize(
+    ("family", "steps", "interval"),
+    (("flux", 28, 3), ("flux", 40, 4), ("wan", 30, 5)),
+    ids=("flux-28", "flux-40", "wan-30"),
+)
+def test_auto_is_the_familys_measured_reuse_without_todo(node_classes, dits, family, steps, interval):
+    """A fresh node (ToDo 2 and reuse_interval 3 among its inputs, skip_when_slower off so that ToDo would act)
+    computes exactly what reuse every ``interval`` alone computes, as measured for the family and step count."""
+    model = dits[family]
+    auto = fresh_node(node_classes, model, skip_when_slower=False, reuse_interval=2)
+    assert auto.get_wrappers("apply_model", dit.WRAPPER_KEY) == []  # no ToDo
+    by_hand = as_set(node_classes, model, skip_when_slower=False, downsample_factor=1.0, reuse_interval=interval)
+    other = as_set(node_classes, model, skip_when_slower=False, downsample_factor=1.0, reuse_interval=interval + 1)
+    out = host.sample_dit(auto, family, SHAPES[family], steps=steps)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, host.sample_dit(by_hand, family, SHAPES[family], steps=steps))
+    assert not torch.equal(out, host.sample_dit(other, family, SHAPES[family], steps=steps))
+
+
+def test_a_prompt_saved_before_dit_settings_runs_its_inputs_as_set(node_classes, dits):
+    """The node's inputs of a prompt saved before ``dit_settings`` existed (ToDo 2, reuse every 3): ToDo's
+    attention wrapper is there and the output is what ``as set`` gives, not what ``auto`` gives."""
+    node = node_classes["ToMePatch"]
+    inputs = {spec.id: spec.default for spec in node.GET_SCHEMA().inputs[1:] if spec.id != "dit_settings"}
+    inputs["skip_when_slower"] = False
+    saved = host.run_node(node, model=dits["flux"], **inputs)
+    assert saved.get_wrappers("apply_model", dit.WRAPPER_KEY) != []
+    out = host.sample_dit(saved, "flux", SHAPES["flux"], steps=12)
+    by_hand = as_set(node_classes, dits["flux"], skip_when_slower=False)
+    assert torch.equal(out, host.sample_dit(by_hand, "flux", SHAPES["flux"], steps=12))
+    auto = fresh_node(node_classes, dits["flux"], skip_when_slower=False)
+    assert not torch.equal(out, host.sample_dit(auto, "flux", SHAPES["flux"], steps=12))
+
+
+def test_under_ten_steps_auto_is_bit_identical_to_off(node_classes, dits):
+    """Distilled few-step models (Z-Image Turbo, Flux.2 klein, Lightning LoRAs): every step runs every block."""
+    auto = fresh_node(node_classes, dits["flux"])
+    for steps in (4, 9):
+        unpatched = host.sample_dit(dits["flux"], "flux", SHAPES["flux"], steps=steps)
+        assert torch.equal(host.sample_dit(auto, "flux", SHAPES["flux"], steps=steps), unpatched)
+
+
+def test_a_unet_ignores_dit_settings(node_classes):
+    model = host.tiny_model("sd15")
+    outs = [
+        host.sample(fresh_node(node_classes, model, skip_when_slower=False, dit_settings=choice), steps=12)
+        for choice in ("auto", "as set")
+    ]
+    assert torch.equal(*outs)
+
+
+def test_auto_says_what_it_runs(node_classes, dits, caplog):
+    with caplog.at_level(logging.INFO, logger="tome_patch"):
+        fresh_node(node_classes, dits["wan"])
+    assert "Wan" in caplog.text and "every 5" in caplog.text and "no ToDo" in caplog.text
+
+
+def test_auto_intervals_by_step_count():
+    schedule = StepCountSchedule(DIT_AUTO_INTERVALS["Flux"])
+    assert [schedule.interval(steps) for steps in (10, 28, 39, 40, 50)] == [3, 3, 3, 4, 4]
+    assert StepCountSchedule(DIT_AUTO_INTERVALS["Wan"]).interval(30) == 5
+    with pytest.raises(ValueError, match="intervals"):
+        StepCountSchedule(((10, 3),))
+    # Every family reuse runs on has its interval; the ones not measured say so in the table's comment.
+    assert {layout.family for layout in dit_reuse.LAYOUTS} <= set(DIT_AUTO_INTERVALS)

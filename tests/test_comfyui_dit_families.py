@@ -1,0 +1,159 @@
+"""The DiTs added since Flux.1 and Wan 2.1, in real ComfyUI with tiny random-weight models of each family's own
+class (``hosts/comfy_host.py``, ``DIT_TINY``): reuse across steps through the one door (``dit_reuse.LAYOUTS``, a
+row per family) on Flux.2, Qwen-Image, HunyuanVideo 1.5, LTX-Video and Chroma Radiance; the families that hand no
+block to ComfyUI's block hook pass through unchanged, with the reason in the log."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+
+from tome_core.hosts.comfyui import dit_reuse
+from tome_core.layer_reuse import NoiseSpacedSchedule
+
+FAMILIES = ("flux2", "qwen_image", "hunyuan_video15", "ltxv", "chroma_radiance")
+SHAPES = {
+    "flux2": (1, 8, 8),
+    "qwen_image": (1, 8, 8),
+    "hunyuan_video15": (1, 3, 8, 8),
+    "ltxv": (1, 3, 8, 8),
+    "chroma_radiance": (1, 16, 16),
+}
+FAMILY_WORDS = {
+    "flux2": "Flux",
+    "qwen_image": "Qwen-Image",
+    "hunyuan_video15": "HunyuanVideo",
+    "ltxv": "LTX-Video",
+    "chroma_radiance": "Flux",
+}
+NO_BLOCK_HOOK = ("lumina2", "z_image", "hidream", "cosmos_predict2", "omnigen2")
+BLOCKS = 4  # the first block runs at every call, the three after it are the span
+STEPS = 12
+REUSE = {"reuse_interval": 3, "downsample_factor": 1.0, "dit_settings": "as set", "skip_when_slower": False}
+
+
+@pytest.fixture(scope="module")
+def node_classes():
+    return host.load_our_package()
+
+
+@pytest.fixture(scope="module")
+def dits():
+    return {family: host.tiny_dit(family, **host.dit_blocks(family, BLOCKS)) for family in FAMILIES}
+
+
+def blocks_in_call_order(model, family) -> list:
+    diffusion_model = model.model.diffusion_model
+    return [
+        block
+        for attribute, _ in host.DIT_BLOCK_LISTS_FOR_TESTS[family]
+        for block in getattr(diffusion_model, attribute)
+    ]
+
+
+def count_block_calls(model, family, run) -> list[int]:
+    """How often each block (in call order) ran during ``run()``."""
+    blocks = blocks_in_call_order(model, family)
+    counts = [0] * len(blocks)
+    handles = [
+        block.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
+        for i, block in enumerate(blocks)
+    ]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counts
+
+
+def full_steps(model, steps: int) -> int:
+    import comfy.samplers
+
+    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "normal", steps)
+    levels = [float(s) for s in sigmas[:steps]]
+    return NoiseSpacedSchedule(REUSE["reuse_interval"]).for_run(steps, levels).full_steps(steps)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_door_knows_each_familys_blocks(dits, family):
+    diffusion_model = dits[family].model.diffusion_model
+    layout = dit_reuse.layout_of(diffusion_model)
+    assert layout is not None and layout.family == FAMILY_WORDS[family]
+    expected = [
+        (key, i)
+        for attribute, key in host.DIT_BLOCK_LISTS_FOR_TESTS[family]
+        for i in range(len(getattr(diffusion_model, attribute)))
+    ]
+    assert dit_reuse.block_keys(diffusion_model) == expected and len(expected) == BLOCKS
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_span_runs_at_full_steps_only(node_classes, dits, family):
+    """The first block at every call; the three after it only at the schedule's full steps (one in two under 25
+    steps, spaced by the noise), whatever the family's streams and argument names."""
+    patched = host.patch_with_node(node_classes, dits[family], **REUSE)
+    out = []
+    counts = count_block_calls(
+        patched, family, lambda: out.append(host.sample_dit(patched, family, SHAPES[family], STEPS))
+    )
+    assert torch.isfinite(out[0]).all()
+    full = full_steps(patched, STEPS)
+    assert full == STEPS // 2
+    calls = counts[0]
+    assert calls % STEPS == 0 and calls > 0
+    assert counts[1:] == [calls * full // STEPS] * (BLOCKS - 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_input_model_is_untouched_and_short_runs_and_removal_are_exact(node_classes, dits, family):
+    model = dits[family]
+    shape = SHAPES[family]
+    options = copy.deepcopy(model.model_options)
+    plain = {steps: host.sample_dit(model, family, shape, steps) for steps in (8, STEPS)}
+    patched = host.patch_with_node(node_classes, model, **REUSE)
+    assert model.model_options == options
+    assert torch.equal(host.sample_dit(patched, family, shape, 8), plain[8])  # under 10 steps: every block
+    reused = host.sample_dit(patched, family, shape, STEPS)
+    assert torch.isfinite(reused).all() and not torch.equal(reused, plain[STEPS])
+    assert torch.equal(host.sample_dit(model, family, shape, STEPS), plain[STEPS])  # the input model
+    removed = host.patch_with_node(node_classes, patched, **dict(REUSE, reuse_interval=1))  # patched again: off
+    assert torch.equal(host.sample_dit(removed, family, shape, STEPS), plain[STEPS])
+
+
+@pytest.mark.parametrize("family", ("qwen_image", "flux2"))
+def test_auto_reuses_on_the_new_families(node_classes, dits, family):
+    """A freshly added node (``dit_settings`` auto) reuses on them too: the family's interval, no ToDo."""
+    patched = host.patch_with_node(node_classes, dits[family])
+    counts = count_block_calls(patched, family, lambda: host.sample_dit(patched, family, SHAPES[family], STEPS))
+    assert counts[1] < counts[0]
+
+
+def test_patches_after_each_block_run_every_block(node_classes, dits, caplog):
+    """Qwen-Image's block-wise ControlNets add to the streams after each block (``patches["double_block"]``),
+    which a predicted residual already holds: every block runs, with one warning."""
+    family = "qwen_image"
+    patched = host.patch_with_node(node_classes, dits[family], **REUSE)
+    with_patch = patched.clone()
+    with_patch.set_model_double_block_patch(lambda args: {"img": args["img"], "txt": args["txt"]})
+    with caplog.at_level(logging.WARNING, logger="tome_patch"):
+        counts = count_block_calls(
+            with_patch, family, lambda: host.sample_dit(with_patch, family, SHAPES[family], STEPS)
+        )
+    assert len(set(counts)) == 1
+    assert "patches the DiT's blocks' outputs" in caplog.text
+
+
+@pytest.mark.parametrize("family", NO_BLOCK_HOOK)
+@pytest.mark.parametrize("dit_settings", ("auto", "as set"))
+def test_families_without_a_block_hook_pass_through_with_the_reason(node_classes, family, dit_settings, caplog):
+    model = host.tiny_dit(family)
+    options = copy.deepcopy(model.model_options)
+    with caplog.at_level(logging.WARNING, logger="tome_patch"):
+        out = host.patch_with_node(node_classes, model, dit_settings=dit_settings)
+    assert out is model and model.model_options == options
+    assert "unchanged" in caplog.text and "no block" in caplog.text
