@@ -352,7 +352,7 @@ def test_classic_api_offers_the_same_inputs_and_result(node_classes, models):
         assert list(inputs) == [i.id for i in schema_inputs]
         # Inputs added after the first release are optional in both APIs, so older prompts still validate.
         optional = {i.id for i in schema_inputs if i.optional}
-        assert set(types.get("optional", {})) == optional == {"scope", "reuse_interval"}
+        assert set(types.get("optional", {})) == optional == {"scope", "reuse_interval", "dit_settings"}
         for spec in schema_inputs[1:]:
             assert inputs[spec.id][1]["default"] == spec.default
             assert inputs[spec.id][1]["tooltip"] == spec.tooltip

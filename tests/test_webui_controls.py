@@ -101,7 +101,8 @@ def test_every_setting_says_which_method_reads_it():
         "scope": "ToMe",
         "reuse_interval": "ToMe and ToDo",
     }
-    assert set(expected) == set(SPECS) - {"method"}
+    # dit_settings is read on DiTs only (ComfyUI, diffusers): the WebUI's script patches UNets.
+    assert set(expected) == set(SPECS) - {"method", "dit_settings"}
     for name, words in expected.items():
         assert SPECS[name].applies_to == words
         assert SPECS[name].tooltip.startswith(words + ": "), name
