@@ -1,7 +1,8 @@
 """The DiTs added since Flux.1 and Wan 2.1, in real ComfyUI with tiny random-weight models of each family's own
 class (``hosts/comfy_host.py``, ``DIT_TINY``): reuse across steps through the one door (``dit_reuse.LAYOUTS``, a
 row per family) on Flux.2, Qwen-Image, HunyuanVideo 1.5, LTX-Video and Chroma Radiance; the families that hand no
-block to ComfyUI's block hook pass through unchanged, with the reason in the log."""
+block to ComfyUI's block hook get it through an instance forward of each span block (Lumina 2, Z-Image) or pass
+through unchanged, with the reason in the log (HiDream, Cosmos, OmniGen2)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,18 @@ from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: 
 from tome_core.hosts.comfyui import dit_reuse
 from tome_core.layer_reuse import NoiseSpacedSchedule
 
-FAMILIES = ("flux2", "qwen_image", "hunyuan_video15", "ltxv", "chroma_radiance")
+FAMILIES = ("flux2", "qwen_image", "hunyuan_video15", "ltxv", "chroma_radiance", "lumina2", "z_image")
+# Lumina 2 and Z-Image have no block hook: their span blocks get an instance forward (a patcher injection), so a
+# block's module is still called at a reusing step; what runs is counted on its attention.
+FORWARD_HOOK = ("lumina2", "z_image")
 SHAPES = {
     "flux2": (1, 8, 8),
     "qwen_image": (1, 8, 8),
     "hunyuan_video15": (1, 3, 8, 8),
     "ltxv": (1, 3, 8, 8),
     "chroma_radiance": (1, 16, 16),
+    "lumina2": (1, 8, 8),
+    "z_image": (1, 8, 8),
 }
 FAMILY_WORDS = {
     "flux2": "Flux",
@@ -29,8 +35,10 @@ FAMILY_WORDS = {
     "hunyuan_video15": "HunyuanVideo",
     "ltxv": "LTX-Video",
     "chroma_radiance": "Flux",
+    "lumina2": "Lumina 2",
+    "z_image": "Lumina 2",
 }
-NO_BLOCK_HOOK = ("lumina2", "z_image", "hidream", "cosmos_predict2", "omnigen2")
+NO_BLOCK_HOOK = ("hidream", "cosmos_predict2", "omnigen2")
 BLOCKS = 4  # the first block runs at every call, the three after it are the span
 STEPS = 12
 REUSE = {"reuse_interval": 3, "downsample_factor": 1.0, "dit_settings": "as set", "skip_when_slower": False}
@@ -58,6 +66,8 @@ def blocks_in_call_order(model, family) -> list:
 def count_block_calls(model, family, run) -> list[int]:
     """How often each block (in call order) ran during ``run()``."""
     blocks = blocks_in_call_order(model, family)
+    if family in FORWARD_HOOK:
+        blocks = [block.attention for block in blocks]
     counts = [0] * len(blocks)
     handles = [
         block.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
@@ -85,10 +95,11 @@ def test_the_door_knows_each_familys_blocks(dits, family):
     layout = dit_reuse.layout_of(diffusion_model)
     assert layout is not None and layout.family == FAMILY_WORDS[family]
     expected = [
-        (key, i)
+        (key or "layer", i)
         for attribute, key in host.DIT_BLOCK_LISTS_FOR_TESTS[family]
         for i in range(len(getattr(diffusion_model, attribute)))
     ]
+    assert layout.hook == ("forward" if family in FORWARD_HOOK else "dit")
     assert dit_reuse.block_keys(diffusion_model) == expected and len(expected) == BLOCKS
 
 

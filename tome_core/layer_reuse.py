@@ -180,13 +180,15 @@ class NoiseSpacedSchedule:
 # SSIM 0.77-0.87 on the references; docs/dit.md). Measured (docs/dit.md, 16 images or clips each): Flux on
 # ref-flux-deep, 28 Euler steps every 3 SSIM 0.999 (lowest 0.997) at 2.71x of the work at Flux.1's depth, 50 steps
 # every 4 0.999 (0.997) at 3.66x; Wan on ref-wan, 30 uni_pc steps every 5 0.997 (0.971) at 3.44x. Not measured on
-# a reference of their own, so set as the family they resemble most: SD3, Qwen-Image (joint text and image blocks,
-# as Flux's double blocks) at Flux's intervals; the video families (HunyuanVideo, LTX-Video) at Wan's every 4, one
-# step more often than Wan's own. Under 10 steps (distilled models) every step runs in full whatever the interval.
+# a reference of their own, so set as the family they resemble most: SD3, Qwen-Image (joint text and image
+# blocks, as Flux's double blocks) and Lumina 2 / Z-Image (one joint stream, as Flux's single blocks) at Flux's
+# intervals; the video families (HunyuanVideo, LTX-Video) at every 4, one step more often than Wan's own. Under
+# 10 steps (distilled models) every step runs in full whatever the interval.
 DIT_AUTO_INTERVALS = {
     "Flux": ((0, 3), (40, 4)),
     "SD3": ((0, 3), (40, 4)),
     "Qwen-Image": ((0, 3), (40, 4)),
+    "Lumina 2": ((0, 3), (40, 4)),
     "Wan": ((0, 5),),
     "HunyuanVideo": ((0, 4),),
     "LTX-Video": ((0, 4),),

@@ -28,13 +28,22 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ...layer_reuse import DIT_OUTER_BLOCKS, LayerReuseRun, NoiseSpacedSchedule, dit_extrapolate
+from ...layer_reuse import (
+    DIT_OUTER_BLOCKS,
+    LayerReuseRun,
+    NoiseSpacedSchedule,
+    SkippableLayer,
+    attach_forwards,
+    detach_forwards,
+    dit_extrapolate,
+)
 from .dit import class_names
 from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerReuseHooks
 
 log = logging.getLogger("tome_patch")
 
 PATCH_NAME = "dit"  # transformer_options["patches_replace"]["dit"]
+INJECTION_KEY = "tome_patch_dit_reuse"  # the span's forwards of a family without a block hook
 BLOCK_PATCHES = ("double_block", "single_block")  # transformer_options["patches"]: run after each block
 
 
@@ -50,7 +59,11 @@ class BlockLayout:
     # reads (Wan's and LTX-Video's ``txt``).
     streams: tuple[str, ...]
     last_block_runs: bool = False  # the last block runs at every call (SD3's returns no text stream)
-    video: bool = False  # for the family's measured interval (``AUTO_INTERVALS``)
+    # How the door reaches the blocks: "dit", the block hook (``patches_replace["dit"]``); "forward", for a family
+    # whose loop hands no block to the hook: each span block gets an instance ``forward`` while the patcher has the
+    # model loaded (a patcher injection, as the UNets' layer reuse), whose first positional argument is the one
+    # stream and whose return value the stream after the block.
+    hook: str = "dit"
 
 
 # Every family whose blocks reuse can skip (checked in ComfyUI 0.3.75, the same in 0.8.0; REFERENCE.md section 10).
@@ -68,7 +81,7 @@ LAYOUTS = (
         ("txt", "img"),
     ),
     BlockLayout("SD3", ("MMDiT",), (("double_block", "joint_blocks"),), ("txt", "img"), last_block_runs=True),
-    BlockLayout("Wan", ("WanModel",), (("double_block", "blocks"),), ("img",), video=True),
+    BlockLayout("Wan", ("WanModel",), (("double_block", "blocks"),), ("img",)),
     # Qwen-Image and Qwen-Image Edit (its reference latents are tokens of the image stream); blocks return
     # ``(txt, img)``, which the hook's ``block_wrap`` turns into the dict.
     BlockLayout(
@@ -80,9 +93,12 @@ LAYOUTS = (
         ("HunyuanVideo",),
         (("double_block", "double_blocks"), ("single_block", "single_blocks")),
         ("img", "txt"),
-        video=True,
     ),
-    BlockLayout("LTX-Video", ("LTXVModel",), (("double_block", "transformer_blocks"),), ("img",), video=True),
+    BlockLayout("LTX-Video", ("LTXVModel",), (("double_block", "transformer_blocks"),), ("img",)),
+    # Lumina 2 and Z-Image (``NextDiT``): no block hook, one joined stream of caption and image tokens through
+    # ``layers`` (called as ``layer(x, mask, freqs_cis, adaln_input, transformer_options=...)``); the context and
+    # noise refiners before them run at every call.
+    BlockLayout("Lumina 2", ("NextDiT",), (("layer", "layers"),), ("img",), hook="forward"),
 )
 
 # Families that run every block, and why (the log says it). Checked before ``LAYOUTS``: most derive from a class
@@ -92,7 +108,6 @@ NO_REUSE = {
     "WanModel_S2V": "Wan S2V injects audio and adds tokens of its own between blocks",
     "HumoWanModel": "Wan HuMo adds audio inputs of its own between blocks",
     "AnimateWanModel": "Wan Animate fuses face features every few blocks, outside the block hook",
-    "NextDiT": "Lumina 2 and Z-Image hand no block to the block hook (they have none)",
     "HiDreamImageTransformer2DModel": "HiDream hands no block to the block hook, and its blocks change the token count",
     "GeneralDIT": "Cosmos hands no block to the block hook",
     "MiniTrainDIT": "Cosmos Predict2 hands no block to the block hook",
@@ -111,7 +126,9 @@ def layout_of(diffusion_model) -> BlockLayout | None:
     return None
 
 
-SUPPORTED_WORDS = "Flux.1, Flux.2, Chroma, SD3/SD3.5, Wan 2.x, Qwen-Image, HunyuanVideo 1.0/1.5, LTX-Video"
+SUPPORTED_WORDS = (
+    "Flux.1, Flux.2, Chroma, SD3/SD3.5, Wan 2.x, Qwen-Image, HunyuanVideo 1.0/1.5, LTX-Video, Lumina 2, Z-Image"
+)
 
 
 def known_without_reuse(diffusion_model) -> bool:
@@ -243,22 +260,67 @@ def install(clone, settings, noise_range, outer=DIT_OUTER_BLOCKS, schedule=None,
         return False
     if keys is None or len(keys) <= first + last + 1:
         return False
-    if not (hasattr(clone, "add_wrapper_with_key") and hasattr(clone, "set_model_patch_replace")):
+    needs = "set_model_patch_replace" if layout.hook == "dit" else "set_injections"
+    if not (hasattr(clone, "add_wrapper_with_key") and hasattr(clone, needs)):
         return False
     span = keys[first : len(keys) - last]
     schedule = NoiseSpacedSchedule(settings.reuse_interval) if schedule is None else schedule
     if extrapolate is None:
         extrapolate = dit_extrapolate(layout.family)
     hooks = DitReuseHooks(schedule, span, layout.streams, noise_range, extrapolate)
-    replaced = _replacements(clone)
-    for position, (block_type, index) in enumerate(span):
-        previous = replaced.get((block_type, index))
-        block = SpanBlock(hooks, position, previous)
-        hooks.blocks[(block_type, index)] = block
-        clone.set_model_patch_replace(block, PATCH_NAME, block_type, index)
+    if layout.hook == "dit":
+        replaced = _replacements(clone)
+        for position, (block_type, index) in enumerate(span):
+            previous = replaced.get((block_type, index))
+            block = SpanBlock(hooks, position, previous)
+            hooks.blocks[(block_type, index)] = block
+            clone.set_model_patch_replace(block, PATCH_NAME, block_type, index)
+    else:
+        lists = dict(layout.lists)
+        modules = [getattr(diffusion_model, lists[block_type])[index] for block_type, index in span]
+        clone.set_injections(INJECTION_KEY, [SpanInjection(hooks, modules)])
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)
     return True
+
+
+class SpanInjection:
+    """ComfyUI's PatcherInjection for a family without a block hook: ``inject`` gives every span block our
+    ``forward`` (``SpanForward``), ``eject`` removes it; the blocks then compute exactly as before."""
+
+    def __init__(self, hooks: DitReuseHooks, modules: list):
+        self.hooks = hooks
+        self.modules = modules
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def inject(self, patcher) -> None:
+        attach_forwards(self.hooks, self.modules, SpanForward)
+
+    def eject(self, patcher) -> None:
+        detach_forwards(self.modules, lambda owner: owner is self.hooks)
+
+
+class SpanForward(SkippableLayer):
+    """The instance ``forward`` of one span block of a family without a block hook: its first positional argument
+    is the one stream, its return value the stream after the block."""
+
+    def __call__(self, *args, **kwargs):
+        hooks = self.owner
+        run = hooks.layer_run()
+        if run is None or run.current is None or not args:
+            return self.original(*args, **kwargs)
+        (name,) = hooks.streams
+        return run.span_block(
+            first=self.index == 0,
+            last=self.index == len(hooks.keys) - 1,
+            streams={name: args[0]},
+            run_block=lambda: self.original(*args, **kwargs),
+            streams_of=lambda out: {name: out},
+            in_full=lambda: hooks.runs_in_full(kwargs.get("transformer_options")),
+            pack=lambda streams: streams[name],
+        )
 
 
 def _replacements(patcher) -> dict:
@@ -279,3 +341,5 @@ def remove(patcher) -> None:
     if hasattr(patcher, "remove_wrappers_with_key"):
         for kind in (OUTER_SAMPLE, APPLY_MODEL):
             patcher.remove_wrappers_with_key(kind, WRAPPER_KEY)
+    if hasattr(patcher, "remove_injections"):
+        patcher.remove_injections(INJECTION_KEY)
