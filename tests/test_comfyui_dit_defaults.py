@@ -30,6 +30,11 @@ def dits():
     return {family: host.tiny_dit(family, **DEEPER[family]) for family in SHAPES}
 
 
+def run(model, family, shape, steps):
+    """A sampling run at CFG 1 (one call a step: quick; the batch layouts of CFG have tests of their own)."""
+    return host.sample_dit(model, family, shape, steps=steps, cfg=1.0)
+
+
 def fresh_node(node_classes, model, **values):
     """The node as added anew: every input at its default (``dit_settings`` auto) unless given."""
     return host.patch_with_node(node_classes, model, **values)
@@ -57,10 +62,10 @@ def test_auto_is_the_familys_measured_reuse_without_todo(node_classes, dits, fam
     assert auto.get_wrappers("apply_model", dit.WRAPPER_KEY) == []  # no ToDo
     by_hand = as_set(node_classes, model, skip_when_slower=False, downsample_factor=1.0, reuse_interval=interval)
     other = as_set(node_classes, model, skip_when_slower=False, downsample_factor=1.0, reuse_interval=interval + 1)
-    out = host.sample_dit(auto, family, SHAPES[family], steps=steps)
+    out = run(auto, family, SHAPES[family], steps)
     assert torch.isfinite(out).all()
-    assert torch.equal(out, host.sample_dit(by_hand, family, SHAPES[family], steps=steps))
-    assert not torch.equal(out, host.sample_dit(other, family, SHAPES[family], steps=steps))
+    assert torch.equal(out, run(by_hand, family, SHAPES[family], steps))
+    assert not torch.equal(out, run(other, family, SHAPES[family], steps))
 
 
 def test_a_prompt_saved_before_dit_settings_runs_its_inputs_as_set(node_classes, dits):
@@ -71,19 +76,19 @@ def test_a_prompt_saved_before_dit_settings_runs_its_inputs_as_set(node_classes,
     inputs["skip_when_slower"] = False
     saved = host.run_node(node, model=dits["flux"], **inputs)
     assert saved.get_wrappers("apply_model", dit.WRAPPER_KEY) != []
-    out = host.sample_dit(saved, "flux", SHAPES["flux"], steps=12)
+    out = run(saved, "flux", SHAPES["flux"], 12)
     by_hand = as_set(node_classes, dits["flux"], skip_when_slower=False)
-    assert torch.equal(out, host.sample_dit(by_hand, "flux", SHAPES["flux"], steps=12))
+    assert torch.equal(out, run(by_hand, "flux", SHAPES["flux"], 12))
     auto = fresh_node(node_classes, dits["flux"], skip_when_slower=False)
-    assert not torch.equal(out, host.sample_dit(auto, "flux", SHAPES["flux"], steps=12))
+    assert not torch.equal(out, run(auto, "flux", SHAPES["flux"], 12))
 
 
 def test_under_ten_steps_auto_is_bit_identical_to_off(node_classes, dits):
     """Distilled few-step models (Z-Image Turbo, Flux.2 klein, Lightning LoRAs): every step runs every block."""
     auto = fresh_node(node_classes, dits["flux"])
     for steps in (4, 9):
-        unpatched = host.sample_dit(dits["flux"], "flux", SHAPES["flux"], steps=steps)
-        assert torch.equal(host.sample_dit(auto, "flux", SHAPES["flux"], steps=steps), unpatched)
+        unpatched = run(dits["flux"], "flux", SHAPES["flux"], steps)
+        assert torch.equal(run(auto, "flux", SHAPES["flux"], steps), unpatched)
 
 
 def test_a_unet_ignores_dit_settings(node_classes):
