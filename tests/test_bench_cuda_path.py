@@ -161,7 +161,7 @@ def test_cuda_events_time_only_cuda_devices(fake_cuda):
 
 
 def test_step_timer_reads_events_after_the_run(fake_cuda):
-    from tools.bench import steps
+    from tools.bench.unet import steps
 
     timer = steps.CallTimer(False, measure.EventClock(SimpleNamespace(type="cuda")))
     x = torch.zeros(2, 4, 8, 8)

@@ -1,9 +1,9 @@
-"""The DiT reuse timing (``tools/bench/dit_reuse.py``) on a tiny Flux: it drives real reusing and full calls
+"""The DiT reuse timing (``tools/bench/dit/reuse.py``) on a tiny Flux: it drives real reusing and full calls
 through the project's own code and converts them over whole runs. Nothing here looks at timings."""
 
 from __future__ import annotations
 
-from tools.bench import dit_reuse
+from tools.bench.dit import reuse as dit_reuse
 
 
 def test_reusing_and_full_calls_are_timed_and_converted(tmp_path):

@@ -1,4 +1,4 @@
-"""The whole-run step benchmark (``tools.bench.steps``) on a tiny UNet: its conversion and the peers' rows.
+"""The whole-run step benchmark (``tools.bench.unet.steps``) on a tiny UNet: its conversion and the peers' rows.
 
 In a subprocess, as the other benchmark tests: the benchmark configures ComfyUI before importing it. Nothing here
 looks at timings, only at how the rows are counted and converted.
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_steps(*flags: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "tools.bench.steps", *flags]
+    command = [sys.executable, "-m", "tools.bench.unet.steps", *flags]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

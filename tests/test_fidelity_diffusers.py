@@ -1,4 +1,4 @@
-"""The fidelity benchmark's diffusers path (``tools/fidelity/diffusers_flux.py``, ``diffusers_run.py``): the
+"""The fidelity benchmark's diffusers path (``tools/fidelity/diffusers/flux.py``, ``run.py``): the
 reference converted to diffusers' Flux transformer computes what the ComfyUI model does, and a short run gives
 every row its figures, ours and diffusers' own caches side by side."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.fidelity import diffusers_flux, diffusers_run
+from tools.fidelity.diffusers import flux as diffusers_flux
+from tools.fidelity.diffusers import run as diffusers_run
 from tools.fidelity.reference import models
 
 pytestmark = pytest.mark.skipif(
@@ -56,7 +57,7 @@ wan_weights = pytest.mark.skipif(
 @wan_weights
 def test_the_converted_video_reference_computes_what_comfyuis_model_does():
     from tools.bench.host import setup_comfy
-    from tools.fidelity import diffusers_wan
+    from tools.fidelity.diffusers import wan as diffusers_wan
 
     setup_comfy("cpu")
     # diffusers' own converter; the two models differ in the order of float32 operations only.

@@ -5,7 +5,7 @@ cost time linear in it plus a fixed cost per call (ToMe's plan also has a quadra
 the attention it shrinks). Below some token count the saving is smaller than the cost and the patched UNet
 is slower than the unpatched one.
 
-How the minimum token counts were derived (``python -m tools.bench.breakeven``, README "The skip_when_slower
+How the minimum token counts were derived (``python -m tools.bench.unet.breakeven``, README "The skip_when_slower
 rule"): only the blocks of the reduced level change, so the whole UNet's gain is those blocks' gain. One real
 ComfyUI transformer block of SD1.5's level 1 (320 channels, 8 heads) and of SDXL's level 2 (640 channels,
 10 heads) was timed unpatched and with each method forced on, on square grids from 16x16 to 72x72 tokens

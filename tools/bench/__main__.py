@@ -14,7 +14,7 @@ elif argv[:1] == ["--fidelity"]:
 
     main(argv[1:])
 elif argv[:1] == ["--dit"]:
-    from tools.bench.dit import main
+    from tools.bench.dit.todo import main
 
     main(argv[1:])
 elif argv[:1] == ["--gpu"]:

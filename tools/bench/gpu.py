@@ -26,9 +26,9 @@ proxy). Then the rows are timed in A/B pairs beside their own unpatched row (``t
 each run is timed with CUDA events), ``--repeats`` pairs at least, more while a speed-up's spread is above
 ``--spread`` and the time lasts; the verdict of ``tools/bench/verdict.py`` writes the reliability line above
 the table. Each run loads its model as ComfyUI does when a graph's model changes (no weights are patched).
-Then ToDo on Flux at 1024 px with all its blocks in bf16 (``tools/bench/dit.py --full-depth``), and the
+Then ToDo on Flux at 1024 px with all its blocks in bf16 (``tools/bench/dit/todo.py --full-depth``), and the
 break-even of each method per token count on one transformer block of SD1.5 and SDXL
-(``tools/bench/breakeven.py``): where a reduction starts to pay on this GPU, against the thresholds of
+(``tools/bench/unet/breakeven.py``): where a reduction starts to pay on this GPU, against the thresholds of
 ``skip_when_slower`` (``tome_core/cost.py``).
 
 Outputs in ``--out`` (``results/gpu/``): ``gpu-table.md`` (everything, also printed) and ``gpu-table.json``,
@@ -85,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dit-dtype", default="bf16", choices=["fp32", "fp16", "bf16"])
     parser.add_argument("--dit-rounds", type=int, default=3)
     parser.add_argument("--dit-depth", default="full", choices=["full", "cut"], help="cut: the CPU benchmark's blocks")
-    parser.add_argument("--breakeven", default="sd15,sdxl", help="blocks of tools.bench.breakeven ('' for none)")
+    parser.add_argument("--breakeven", default="sd15,sdxl", help="blocks of tools.bench.unet.breakeven ('' for none)")
     parser.add_argument("--breakeven-sides", default=BREAKEVEN_SIDES, help="token grid sides")
     parser.add_argument("--breakeven-repeats", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
@@ -210,8 +210,8 @@ class Config:
     """One model at one size: its rows, their sampling runs, and what the untimed runs found."""
 
     def __init__(self, bench, size: tuple[int, int], args, device: torch.device):
-        from . import steps as bench_steps
         from .speed import size_label
+        from .unet import steps as bench_steps
 
         self.bench, self.size, self.args, self.device = bench, size, args, device
         self.label = f"{bench.family.name} {size_label(size)}"
@@ -241,7 +241,7 @@ class Config:
         """The row's untimed runs: first-call costs out of the way, then one whole run that is looked at."""
         from tome_core.layer_reuse import IntervalSchedule
 
-        from . import steps as bench_steps
+        from .unet import steps as bench_steps
 
         self.run(row, steps=2)
         # UNet evaluations that ran: EasyCache's skipped steps never reach the UNet's first layer (its input
@@ -281,7 +281,7 @@ class Config:
             "reusing_calls": len(reusing),
             "skipped_calls": skipped,
             "batch": sorted(set(timer.batches)),
-            # Per step, as tools/bench/steps.py: ComfyUI may run cond and uncond as one call or as two.
+            # Per step, as tools/bench/unet/steps.py: ComfyUI may run cond and uncond as one call or as two.
             "full_step_s": sum(full) / full_steps if full and not skipped else None,
             "reusing_step_s": sum(reusing) / (steps - full_steps) if reusing else None,
             "latent": timer.latent,
@@ -461,7 +461,7 @@ def judge(report: dict, args) -> None:
 
 
 def run_breakeven(model: str, args, device: torch.device, log) -> dict:
-    from . import breakeven
+    from .unet import breakeven
 
     shape = BREAKEVEN_SHAPES.get(model, model)
     log(f"break-even: one {shape} transformer block, sides {args.breakeven_sides}")
@@ -543,7 +543,7 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if args.dit_models:
-        from . import dit
+        from .dit import todo as dit
 
         dit_argv = ["--models", args.dit_models, "--device", str(device), "--dtype", args.dit_dtype]
         dit_argv += ["--rounds", str(args.dit_rounds), "--threads", "0", "--out", str(out / "dit")]

@@ -9,10 +9,10 @@ points as the full benchmarks:
    calls comes from here (it decides from the picture which calls to skip).
 2. speed of one model call (``tools.bench.speed``): SD1.5's full-size UNet with random weights at 768 px,
    unpatched against ToDo 2 in A/B pairs, with the spread of each row and the reliability line, as in the full run.
-3. a reusing call (``tools.bench.steps``): the same UNet's cost of a step that reuses (only the outer layers
+3. a reusing call (``tools.bench.unet.steps``): the same UNet's cost of a step that reuses (only the outer layers
    run), as a share of an unpatched call.
 
-Whole-run speed, converted as ``tools.bench.steps`` does (the default's schedule is fixed, so a run is its full
+Whole-run speed, converted as ``tools.bench.unet.steps`` does (the default's schedule is fixed, so a run is its full
 steps at ToDo 2's cost plus its reusing steps at theirs): ``25 / (full / ToDo 2 speed-up + reusing x reusing
 share)``; EasyCache computes a share of the calls at the unpatched cost and skips the rest for next to nothing:
 ``1 / calls``.
@@ -73,7 +73,7 @@ def picture_argv(args) -> list[str]:
 def reusing_share(args, bench) -> float:
     """The cost of a reusing call of the default as a share of an unpatched call (one of each, CPU time), on the
     speed part's model (``bench``: built once for both parts)."""
-    from tools.bench import steps
+    from tools.bench.unet import steps
 
     side = int(args.resolution) // 8
     costs = steps.per_call(bench.patcher, steps.ROWS["ToDo 2 + reuse every 3"], bench.family, (side, side), 0)

@@ -1,7 +1,7 @@
 """Benchmark of the patch against the unpatched UNet, its peers and the ceiling, on this machine.
 
     python -m tools.bench.speed [--model sd15|sdxl] [--resolutions 512,768] [--repeats 2] [--max-minutes 20] ...
-    python -m tools.bench.speed --host diffusers ...   (diffusers' UNet2DConditionModel: tools/bench/diffusers_path.py)
+    python -m tools.bench.speed --host diffusers ...   (diffusers' UNet: tools/bench/unet/diffusers_path.py)
 
 Every row runs in this one process on the same random-weight UNet and the same inputs. First every row is
 called once, untimed, at every size (warm-up; it gives the output deviation, the peak memory and a first cost
@@ -259,7 +259,7 @@ def sampling_deviation(bench: Bench, size: tuple[int, int], steps: int, log) -> 
 
 def engine_benchmark(bench: Bench, sizes, log) -> list[dict]:
     """Engine work versus attention at each reduced level, and its share of one UNet evaluation."""
-    from . import engine as bench_engine
+    from .unet import engine as bench_engine
 
     shapes = bench_report.level_shapes(bench)
     results = []
@@ -317,7 +317,7 @@ def main(argv=None, keep: dict | None = None) -> dict:
     sizes = [parse_size(part) for part in args.resolutions.split(",") if part.strip()]
     log(f"building {args.model} ({dtype}, {device}) ...")
     if args.host == "diffusers":
-        from . import diffusers_path as bench_diffusers
+        from .unet import diffusers_path as bench_diffusers
 
         bench = bench_diffusers.DiffusersBench(args, device, dtype)
     else:

@@ -1,5 +1,5 @@
 """The Flux reference models (ref-flux, ref-flux-deep) as diffusers' ``FluxTransformer2DModel``, for the fidelity
-benchmark's diffusers path (``tools.fidelity.diffusers_run``).
+benchmark's diffusers path (``tools.fidelity.diffusers.run``).
 
 The committed weights are in ComfyUI's layout (Black Forest Labs' key names). diffusers ships a converter for that
 layout (``convert_flux_transformer_checkpoint_to_diffusers``), but it assumes Flux.1's width (3072) when it

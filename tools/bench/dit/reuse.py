@@ -1,4 +1,4 @@
-"""``python -m tools.bench.dit_reuse``: what reuse across steps saves on full-width DiTs, over whole runs.
+"""``python -m tools.bench.dit.reuse``: what reuse across steps saves on full-width DiTs, over whole runs.
 
 A reusing call runs the model's first block and the parts around the blocks (embeddings, the final layer), and
 adds the predicted residual; a full call runs every block. Both are timed here, in A/B pairs, on full-width
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from .dit import MODELS, build, cpu_name
-from .host import setup_comfy
-from .measure import clocked
+from ..host import setup_comfy
+from ..measure import clocked
+from .todo import MODELS, build, cpu_name
 
-RESULTS = Path(__file__).resolve().parents[2] / "results"
+RESULTS = Path(__file__).resolve().parents[3] / "results"
 
 # Four blocks each, and the full depth with the step counts users run.
 FOUR_BLOCKS = {
@@ -172,7 +172,7 @@ def measure(name: str, rounds: int, log) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.dit_reuse", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.dit.reuse", description=__doc__)
     parser.add_argument("--models", default="flux,sd35m,wan", help="comma-separated: " + ", ".join(FOUR_BLOCKS))
     parser.add_argument("--rounds", type=int, default=2, help="A/B pairs of a reusing and a full call")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's choice)")

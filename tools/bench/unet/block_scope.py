@@ -1,6 +1,6 @@
 """Scope block at the two finest attention levels: speed of whole UNet evaluations, and the plans' share of them.
 
-    python -m tools.bench.block_scope [--model sd15|sdxl] [--resolutions 512] [--ratio 0.5] [--repeats 2]
+    python -m tools.bench.unet.block_scope [--model sd15|sdxl] [--resolutions 512] [--ratio 0.5] [--repeats 2]
 
 The rows are those ``tools.bench.speed`` adds for this (``bench_rows.block_scope_rows``): the unpatched UNet,
 ToMe scope block and ToMe scope self-attention, both at the two finest attention levels (SD1.x: 1 and 2, SDXL:
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from . import host as bench_host
+from .. import host as bench_host
 
 
 class PlanTimer:
@@ -107,7 +107,7 @@ def main(argv=None) -> list[dict]:
     bench_host.setup_comfy("cpu")
     from tome_core.hosts.shared.unet_layout import attention_levels
 
-    from . import rows as R
+    from .. import rows as R
 
     def log(message):
         print(message, file=sys.stderr, flush=True)

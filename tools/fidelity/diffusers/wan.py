@@ -1,5 +1,5 @@
 """The Wan video reference (ref-wan) as diffusers' ``WanTransformer3DModel``, for the fidelity benchmark's
-diffusers path (``tools.fidelity.diffusers_run``).
+diffusers path (``tools.fidelity.diffusers.run``).
 
 The committed weights are in ComfyUI's layout (Wan's own key names); diffusers' own converter for that layout
 (``convert_wan_transformer_to_diffusers``, what ``from_single_file`` uses) renames them, and it works at any

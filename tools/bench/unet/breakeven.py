@@ -1,6 +1,6 @@
 """Break-even of each method per token count, on one real transformer block: where does a reduction pay?
 
-    python -m tools.bench.breakeven [--model sd15|sdxl] [--sides 32,40,48,...] [--repeats 7]
+    python -m tools.bench.unet.breakeven [--model sd15|sdxl] [--sides 32,40,48,...] [--repeats 7]
 
 Only the blocks of the reduced level change when the patch is on, so the whole UNet's time difference is the
 number of those blocks times one block's difference. One ComfyUI ``BasicTransformerBlock`` with the shape of
@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from . import host as bench_host
-from .measure import timed
+from .. import host as bench_host
+from ..measure import timed
 
 SHAPES = {
     "sd15": (320, 8, 40, 768, 1),  # channels, heads, head width, context, level

@@ -1,11 +1,11 @@
-"""``python -m tools.fidelity.diffusers_run``: the fidelity benchmark's diffusers path for the DiT references,
+"""``python -m tools.fidelity.diffusers.run``: the fidelity benchmark's diffusers path for the DiT references,
 with diffusers' own step caches side by side with ours.
 
 The Flux reference (``ref-flux-deep`` by default) runs as diffusers' ``FluxTransformer2DModel``
-(``diffusers_flux``: converted from the committed ComfyUI weights, checked to give the ComfyUI model's output
+(``diffusers.flux``: converted from the committed ComfyUI weights, checked to give the ComfyUI model's output
 within float tolerance) inside a real ``FluxPipeline`` with Flux.1-dev's scheduler configuration (flow matching,
 dynamic shift), the same prompts, seed and CFG as the ComfyUI path (true CFG 4 against the empty prompt, guidance
-3.5). The video reference (``--model ref-wan``) runs as diffusers' ``WanTransformer3DModel`` (``diffusers_wan``,
+3.5). The video reference (``--model ref-wan``) runs as diffusers' ``WanTransformer3DModel`` (``diffusers.wan``,
 diffusers' own converter) inside a real ``WanPipeline`` with Wan 2.1's UniPC scheduler (flow shift 3, as at
 480p), CFG as two calls per step; its clips are measured frame by frame and for their motion, as in the ComfyUI
 path. Rows:
@@ -39,7 +39,7 @@ import torch
 
 from tools.fidelity.work import at_depth
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # Flux.1-dev's scheduler configuration (its scheduler_config.json), which diffusers users get.
 FLUX_SCHEDULER = {
     "base_image_seq_len": 256,
@@ -210,7 +210,7 @@ def build_pipeline(transformer, scheduler: str = "flux"):
 def sample(pipe, text, args, size: int) -> torch.Tensor:
     """Latents (batch, channels, size, size) of the prompts in ``text``, each with its own seed generator; clips
     (batch, channels, frames, size, size) from a Wan pipeline."""
-    from tools.fidelity import diffusers_flux
+    from tools.fidelity.diffusers import flux as diffusers_flux
     from tools.fidelity.reference import models
 
     context, pooled, negative, negative_pooled = text
@@ -282,7 +282,7 @@ def calibrate_mag_ratios(pipe, text, args, size: int) -> list[float]:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m tools.fidelity.diffusers_run", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.fidelity.diffusers.run", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--model", default="ref-flux-deep", help="a DiT reference model (ref-flux, ref-flux-deep, ref-wan)"
     )
@@ -322,7 +322,8 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     setup_comfy("cpu")  # the reference weights load through ComfyUI's Flux class
-    from tools.fidelity import diffusers_flux, diffusers_wan
+    from tools.fidelity.diffusers import flux as diffusers_flux
+    from tools.fidelity.diffusers import wan as diffusers_wan
     from tools.fidelity.reference import data
     from tools.fidelity.run import PROMPT_SEED, FrechetDistance, attribute_accuracy, image_metrics, motion_metrics
 

@@ -1,6 +1,6 @@
 """Whole sampling runs of the settings that save work on some steps only (``reuse_interval``), timed call by call.
 
-    python -m tools.bench.steps [--model sd15|sdxl] [--resolution 512] [--steps 10] [--convert 25,10]
+    python -m tools.bench.unet.steps [--model sd15|sdxl] [--resolution 512] [--steps 10] [--convert 25,10]
 
 A real ComfyUI sampling run (Euler, CFG 5, cond and uncond batched: one model call of batch 2 per step, as a
 user's graph runs) on the full-size random-weight UNet, once per row: unpatched, ToDo 2, reuse_interval 2/3/4
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from . import host as bench_host
-from .measure import PeakMemory, clocked, timed
+from .. import host as bench_host
+from ..measure import PeakMemory, clocked, timed
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ROWS = {
     "unpatched": {},
     "ToDo 2": {"method": "todo", "downsample_factor": 2.0, "reuse_interval": 1},
@@ -152,7 +152,7 @@ def sample(
     ``peak_total_mib``) and, after it, the run's output (``latent``, on the CPU)."""
     import nodes as comfy_nodes
 
-    from .measure import EventClock, clock_for
+    from ..measure import EventClock, clock_for
 
     device = device or torch.device("cpu")
     events = EventClock(device) if clock_for(device) == "cuda events" else None
@@ -260,7 +260,7 @@ def peer_rows(fidelity_json: Path, results: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    from .speed import choose_device, choose_dtype
+    from ..speed import choose_device, choose_dtype
 
     args = parse_args(argv)
     if args.threads:
@@ -352,7 +352,7 @@ def main(argv=None) -> dict:
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
     }
-    from .report import gpu_line, machine, versions
+    from ..report import gpu_line, machine, versions
 
     meta.update(machine=machine(device), versions=versions())
     out = Path(args.out)

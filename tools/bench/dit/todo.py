@@ -45,10 +45,10 @@ from pathlib import Path
 
 import torch
 
-from .host import initialise, setup_comfy
-from .measure import PeakMemory, clock_for, clocked
+from ..host import initialise, setup_comfy
+from ..measure import PeakMemory, clock_for, clocked
 
-RESULTS = Path(__file__).resolve().parents[2] / "results"
+RESULTS = Path(__file__).resolve().parents[3] / "results"
 
 MODELS = {
     "flux": {
@@ -411,7 +411,7 @@ def main(argv=None) -> dict:
             MODELS[name]["latent"] = (16, args.image_px // 8, args.image_px // 8)
             MODELS[name]["title"] = MODELS[name]["title"].replace("1024 px", f"{args.image_px} px")
     setup_comfy(device.type)
-    from .report import gpu_line, machine
+    from ..report import gpu_line, machine
 
     meta = {
         "cpu": cpu_name(),

@@ -17,9 +17,9 @@ import copy
 
 import torch
 
-from . import host as bench_host
-from .measure import relative_l2
-from .rows import Row
+from .. import host as bench_host
+from ..measure import relative_l2
+from ..rows import Row
 
 HOST = "diffusers"
 
