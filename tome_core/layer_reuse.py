@@ -189,6 +189,7 @@ DIT_AUTO_INTERVALS = {
     "SD3": ((0, 3), (40, 4)),
     "Qwen-Image": ((0, 3), (40, 4)),
     "Lumina 2": ((0, 3), (40, 4)),
+    "Z-Image": ((0, 3), (40, 4)),  # diffusers' name of the family ComfyUI loads as Lumina 2's class
     "Wan": ((0, 5),),
     "HunyuanVideo": ((0, 4),),
     "LTX-Video": ((0, 4),),

@@ -1,5 +1,5 @@
-"""Small diffusers DiT pipelines (Flux, SD3, Wan 2.1 and 2.2) assembled offline from randomly initialised
-transformers of the real diffusers classes.
+"""Small diffusers DiT pipelines (Flux, SD3, Wan 2.1 and 2.2; Flux.2, Qwen-Image, Z-Image, HunyuanVideo 1.5 and
+LTX-Video) assembled offline from randomly initialised transformers of the real diffusers classes.
 
 The text encoders are left out: the tests hand the pipelines prompt embeddings of their own (seeded random
 tensors of the transformer's text width), and ``output_type="latent"`` skips the VAE, which the pipelines then
@@ -7,6 +7,13 @@ do not need (their latent scale falls back to 8). At the default 64 px the laten
 into 16 image tokens (after 8 text tokens), SD3 and Wan take 2x2 patches (16 tokens per frame; Wan: 5 frames, 2
 latent frames). The grids are far below the break-even, so tests that want ToDo force it with
 ``skip_when_slower=False``.
+
+The families with reuse only (``FAMILY_MAKERS``, run by ``family_run``), at 64 px unless said: Flux.2 packs its 8x8
+latents 2x2 into 16 image tokens; Qwen-Image the same (true CFG: two calls per step); Z-Image takes 2x2 patches
+of the 8x8 latents (16 tokens, padded to 32 with the caption's 32 after them; CFG batched in one call);
+HunyuanVideo 1.5 has no VAE-free default (its pipeline reads the VAE's config), so it gets a tiny VAE (never run
+here), 16x compression: 4x4 latents, 2 latent frames of 5 (its guider: two calls per step); LTX-Video at 128 px
+(32x compression, no VAE): 4x4 latents, 2 latent frames of 9 (CFG batched).
 """
 
 from __future__ import annotations
@@ -14,14 +21,26 @@ from __future__ import annotations
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLHunyuanVideo15,
+    ClassifierFreeGuidance,
     FlowMatchEulerDiscreteScheduler,
+    Flux2Pipeline,
+    Flux2Transformer2DModel,
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
+    HunyuanVideo15Pipeline,
+    HunyuanVideo15Transformer3DModel,
+    LTXPipeline,
+    LTXVideoTransformer3DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     WanPipeline,
     WanTransformer3DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
 
 from hosts.diffusers_host import seeded
@@ -212,5 +231,202 @@ def run(pipe, steps: int = 12, px: int = 64, seed: int = 0, **extra) -> torch.Te
                 num_frames=5,
                 **common,
                 **extra,
+            )
+    return out.frames if hasattr(out, "frames") else out.images
+
+
+# The families with reuse across steps only: each with 4 or 5 blocks of width 32 (2 heads of 16), so that the span
+# (all blocks but the first) has 3 or 4.
+
+
+def flux2_pipeline() -> Flux2Pipeline:
+    """Flux.2: 2 double and 3 single blocks (a span of 4 across both lists), guidance embedding (dev's layout)."""
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=True,
+    )
+    return Flux2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=seeded(transformer, 0),
+    )
+
+
+def qwen_image_pipeline() -> QwenImagePipeline:
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=4,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM,
+        axes_dims_rope=(4, 6, 6),
+    )
+    return QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=seeded(transformer, 0),
+    )
+
+
+def z_image_pipeline() -> ZImagePipeline:
+    """Z-Image: 1 noise and 1 context refiner (they run at every call), then 4 main layers."""
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=4,
+        dim=32,
+        n_layers=4,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=TEXT_DIM,
+        axes_dims=[4, 6, 6],
+        axes_lens=[64, 32, 32],
+    )
+    return ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=seeded(transformer, 0),
+    )
+
+
+def hunyuan_video15_pipeline() -> HunyuanVideo15Pipeline:
+    """HunyuanVideo 1.5 text-to-video: 4 blocks, 1 token refiner layer; latents, their (zero) condition and mask
+    stacked on the channels (4 + 4 + 1). The pipeline's 729 (zero) image-embedding tokens are cut to 4 (an
+    attribute it reads at each call): the text stream is then 20 tokens, not 745."""
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=9,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=4,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        text_embed_dim=TEXT_DIM,
+        text_embed_2_dim=TEXT_DIM,
+        image_embed_dim=TEXT_DIM,
+        rope_axes_dim=(4, 6, 6),
+        target_size=64,
+        task_type="t2v",
+    )
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1)
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=None,
+        tokenizer=None,
+        transformer=seeded(transformer, 0),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        text_encoder_2=None,
+        tokenizer_2=None,
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    )
+    pipe.vision_num_semantic_tokens = 4
+    return pipe
+
+
+def ltx_pipeline() -> LTXPipeline:
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        cross_attention_dim=32,
+        num_layers=4,
+        caption_channels=TEXT_DIM,
+    )
+    return LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=seeded(transformer, 0),
+    )
+
+
+FAMILY_MAKERS = {
+    "flux2": flux2_pipeline,
+    "qwen-image": qwen_image_pipeline,
+    "z-image": z_image_pipeline,
+    "hunyuanvideo-1.5": hunyuan_video15_pipeline,
+    "ltx-video": ltx_pipeline,
+}
+
+
+def family_run(pipe, steps: int = 12, seed: int = 0) -> torch.Tensor:
+    """One generation's latents on a ``FAMILY_MAKERS`` pipeline (its prompt embeddings as ``run``'s: seeded)."""
+    generator = torch.Generator().manual_seed(seed)
+    common = {"num_inference_steps": steps, "generator": generator, "output_type": "latent"}
+    prompt, _ = _text(100, pooled=False)
+    negative, _ = _text(101, pooled=False)
+    mask = torch.ones(1, TEXT_TOKENS, dtype=torch.long)
+    with torch.no_grad():
+        if isinstance(pipe, Flux2Pipeline):
+            out = pipe(prompt_embeds=prompt, height=64, width=64, guidance_scale=3.5, **common)
+        elif isinstance(pipe, QwenImagePipeline):
+            out = pipe(
+                prompt_embeds=prompt,
+                prompt_embeds_mask=mask,
+                negative_prompt_embeds=negative,
+                negative_prompt_embeds_mask=mask,
+                true_cfg_scale=4.0,
+                height=64,
+                width=64,
+                **common,
+            )
+        elif isinstance(pipe, ZImagePipeline):  # a list of (tokens, width) embeddings, one per prompt
+            out = pipe(
+                prompt_embeds=[prompt[0]],
+                negative_prompt_embeds=[negative[0]],
+                guidance_scale=4.0,
+                height=64,
+                width=64,
+                **common,
+            )
+        elif isinstance(pipe, HunyuanVideo15Pipeline):
+            second, _ = _text(102, pooled=False)
+            negative_second, _ = _text(103, pooled=False)
+            out = pipe(
+                prompt_embeds=prompt,
+                prompt_embeds_mask=mask,
+                negative_prompt_embeds=negative,
+                negative_prompt_embeds_mask=mask,
+                prompt_embeds_2=second,
+                prompt_embeds_mask_2=mask,
+                negative_prompt_embeds_2=negative_second,
+                negative_prompt_embeds_mask_2=mask,
+                height=64,
+                width=64,
+                num_frames=5,
+                **common,
+            )
+        else:
+            out = pipe(
+                prompt_embeds=prompt,
+                prompt_attention_mask=mask,
+                negative_prompt_embeds=negative,
+                negative_prompt_attention_mask=mask,
+                guidance_scale=3.0,
+                height=128,
+                width=128,
+                num_frames=9,
+                **common,
             )
     return out.frames if hasattr(out, "frames") else out.images

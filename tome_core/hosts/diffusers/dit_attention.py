@@ -246,8 +246,12 @@ PROCESSORS = {
 
 
 def install(transformer, settings, allowed: Callable[[float], bool], family: str, timestep_scale: float) -> bool:
-    """ToDo on ``transformer``'s attention; False where it reduces nothing here (left as it is)."""
-    reducer = SequenceDownsample(settings, min_tokens=MIN_IMAGE_TOKENS[family])
+    """ToDo on ``transformer``'s attention; False where it reduces nothing here (left as it is): also for a family
+    with no processors of ours (``PROCESSORS``; Flux.2, Qwen-Image, Z-Image, HunyuanVideo 1.5 and LTX-Video in
+    diffusers 0.39.0 have attention processors of their own, which this module does not know)."""
+    if family not in PROCESSORS:
+        return False
+    reducer = SequenceDownsample(settings, min_tokens=MIN_IMAGE_TOKENS.get(family))
     if reducer.does_nothing:
         return False
     names, ours = PROCESSORS[family]

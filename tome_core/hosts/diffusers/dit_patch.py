@@ -1,6 +1,9 @@
 """The patch for diffusers' DiT pipelines: Flux (``FluxPipeline`` and its image-to-image, inpainting, Kontext and
 ControlNet variants), SD3 / SD3.5 (``StableDiffusion3Pipeline`` and variants) and Wan 2.x (``WanPipeline``,
-``WanImageToVideoPipeline``; Wan 2.2's second transformer too).
+``WanImageToVideoPipeline``; Wan 2.2's second transformer too); reuse only (no ToDo yet) on Flux.2
+(``Flux2Pipeline``, the Klein pipelines), Qwen-Image (``QwenImagePipeline``, ``QwenImageEditPipeline`` and
+variants), Z-Image (``ZImagePipeline`` and variants), HunyuanVideo 1.5 (``HunyuanVideo15Pipeline``, its
+image-to-video pipeline) and LTX-Video (``LTXPipeline`` and variants).
 
 What it does: ToDo on the attention of the image (video) tokens (``dit_attention``) and reuse across steps
 (``dit_reuse``), through the engine objects that ComfyUI's DiT doors use. ToMe is not offered on DiTs (as in
@@ -21,8 +24,11 @@ log = logging.getLogger("tome_patch")
 
 SUPPORTED = (
     "diffusers' DiT pipelines whose transformer is a FluxTransformer2DModel (Flux.1 dev/schnell/Kontext and their "
-    "image-to-image, inpainting and ControlNet pipelines), an SD3Transformer2DModel (SD3, SD3.5) or a "
-    "WanTransformer3DModel (Wan 2.1/2.2 text- and image-to-video)"
+    "image-to-image, inpainting and ControlNet pipelines), an SD3Transformer2DModel (SD3, SD3.5), a "
+    "WanTransformer3DModel (Wan 2.1/2.2 text- and image-to-video), or, with reuse across steps only, a "
+    "Flux2Transformer2DModel (Flux.2, Flux.2 Klein), a QwenImageTransformer2DModel (Qwen-Image and Qwen-Image "
+    "Edit), a ZImageTransformer2DModel (Z-Image), a HunyuanVideo15Transformer3DModel (HunyuanVideo 1.5) or an "
+    "LTXVideoTransformer3DModel (LTX-Video)"
 )
 TRANSFORMER_ATTRIBUTES = ("transformer", "transformer_2")  # Wan 2.2: the second one samples the low-noise part
 
@@ -44,11 +50,14 @@ def find_transformers(pipe_or_transformer) -> tuple[list, object | None] | None:
     return (found, pipe_or_transformer) if found else None
 
 
-def family_settings(family: str, validated: PatchSettings, asked: dict) -> tuple[PatchSettings, object]:
+def family_settings(
+    family: str, validated: PatchSettings, asked: dict, label: str | None = None
+) -> tuple[PatchSettings, object]:
     """(settings, schedule or None) for ``family`` under ``dit_settings``: with "auto" (the default) the settings
     the user did not name take the family's measured ones: no ToDo unless ``method`` or ``downsample_factor`` is
     named, and reuse across steps at the family's interval (``layer_reuse.DIT_AUTO_INTERVALS``) unless
-    ``reuse_interval`` is named. With "as set", the settings as they are (their defaults where not named)."""
+    ``reuse_interval`` is named. With "as set", the settings as they are (their defaults where not named).
+    ``label``: the family in the log line, where it is not ``family`` (Flux.2)."""
     if validated.dit_settings != "auto":
         return validated, None
     if not {"method", "downsample_factor"} & set(asked):
@@ -57,7 +66,7 @@ def family_settings(family: str, validated: PatchSettings, asked: dict) -> tuple
     if schedule is not None:
         log.info(
             "ToMe Patch: %s with dit_settings 'auto': reuse across steps %s%s.",
-            family,
+            label or family,
             describe_intervals(DIT_AUTO_INTERVALS.get(family, DIT_AUTO_INTERVALS_OTHER)),
             "" if validated.downsample_factor > 1 else ", no ToDo",
         )
@@ -68,7 +77,8 @@ def apply_patch(found: tuple[list, object | None], validated: PatchSettings, ask
     """Patch the transformers of ``found`` (from ``find_transformers``) with ``validated``; ``asked``: the
     settings the user named (a default that cannot apply is left out with a log line, a named one raises)."""
     transformers, pipeline = found
-    family = dit_reuse.layout_of(transformers[0]).name
+    first = dit_reuse.layout_of(transformers[0])
+    family = first.label
     if validated.method == "tome":
         raise ValueError(
             f"method 'tome' is not available for {family} (a DiT): use method 'todo' (ToDo on the image tokens' "
@@ -76,7 +86,7 @@ def apply_patch(found: tuple[list, object | None], validated: PatchSettings, ask
         )
     if "max_downsample" in asked and validated.max_downsample != SPECS["max_downsample"].default:
         log.info("ToMe Patch: max_downsample does not apply to %s (a DiT has one token grid); ignored.", family)
-    validated, schedule = family_settings(family, validated, asked)
+    validated, schedule = family_settings(first.name, validated, asked, family)
     in_range = validated.start_percent < validated.end_percent
     reuse = in_range and (schedule is not None or validated.reuse_interval > 1)
     if reuse and pipeline is None:
@@ -102,7 +112,10 @@ def apply_patch(found: tuple[list, object | None], validated: PatchSettings, ask
                 )
             dit_reuse.install(transformer, pipeline, validated, allowed.contains, schedule)
         layout = dit_reuse.layout_of(transformer)
-        dit_attention.install(transformer, validated, allowed.contains, layout.name, layout.timestep_scale)
+        if layout.todo:
+            dit_attention.install(transformer, validated, allowed.contains, layout.name, layout.timestep_scale)
+        elif validated.method == "todo" and validated.downsample_factor > 1 and in_range:
+            log.info("ToMe Patch: ToDo is not available for %s yet; reuse only.", layout.label)
 
 
 def remove(transformer) -> None:

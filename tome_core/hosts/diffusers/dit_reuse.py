@@ -1,23 +1,37 @@
-"""diffusers: reuse across steps on DiT pipelines (Flux, SD3 / SD3.5, Wan 2.x), setting ``reuse_interval``.
+"""diffusers: reuse across steps on DiT pipelines (Flux.1, Flux.2, SD3 / SD3.5, Wan 2.x, Qwen-Image, Z-Image,
+HunyuanVideo 1.5, LTX-Video), setting ``reuse_interval``.
 
 The engine's DiT reuse (``LayerReuseRun.span_block``), as in ComfyUI's door (``hosts.comfyui.dit_reuse``): at a
 *reusing* call the transformer's first block runs (``DIT_OUTER_BLOCKS``) and the blocks after it, the *span*, do
 not; the span's output is its input plus its residual predicted from the last full calls. The same schedule
 (``NoiseSpacedSchedule``: one step in ``reuse_interval`` full, spaced evenly in the scheduler's sigmas).
 
-Hook points (checked in diffusers 0.39.0): each transformer's ``forward`` calls its blocks one after the other,
-``FluxTransformer2DModel`` its ``transformer_blocks`` then ``single_transformer_blocks`` and
-``SD3Transformer2DModel`` its ``transformer_blocks``, all with keyword arguments ``hidden_states`` and
-``encoder_hidden_states`` and returning ``(encoder_hidden_states, hidden_states)``; ``WanTransformer3DModel`` its
-``blocks`` with ``(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)``, returning
-``hidden_states`` (there ``encoder_hidden_states`` is the text the blocks read, not a stream they pass on). Every
-block of the span gets an instance ``forward`` (``SpanForward``); the transformer a forward pre-hook and hook that
-find the call's step in the pipeline's scheduler (``layer_reuse.PipelineReuse``, as for the UNets).
+Hook points (checked in diffusers 0.39.0): each transformer's ``forward`` calls its main blocks one after the
+other (a row of ``LAYOUTS`` each):
+- ``FluxTransformer2DModel``: ``transformer_blocks`` then ``single_transformer_blocks``, and
+  ``SD3Transformer2DModel`` and ``QwenImageTransformer2DModel``: ``transformer_blocks``, all with keyword arguments
+  ``hidden_states`` and ``encoder_hidden_states`` and returning ``(encoder_hidden_states, hidden_states)``;
+- ``Flux2Transformer2DModel``: its ``transformer_blocks`` so too; its ``single_transformer_blocks`` then get text
+  and image as one tensor, ``hidden_states = cat((text, image))`` (``encoder_hidden_states=None``), and return
+  that tensor: the same tokens in the same order as the double blocks' joined streams, so one residual spans both;
+- ``WanTransformer3DModel``: ``blocks`` with ``(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)``,
+  returning ``hidden_states``, and ``LTXVideoTransformer3DModel``: ``transformer_blocks`` with keyword
+  ``hidden_states`` returning it (there ``encoder_hidden_states`` is the text the blocks read, not a stream they
+  pass on);
+- ``HunyuanVideo15Transformer3DModel``: ``transformer_blocks`` with positional ``(hidden_states,
+  encoder_hidden_states, ...)``, returning ``(hidden_states, encoder_hidden_states)``;
+- ``ZImageTransformer2DModel``: ``layers``, each called as ``layer(unified, mask, freqs, adaln_input, ...)`` on one
+  padded sequence of image and caption tokens, returning it; its ``noise_refiner`` and ``context_refiner`` run
+  before, on the image and the caption apart, at every call. Its forward takes a list of latents and the timestep
+  as ``1 - t / 1000`` (``ZImagePipeline``): ``DitLayout.inputs`` reads them.
+Every block of the span gets an instance ``forward`` (``SpanForward``); the transformer a forward pre-hook and hook
+that find the call's step in the pipeline's scheduler (``layer_reuse.PipelineReuse``, as for the UNets).
 
-A call computes every block where ControlNet residuals are added between blocks (Flux, SD3), where SD3's
-``skip_layers`` leaves blocks out, where diffusers' own cache (``enable_cache``) is on the transformer (it
-skips blocks of its own: ours then stands down, with a warning), and at the schedule's full steps. Removal
-deletes the forwards and hooks: the transformer then computes bit-identically to one never patched.
+A call computes every block where ControlNet residuals are added between blocks (Flux, SD3, Qwen-Image, Z-Image),
+where SD3's ``skip_layers`` leaves blocks out, where Flux.2 Klein extracts its reference tokens' KV cache (the
+blocks write it), where diffusers' own cache (``enable_cache``) is on the transformer (it skips blocks of its own:
+ours then stands down, with a warning), and at the schedule's full steps. Removal deletes the forwards and hooks:
+the transformer then computes bit-identically to one never patched.
 """
 
 from __future__ import annotations
@@ -44,43 +58,90 @@ _STATE = "_tome_patch_dit_reuse"  # on the transformer: its DitReuse
 _HOOKS = "_tome_patch_dit_reuse_hooks"
 
 
+Streams = tuple[tuple[str, int], ...]  # (keyword, position) of the streams a block passes on, in its return order
+
+
+def streams_in(streams: Streams, args: tuple, kwargs: dict) -> dict:
+    return {name: kwargs[name] if name in kwargs else args[index] for name, index in streams}
+
+
+def streams_out(streams: Streams, out) -> dict:
+    """A block's output as streams: a tuple in the order of ``streams`` or, with one stream, the tensor."""
+    if len(streams) == 1:
+        return {streams[0][0]: out}
+    return dict(zip((name for name, _ in streams), out, strict=True))
+
+
+def output(streams: Streams, values: dict):
+    """The inverse of ``streams_out``: what the block would return."""
+    packed = tuple(values[name] for name, _ in streams)
+    return packed[0] if len(packed) == 1 else packed
+
+
 @dataclass(frozen=True)
 class DitLayout:
     """How one transformer class calls its blocks."""
 
-    name: str  # the family, in messages: "Flux", "SD3", "Wan"
+    # The family: the key of the engine's per-family choices (``DIT_AUTO_INTERVALS``, ``DIT_EXTRAPOLATE``) and of
+    # ToDo's processors (``dit_attention.PROCESSORS``); in messages unless ``title`` says otherwise.
+    name: str
     block_lists: tuple[str, ...]  # the attributes holding the blocks, in call order
-    streams: tuple[tuple[str, int], ...]  # (keyword, position) of the streams a block passes on, in token order
+    # The streams a block passes on, in the order it returns them; where the blocks return several, the joined
+    # tensor (``join_streams``) must list the tokens in the same order in every block list of the span.
+    streams: Streams
     timestep_scale: float  # the pipeline gives the transformer the scheduler's timestep divided by this
     in_full_when: tuple[str, ...]  # the transformer's keyword arguments that, when given, make a call full
     # SD3's last block returns no text stream (``context_pre_only``): it runs at every call, after the span.
     last_block_runs: bool = False
+    title: str = ""  # the family in messages where ``name`` is shared (Flux.2 reuses as Flux does)
+    list_streams: tuple[tuple[str, Streams], ...] = ()  # (block list, its blocks' streams) where not ``streams``
+    in_full_if: tuple[tuple[str, object], ...] = ()  # (keyword, value): a call given that value is full
+    # (args, kwargs) of a transformer call -> (the noisy input, its timestep as the pipeline passes ``timestep``),
+    # where the forward names them otherwise (Z-Image); None (the default): ``hidden_states`` and ``timestep``.
+    inputs: Callable[[tuple, dict], tuple] | None = None
+    todo: bool = True  # whether ``dit_attention`` has ToDo processors for this class's attention
 
-    def blocks(self, transformer) -> list[torch.nn.Module] | None:
+    @property
+    def label(self) -> str:
+        return self.title or self.name
+
+    def blocks(self, transformer) -> list[tuple[torch.nn.Module, Streams]] | None:
+        """(block, its streams) of every block, in call order; None where a block list is missing."""
         found = []
+        other = dict(self.list_streams)
         for attribute in self.block_lists:
             blocks = getattr(transformer, attribute, None)
             if blocks is None:
                 return None
-            found += list(blocks)
+            found += [(block, other.get(attribute, self.streams)) for block in blocks]
         return found
 
-    def streams_in(self, args: tuple, kwargs: dict) -> dict:
-        return {name: kwargs[name] if name in kwargs else args[index] for name, index in self.streams}
-
-    def streams_out(self, out) -> dict:
-        """A block's output as streams: a tuple in the order of ``streams`` or, with one stream, the tensor."""
-        if len(self.streams) == 1:
-            return {self.streams[0][0]: out}
-        return dict(zip((name for name, _ in self.streams), out, strict=True))
-
-    def output(self, streams: dict):
-        """The inverse of ``streams_out``: what the block would return."""
-        values = tuple(streams[name] for name, _ in self.streams)
-        return values[0] if len(values) == 1 else values
+    def in_full(self, kwargs: dict) -> bool:
+        """Whether a call with these keyword arguments must compute every block."""
+        if any(kwargs.get(name) is not None for name in self.in_full_when):
+            return True
+        return any(name in kwargs and kwargs[name] == value for name, value in self.in_full_if)
 
 
-_JOINT = (("encoder_hidden_states", 1), ("hidden_states", 0))  # Flux's and SD3's blocks return them in this order
+def _z_image_inputs(args: tuple, kwargs: dict) -> tuple:
+    """``ZImageTransformer2DModel.forward(x, t, cap_feats, ...)``: ``x`` a list of (channels, frames, h, w) latents,
+    one per batch item; ``t`` is ``(1000 - timestep) / 1000`` (``ZImagePipeline`` and its variants, diffusers
+    0.39.0), given back here as ``timestep / 1000`` (in float64: the last steps' timesteps stay within the
+    schedule's tolerance). The sample stands for the batch by its shape alone (a meta tensor: no memory), which is
+    all the step lookup keeps of it. Omni mode (``x`` a list of lists, conditioning images among the latents) gives
+    no sample: those calls run every block."""
+    x = args[0] if args else kwargs.get("x")
+    t = args[1] if len(args) > 1 else kwargs.get("t")
+    if not isinstance(x, (list, tuple)) or not x or not all(isinstance(item, torch.Tensor) for item in x):
+        return None, None
+    if len({tuple(item.shape) for item in x}) != 1 or t is None:
+        return None, None
+    sample = torch.empty((len(x), *x[0].shape), dtype=x[0].dtype, device="meta")
+    return sample, 1.0 - torch.as_tensor(t).detach().to("cpu", torch.float64)
+
+
+_JOINT = (("encoder_hidden_states", 1), ("hidden_states", 0))  # Flux's, SD3's, Qwen's blocks return them so
+_IMAGE = (("hidden_states", 0),)  # blocks that pass on the image (video) tokens alone
 LAYOUTS = {
     "FluxTransformer2DModel": DitLayout(
         "Flux",
@@ -92,7 +153,42 @@ LAYOUTS = {
     "SD3Transformer2DModel": DitLayout(
         "SD3", ("transformer_blocks",), _JOINT, 1.0, ("block_controlnet_hidden_states", "skip_layers"), True
     ),
-    "WanTransformer3DModel": DitLayout("Wan", ("blocks",), (("hidden_states", 0),), 1.0, ()),
+    "WanTransformer3DModel": DitLayout("Wan", ("blocks",), _IMAGE, 1.0, ()),
+    # Flux2Pipeline and the Klein pipelines pass ``timestep / 1000``; ToDo's Flux processors do not fit Flux.2's
+    # attention (``Flux2AttnProcessor``, the parallel single blocks' fused projections).
+    "Flux2Transformer2DModel": DitLayout(
+        "Flux",
+        ("transformer_blocks", "single_transformer_blocks"),
+        _JOINT,
+        1000.0,
+        (),
+        title="Flux.2",
+        list_streams=(("single_transformer_blocks", _IMAGE),),
+        in_full_if=(("kv_cache_mode", "extract"),),
+        todo=False,
+    ),
+    # QwenImagePipeline, its Edit, image-to-image, inpainting and ControlNet pipelines pass ``timestep / 1000``;
+    # the Edit pipelines' reference latents are image tokens after the image's, in the same stream.
+    "QwenImageTransformer2DModel": DitLayout(
+        "Qwen-Image", ("transformer_blocks",), _JOINT, 1000.0, ("controlnet_block_samples",), todo=False
+    ),
+    "ZImageTransformer2DModel": DitLayout(
+        "Z-Image", ("layers",), (("x", 0),), 1000.0, ("controlnet_block_samples",), inputs=_z_image_inputs, todo=False
+    ),
+    # HunyuanVideo15Pipeline (its guider runs the prompt and the negative prompt as two calls) and its
+    # image-to-video pipeline pass the scheduler's timestep as it is.
+    "HunyuanVideo15Transformer3DModel": DitLayout(
+        "HunyuanVideo",
+        ("transformer_blocks",),
+        (("hidden_states", 0), ("encoder_hidden_states", 1)),
+        1.0,
+        (),
+        title="HunyuanVideo 1.5",
+        todo=False,
+    ),
+    # LTXPipeline (and its image-to-video and condition pipelines, whose conditioning tokens get timestep 0: the
+    # call's largest is the step's) passes the scheduler's timestep as it is.
+    "LTXVideoTransformer3DModel": DitLayout("LTX-Video", ("transformer_blocks",), _IMAGE, 1.0, (), todo=False),
 }
 
 
@@ -109,10 +205,11 @@ class DitReuse(PipelineReuse):
     DIT = True
 
     def __init__(self, pipeline, transformer, layout: DitLayout, schedule, span, allowed: Callable[[float], bool]):
-        blocks = [(f"span.{i}", block) for i, block in enumerate(span)]
+        blocks = [(f"span.{i}", block) for i, (block, _) in enumerate(span)]
         super().__init__(pipeline, schedule, blocks, allowed, dit_extrapolate(layout.name))
         self.layers = 1  # what is recorded: the span's residual, one tensor per batch layout
         self.layout = layout
+        self.block_streams = [streams for _, streams in span]
         self.span_length = len(span)
         self.TIMESTEP_SCALE = layout.timestep_scale
         self._transformer = transformer
@@ -124,8 +221,17 @@ class DitReuse(PipelineReuse):
         run.inner_words = "blocks' residual"
         return run
 
+    def before_call(self, module, args, kwargs):
+        if self.layout.inputs is None:
+            return super().before_call(module, args, kwargs)
+        sample, timestep = self.layout.inputs(args, kwargs)
+        if sample is None:  # a call this layout cannot place: every block runs
+            self._current = None
+            return None
+        return super().before_call(module, (sample, timestep), kwargs)
+
     def must_run_in_full(self, module, kwargs) -> bool:
-        if any(kwargs.get(name) is not None for name in self.layout.in_full_when):
+        if self.layout.in_full(kwargs):
             return True
         if getattr(module, "is_cache_enabled", False):  # diffusers' own step cache skips blocks of its own
             if not self._warned_cache:
@@ -147,19 +253,19 @@ class SpanForward(SkippableLayer):
         run = owner.layer_run()
         if run is None or run.current is None:
             return self.original(*args, **kwargs)
-        layout = owner.layout
+        streams = owner.block_streams[self.index]
         return run.span_block(
             first=self.index == 0,
             last=self.index == owner.span_length - 1,
-            streams=layout.streams_in(args, kwargs),
+            streams=streams_in(streams, args, kwargs),
             run_block=lambda: self.original(*args, **kwargs),
-            streams_of=layout.streams_out,
-            pack=layout.output,
+            streams_of=lambda out: streams_out(streams, out),
+            pack=lambda values: output(streams, values),
         )
 
 
-def span_of(transformer, layout: DitLayout, outer=DIT_OUTER_BLOCKS) -> list[torch.nn.Module]:
-    """The blocks a reusing call skips: all but ``outer`` (at the start, at the end)."""
+def span_of(transformer, layout: DitLayout, outer=DIT_OUTER_BLOCKS) -> list[tuple[torch.nn.Module, Streams]]:
+    """(block, its streams) of the blocks a reusing call skips: all but ``outer`` (at the start, at the end)."""
     blocks = layout.blocks(transformer) or []
     first, last = outer[0], max(outer[1], int(layout.last_block_runs))
     return blocks[first : len(blocks) - last] if len(blocks) > first + last + 1 else []
@@ -178,7 +284,7 @@ def install(transformer, pipeline, settings, allowed: Callable[[float], bool], s
     if schedule is None:
         schedule = NoiseSpacedSchedule(settings.reuse_interval)
     owner = DitReuse(pipeline, transformer, layout, schedule, span, allowed)
-    attach_forwards(owner, span, SpanForward)
+    attach_forwards(owner, [block for block, _ in span], SpanForward)
     transformer.__dict__[_STATE] = owner
     transformer.__dict__[_HOOKS] = (
         transformer.register_forward_pre_hook(_disabled(owner.before_call), with_kwargs=True),
