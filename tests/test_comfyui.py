@@ -129,9 +129,22 @@ def test_default_settings_reduce_sdxl_at_its_finest_attention_level(node_classes
 
 
 def test_skip_when_slower_leaves_small_grids_alone(node_classes, models):
+    """Bit for bit the unpatched output, and our hooks stay out of such calls altogether (they would cost every
+    block a few Python calls for nothing); with the rule off they run."""
     model = models["sd15"]
+
+    def sample_counting_blocks(patched) -> tuple[torch.Tensor, list]:
+        reducer = patched.get_wrappers("apply_model", "tome_patch")[0].__self__.reducer
+        calls = []
+        start_block = reducer.start_block
+        reducer.start_block = lambda *args, **kwargs: calls.append(1) or start_block(*args, **kwargs)
+        return host.sample(patched, latent_hw=(15, 23)), calls
+
     reference = host.sample(model, latent_hw=(15, 23))
-    assert torch.equal(host.sample(patch(node_classes, model), latent_hw=(15, 23)), reference)
+    out, calls = sample_counting_blocks(patch(node_classes, model, reuse_interval=1))
+    assert torch.equal(out, reference) and calls == []
+    out, calls = sample_counting_blocks(patch(node_classes, model, reuse_interval=1, skip_when_slower=False))
+    assert calls and not torch.equal(out, reference)
 
 
 def test_step_range_limits_the_patch(node_classes, models):

@@ -223,6 +223,9 @@ def test_skip_when_slower_has_a_cuda_table_and_the_reducer_asks_with_its_input_d
     assert reducer.start_block(torch.randn(1, 64 * 64, 8), (64, 64)) is None
     assert reducer.start_block(torch.randn(1, 128 * 128, 8), (128, 128)) is not None
     assert asked == ["cpu", "cpu"]
+    # The whole call's answer agrees with the blocks': no level of a 64 x 64 latent pays, one of 128 x 128 does.
+    assert not reducer.acts_on((64, 64), "cpu") and reducer.acts_on((128, 128), "cpu")
+    assert not Reducer(todo.replace(downsample_factor=1.0), (1,)).acts_on((128, 128), "cpu")
 
 
 def test_unipc_runs_in_full_below_half_noise_and_other_samplers_nowhere():

@@ -34,7 +34,7 @@ import torch
 from . import matching
 from .cost import worth_reducing
 from .downsample import NearestIndexCache, downsample_tokens, downsampled_size
-from .levels import find_level, reduced_levels
+from .levels import find_level, grid_at_level, reduced_levels
 from .patterns import PatternCache, stable_salt
 from .settings import PatchSettings
 
@@ -147,6 +147,16 @@ class Reducer:
     @property
     def does_nothing(self) -> bool:
         return not self.levels
+
+    def acts_on(self, latent_hw: tuple[int, int], device_type: str = "cpu") -> bool:
+        """Whether a UNet call on a latent of ``latent_hw`` may reduce a level at all. False where every level
+        it would reduce is too small to pay (``skip_when_slower``): then every block is left as it is, and a host
+        can keep its hooks out of the call, which costs each block a few Python calls (on a GPU at 512-768 px
+        a step is a few milliseconds)."""
+        return any(
+            worth_reducing(self.settings, h * w, device_type)
+            for h, w in (grid_at_level(latent_hw, level) for level in self.levels)
+        )
 
     @property
     def merges_whole_block(self) -> bool:

@@ -78,12 +78,18 @@ class PatcherHooks:
         """ComfyUI APPLY_MODEL wrapper (comfy/model_base.py, BaseModel.apply_model, 0.3.75 line 160).
 
         Orders the hooks for this call, and takes the step decision once per call from the sigma ``t``, outside
-        the diffusion model, so a compiled model sees a plain Python bool and no host sync inside.
+        the diffusion model, so a compiled model sees a plain Python bool and no host sync inside. A call that
+        reduces nothing (outside the step range, or every level too small to pay on this device) runs without
+        our hooks: the same output, without their cost in every block.
         """
         if transformer_options is not None:
-            order_ours_innermost(transformer_options)
+            active = self.noise_range.everywhere or self.noise_range.contains(float(t.max()))
+            if not active or (x.dim() == 4 and not self.reducer.acts_on(tuple(x.shape[-2:]), x.device.type)):
+                leave_out_hooks(transformer_options)
+            else:
+                order_ours_innermost(transformer_options)
             if not self.noise_range.everywhere:
-                transformer_options[_ACTIVE_KEY] = self.noise_range.contains(float(t.max()))
+                transformer_options[_ACTIVE_KEY] = active
         return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
 
     def block_forward(self, forward: BlockForward, x, context, transformer_options, kwargs):
@@ -216,6 +222,21 @@ def order_ours_innermost(transformer_options: dict) -> None:
             others = [h for h in hooks if not _is_ours(h)]
             reordered[name] = ours + others if "output" in name else others + ours
     transformer_options["patches"] = reordered
+
+
+def leave_out_hooks(transformer_options: dict) -> None:
+    """This call's options (ComfyUI copies them for each model call) without our hooks; others keep their order."""
+    transformer_options.pop(OWNER_KEY, None)
+    patches = transformer_options.get("patches")
+    if not patches:
+        return
+    kept = dict(patches)
+    for name in HOOK_NAMES:
+        if name in kept:
+            kept[name] = [hook for hook in kept[name] if not _is_ours(hook)]
+            if not kept[name]:
+                del kept[name]
+    transformer_options["patches"] = kept
 
 
 def remove_hooks(model_options: dict) -> None:
