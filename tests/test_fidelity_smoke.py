@@ -142,7 +142,7 @@ def test_motion_metrics_tell_a_frozen_clip_from_a_moving_one():
     assert lost["motion_kept"] == 0.0 and lost["motion_error"] == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("name", ["ref-sd1", "ref-flux", "ref-wan"])
+@pytest.mark.parametrize("name", ["ref-sd1", "ref-flux", "ref-wan", "ref-qwen", "ref-flux2"])
 def test_training_feeds_the_model_what_comfyui_feeds_it_while_sampling(name):
     """The training pair (input, timestep, conditioning, target) against ComfyUI's own sampling path: the same
     inputs reach the diffusion model, and ComfyUI turns the training target back into the clean latent."""
@@ -158,6 +158,7 @@ def test_training_feeds_the_model_what_comfyui_feeds_it_while_sampling(name):
     assert type(sampling).__name__ == "ModelSampling"
     expected = {"ref-sd1": ("ModelSamplingDiscrete", "V_PREDICTION"), "ref-flux": ("ModelSamplingFlux", "CONST")}
     expected["ref-wan"] = ("ModelSamplingDiscreteFlow", "CONST")
+    expected["ref-qwen"] = expected["ref-flux2"] = ("ModelSamplingFlux", "CONST")  # QwenImage / Flux2 shifts
     assert tuple(cls.__name__ for cls in type(sampling).__bases__) == expected[name]
     generator = torch.Generator().manual_seed(0)
     size = models.train_size(name)

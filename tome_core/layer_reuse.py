@@ -44,9 +44,10 @@ import torch
 DEFAULT_EXTRAPOLATE = 0.5
 # On DiTs, per family where it was measured to differ: on ref-flux-deep the whole step kept more of the picture
 # at every interval and sampler (28 Euler steps every 4: SSIM 0.986 against 0.973; Heun every 4: 0.990 against
-# 0.978; docs/dit.md); on ref-wan it kept the same mean and a lower lowest clip, so Wan keeps the half step, and
-# SD3 (no reference model) too.
-DIT_EXTRAPOLATE = {"Flux": 1.0}
+# 0.978; docs/dit.md); on ref-qwen too (28 Euler steps every 3: 0.997 against 0.993, lowest 0.994 against 0.966;
+# 50 steps every 4: 0.998 against 0.994); on ref-wan it kept the same mean and a lower lowest clip, so Wan keeps
+# the half step, and the families without a reference model too.
+DIT_EXTRAPOLATE = {"Flux": 1.0, "Qwen-Image": 1.0}
 OUTER_BLOCKS = 1  # the first input block and the last output block run at every step of a UNet
 # A DiT's blocks that run at every call: (at the start, at the end). The first block makes the span's input at
 # each call; the last one is predicted with the others: running it too kept no more of the picture (ref-wan,
@@ -179,11 +180,12 @@ class NoiseSpacedSchedule:
 # picture, as (from this many steps, interval), and no ToDo (on every step it shifts a DiT's colours: same-seed
 # SSIM 0.77-0.87 on the references; docs/dit.md). Measured (docs/dit.md, 16 images or clips each): Flux on
 # ref-flux-deep, 28 Euler steps every 3 SSIM 0.999 (lowest 0.997) at 2.71x of the work at Flux.1's depth, 50 steps
-# every 4 0.999 (0.997) at 3.66x; Wan on ref-wan, 30 uni_pc steps every 5 0.997 (0.971) at 3.44x. Not measured on
-# a reference of their own, so set as the family they resemble most: SD3, Qwen-Image (joint text and image
-# blocks, as Flux's double blocks) and Lumina 2 / Z-Image (one joint stream, as Flux's single blocks) at Flux's
-# intervals; the video families (HunyuanVideo, LTX-Video) at every 4, one step more often than Wan's own. Under
-# 10 steps (distilled models) every step runs in full whatever the interval.
+# every 4 0.999 (0.997) at 3.66x; Wan on ref-wan, 30 uni_pc steps every 5 0.997 (0.971) at 3.44x; Qwen-Image on
+# ref-qwen, 28 Euler steps every 3 0.997 (0.994) at 2.72x of the work at its 60 blocks, 50 steps every 4 0.998
+# (0.995) at 3.67x. Not measured on a reference of their own, so set as the family they resemble most: SD3 and
+# Lumina 2 / Z-Image (one joint stream, as Flux's single blocks) at Flux's intervals; the video families
+# (HunyuanVideo, LTX-Video) at every 4, one step more often than Wan's own. Under 10 steps (distilled models)
+# every step runs in full whatever the interval.
 DIT_AUTO_INTERVALS = {
     "Flux": ((0, 3), (40, 4)),
     "SD3": ((0, 3), (40, 4)),

@@ -28,6 +28,15 @@ def _joined(state: dict, streams: tuple[str, ...]) -> torch.Tensor:
     return present[0] if len(present) == 1 else torch.cat(present, 1)
 
 
+def _split(joined: torch.Tensor, args: dict, streams: tuple[str, ...]) -> dict:
+    """The last block's outputs from the joined streams: Flux's and Wan's last block passes one stream on
+    (``img``), Qwen-Image's every block passes both on (``txt``, ``img``), split at the lengths it was given."""
+    present = [k for k in streams if args.get(k) is not None]
+    if len(present) < 2:
+        return {"img": joined}
+    return dict(zip(present, joined.split([args[k].shape[1] for k in present], 1), strict=True))
+
+
 class FirstBlockCache:
     """The block replacements of one patched clone (see the module docstring)."""
 
@@ -74,7 +83,7 @@ class FirstBlockCache:
             if state["skip"]:
                 if position < last:
                     return {k: args[k] for k in ("img", "txt") if k in args}
-                return {"img": state["out"] + state["rest"]}
+                return _split(state["out"] + state["rest"], args, self.streams)
             out = extra["original_block"](args)
             if position == last:
                 state["rest"] = _joined(out, self.streams) - state["out"]

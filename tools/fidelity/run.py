@@ -52,7 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m tools.fidelity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--models", default="ref-sd1,ref-sdxl,ref-flux", help="reference models (ref-sd1, ref-sdxl, ref-flux)"
+        "--models",
+        default="ref-sd1,ref-sdxl,ref-flux",
+        help="reference models (ref-sd1, ref-sdxl, ref-flux, ref-flux-deep, ref-flux2, ref-wan, ref-qwen)",
     )
     parser.add_argument("--scales", default="1,2", help="image sizes as multiples of the training size")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per seed (one sampling batch)")
@@ -324,9 +326,13 @@ def broken_dit_patch(model):
     return clone
 
 
-def dit_rows(nodes: dict, variants: bool = False, video: bool = False, args=None) -> list[FidelityRow]:
-    """The rows of a DiT (Flux, Wan): ours through the node, and on Flux ToMe through attention (``dit_tome``),
-    which the nodes do not offer on DiTs; the other rows patch UNets only."""
+def dit_rows(
+    nodes: dict, variants: bool = False, video: bool = False, args=None, other_step: float | None = None
+) -> list[FidelityRow]:
+    """The rows of a DiT (Flux, Flux.2, Wan, Qwen-Image): ours through the node, and on the image models ToMe
+    through attention (``dit_tome``), which the nodes do not offer on DiTs; the other rows patch UNets only.
+    ``other_step``: the variants' step along the line other than the family's (None: a half step on Flux, a
+    whole one on Wan)."""
     from tools.fidelity import dit_tome
 
     rows = [
@@ -358,8 +364,8 @@ def dit_rows(nodes: dict, variants: bool = False, video: bool = False, args=None
             (4, {"outer": (1, 1)}),
             (6, {"outer": (1, 1)}),
             (6, {"extrapolate": 0.0}),
-            # The step along the line the other family takes (Flux a whole one, Wan half of one).
-            *((interval, {"extrapolate": 1.0 if video else 0.5}) for interval in (3, 4, 6, 8)),
+            # The step along the line the other family takes (Flux a whole one, Wan and Qwen-Image half of one).
+            *((interval, {"extrapolate": other_step or (1.0 if video else 0.5)}) for interval in (3, 4, 6, 8)),
             (6, {"full_below": 0.0}),
         )
         for interval, changes in changed:
@@ -446,8 +452,11 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
     from tools.fidelity.reference import models
 
     nodes = load_our_nodes()
-    if models.is_dit(name):
-        return keep_asked_rows(dit_rows(nodes, args.variants, models.is_video(name), args), args, broken_dit_patch)
+    if models.is_dit(name):  # Flux, Flux.2, Wan, Qwen-Image: the same rows (the family comes from the model)
+        # The step the family does not take, as variants: half on Flux (its own is whole), whole on the others.
+        other_step = 0.5 if models.is_flux(name) else 1.0
+        rows = dit_rows(nodes, args.variants, models.is_video(name), args, other_step)
+        return keep_asked_rows(rows, args, broken_dit_patch)
     family = models.FAMILIES[name]
     finest = 1 if family.depth[0] else 2  # the finest level that has attention
     rows = [
@@ -474,13 +483,13 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
 
 def conditioning(name: str, base_model, encoder, prompt_indices: torch.Tensor, size: int) -> list:
     """ComfyUI CONDITIONING for a batch of prompts (SDXL: pooled vector and size conditioning too; Flux: pooled
-    vector and the guidance value it was trained with; Wan: the text tokens alone)."""
+    vector and the guidance value it was trained with; Wan and Qwen-Image: the text tokens alone)."""
     from tools.fidelity.reference import models
 
     with torch.no_grad():
         context, pooled = encoder(prompt_indices)
     extra = {}
-    if models.is_video(name):
+    if models.is_video(name) or models.is_qwen(name):
         pass
     elif models.is_flux(name):
         extra = {"pooled_output": pooled, "guidance": models.FLUX_GUIDANCE}

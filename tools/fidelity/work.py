@@ -8,8 +8,9 @@ forward pre-hooks on the UNet that really runs (ComfyUI's, or a UNet swapped in 
 - tokens: the tokens that reach each transformer block's feed-forward layer (batch x tokens), summed over the
   run; the feed-forward layer runs on exactly the tokens the block computes (all of them unpatched and with
   ToDo, the merged ones with scope block; none in the inner layers at a step that reuses them).
-On a DiT (Flux, Wan): model calls are calls of its input projection (Flux ``img_in``, Wan ``patch_embedding``),
-and tokens are the tokens each transformer block computes (Flux: image and text; a double block's two streams
+On a DiT (Flux, Wan, Qwen-Image): model calls are calls of its input projection (Flux and Qwen-Image ``img_in``,
+Wan ``patch_embedding``), and tokens are the tokens each transformer block computes (Flux and Qwen-Image: image and
+text; a double block's two streams
 cost about what a single block costs on the joined sequence per token: 12 width-squared multiply-adds each), so a
 block skipped by a step cache or by reuse across steps is not counted.
 Shares are against the unpatched row of the same run; ``block_shares`` lists each block's, in call order, which
@@ -99,13 +100,16 @@ def _count_dit(model, work: WorkCount, handles: list, on_call) -> bool:
     """Hooks on a Flux or Wan transformer (see the module docstring); False for any other model."""
     first = getattr(model, "img_in", getattr(model, "patch_embedding", None))
     blocks = [*getattr(model, "double_blocks", ()), *getattr(model, "single_blocks", ()), *getattr(model, "blocks", ())]
+    blocks += [*getattr(model, "transformer_blocks", ())]  # Qwen-Image
     if first is None or not blocks:
         return False
     handles.append(first.register_forward_pre_hook(on_call))
 
     def on_block(name):
         def hook(module, args, kwargs):
-            streams = [*args[:1], *(kwargs[k] for k in ("img", "txt") if k in kwargs)]
+            # Flux ``img`` / ``txt``, Qwen-Image ``hidden_states`` / ``encoder_hidden_states`` (keywords only)
+            names = ("img", "txt", "hidden_states", "encoder_hidden_states")
+            streams = [*args[:1], *(kwargs[k] for k in names if k in kwargs)]
             work.tokens[name] += sum(int(x.shape[0]) * int(x.shape[1]) for x in streams if x.dim() == 3)
 
         return hook

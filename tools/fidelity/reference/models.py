@@ -8,7 +8,12 @@ encoder, and a classifier.
   Flux.1-dev): 2x2 patches, so a 32x32 latent is 16x16 = 256 image tokens, joined by the prompt's 4 text tokens
   in double-stream blocks (joint attention, separate weights per stream) and then single-stream blocks; the
   pooled prompt vector is Flux's ``y`` input. Widths and depths are tiny (``FLUX_CONFIGS``); the positions use
-  Flux's 3-axis RoPE.
+  Flux's 3-axis RoPE. ``ref-flux-deep``: the same with 4 double and 8 single blocks.
+- ``ref-flux2``: Flux.2 layout (the same ``Flux`` class with global modulation, found by ComfyUI's detection as
+  ``supported_models.Flux2``): 4 double and 8 single blocks, its prompt padded to 512 tokens as ComfyUI pads it.
+- ``ref-qwen``: Qwen-Image layout (``QwenImageTransformer2DModel``, found as ``supported_models.QwenImage``): 10
+  joint text+image blocks, one-frame 3-D latents of Wan 2.1's format, as ComfyUI samples Qwen-Image.
+- ``ref-wan``: Wan 2.1 text-to-video layout (``WanModel``), on short clips.
 The UNets are trained at 32x32 latents (``TRAIN_SIZE``) as v-prediction models on ComfyUI's discrete SD schedule
 (as SD 2.x 768-v and the v-prediction SDXL fine-tunes are), so any ComfyUI sampler samples them as it samples
 Stable Diffusion. v-prediction, not eps: a small model trained for an hour predicts the noise only roughly, and
@@ -77,6 +82,35 @@ FLUX_CONFIGS = {
 # that reuse across steps on DiTs, which runs those two and predicts the rest, is measured on a model where the
 # predicted blocks are most of the work, as on the real one (docs/dit.md).
 FLUX_CONFIGS["ref-flux-deep"] = {**FLUX_CONFIGS["ref-flux"], "depth": 4, "depth_single_blocks": 8}
+# Flux.2's layout (comfy/model_detection.py, "flux2": the Flux class with global modulation, one shared set of
+# modulations per kind of block instead of one per block, no biases, a SiLU-gated MLP of ratio 3, 4-axis RoPE at
+# theta 2000, guidance embedding, no pooled vector), 4 double and 8 single blocks as ref-flux-deep (Flux.2 dev
+# has 8 and 48). Patches 2x2 on the 4 scene channels: the real model takes 1x1 patches of latents its VAE packs
+# 2x2 (128 = 32 x 4 channels), the same tokens from the same numbers. ComfyUI pads Flux.2's text to 512 tokens
+# (``model_base.Flux2.extra_conds``), so the prompt's 4 tokens come after 508 zeros, in training as in sampling.
+FLUX_CONFIGS["ref-flux2"] = {
+    "image_model": "flux2",
+    "in_channels": data.CHANNELS,
+    "out_channels": data.CHANNELS,
+    "patch_size": 2,
+    "hidden_size": 96,
+    "num_heads": 3,
+    "axes_dim": [8, 8, 8, 8],  # the real model's (32, 32, 32, 32) at head width 32
+    "depth": 4,
+    "depth_single_blocks": 8,
+    "mlp_ratio": 3.0,
+    "context_in_dim": CONTEXT_DIM,
+    "vec_in_dim": None,
+    "theta": 2000,
+    "qkv_bias": False,
+    "guidance_embed": True,
+    "global_modulation": True,
+    "mlp_silu_act": True,
+    "ops_bias": False,
+    "default_ref_method": "index",
+    "ref_index_scale": 10.0,
+}
+FLUX2_TEXT_TOKENS = 512  # model_base.Flux2.extra_conds' target_text_len
 # ComfyUI's detected-config dict of the Wan 2.1 video reference (comfy/model_detection.py, "wan2.1", t2v): 8
 # blocks of self-attention over every frame's tokens, cross-attention to the prompt and an MLP, as Wan 2.1 1.3B
 # has 30. One clip is CLIP_FRAMES latent frames (Wan 2.1's 17 video frames) of CLIP_SIZE x CLIP_SIZE.
@@ -101,10 +135,31 @@ WAN_CONFIGS = {
 }
 CLIP_FRAMES = 5
 CLIP_SIZE = 20
-MODELS = (*FAMILIES, *FLUX_CONFIGS, *WAN_CONFIGS)
-# The blocks of the real model each DiT reference stands for (Flux.1: 19 double + 38 single; Wan 2.1 1.3B: 30):
-# a step cache's work on the reference is converted to that depth (``tools.fidelity.work.at_depth``).
-FULL_DEPTH = {"ref-flux": 57, "ref-flux-deep": 57, "ref-wan": 30}
+# ComfyUI's detected-config dict of the Qwen-Image reference (comfy/model_detection.py, "qwen_image"): one list of
+# joint text+image blocks (MMDiT: separate weights per stream, joint attention), as Qwen-Image has 60; width 96, 3
+# heads of 32, 2x2 patches (``in_channels`` is the patchified width, 4 channels x 4, as the real model's 64 is 16
+# x 4), the prompt's 64-wide tokens through ``txt_norm`` and ``txt_in``. RoPE widths per id axis (frame, row,
+# column) in the real model's proportions (16, 56, 56). Its latents are Wan 2.1's 3-D format, one frame.
+QWEN_CONFIGS = {
+    "ref-qwen": {
+        "image_model": "qwen_image",
+        "in_channels": data.CHANNELS * 4,
+        "out_channels": data.CHANNELS,
+        "patch_size": 2,
+        "num_layers": 10,
+        "attention_head_dim": 32,
+        "num_attention_heads": 3,
+        "joint_attention_dim": CONTEXT_DIM,
+        "axes_dims_rope": [4, 14, 14],
+    },
+}
+MODELS = (*FAMILIES, *FLUX_CONFIGS, *WAN_CONFIGS, *QWEN_CONFIGS)
+# The blocks of the real model each DiT reference stands for (Flux.1: 19 double + 38 single; Wan 2.1 1.3B: 30;
+# Qwen-Image: 60): a step cache's work on the reference is converted to that depth
+# (``tools.fidelity.work.at_depth``).
+# Flux.2 dev: 8 double + 48 single (diffusers' Flux2Transformer2DModel defaults; ComfyUI counts them from the
+# weights).
+FULL_DEPTH = {"ref-flux": 57, "ref-flux-deep": 57, "ref-wan": 30, "ref-qwen": 60, "ref-flux2": 56}
 
 
 def _known(name: str) -> str:
@@ -118,14 +173,24 @@ def is_flux(name: str) -> bool:
     return _known(name) in FLUX_CONFIGS
 
 
+def is_flux2(name: str) -> bool:
+    """True for the Flux.2 transformer (a Flux with global modulation)."""
+    return is_flux(name) and FLUX_CONFIGS[name]["image_model"] == "flux2"
+
+
 def is_video(name: str) -> bool:
     """True for the Wan video transformer: its samples are clips (N, 4, frames, size, size)."""
     return _known(name) in WAN_CONFIGS
 
 
+def is_qwen(name: str) -> bool:
+    """True for the Qwen-Image transformer: images as one-frame 3-D latents (N, 4, 1, size, size)."""
+    return _known(name) in QWEN_CONFIGS
+
+
 def is_dit(name: str) -> bool:
-    """True for the transformers (flow matching, tokens, no UNet levels): Flux and Wan."""
-    return is_flux(name) or is_video(name)
+    """True for the transformers (flow matching, tokens, no UNet levels): Flux, Wan and Qwen-Image."""
+    return is_flux(name) or is_video(name) or is_qwen(name)
 
 
 def train_size(name: str) -> int:
@@ -137,6 +202,8 @@ def latent_shape(name: str, n: int, size: int) -> tuple[int, ...]:
     """The shape of an empty latent of ``n`` samples at ``size``: images, or clips of CLIP_FRAMES frames."""
     if is_video(name):
         return (n, data.CHANNELS, CLIP_FRAMES, size, size)
+    if is_qwen(name):  # ComfyUI's empty latent for Qwen-Image is one frame of Wan 2.1's 3-D format
+        return (n, data.CHANNELS, 1, size, size)
     return (n, data.CHANNELS, size, size)
 
 
@@ -145,6 +212,8 @@ def as_images(name: str):
     an image the metrics judge; scenes stay as they are."""
     if is_video(name):
         return data.frames_of, CLIP_FRAMES
+    if is_qwen(name):  # one frame per sample
+        return data.frames_of, 1
     return (lambda samples: samples), 1
 
 
@@ -152,12 +221,15 @@ def samples(name: str, n: int, size: int, generator: torch.Generator):
     """``n`` real samples of the model's kind (scenes or clips) and their prompts."""
     if is_video(name):
         return data.clip_batch(n, size, CLIP_FRAMES, generator)
+    if is_qwen(name):
+        scenes, prompts = data.batch(n, size, generator)
+        return scenes.unsqueeze(2), prompts
     return data.batch(n, size, generator)
 
 
 def pooled_dim(name: str) -> int:
-    if is_video(name):
-        return 1  # Wan takes no pooled vector; the encoder's pooling is left unused
+    if is_video(name) or is_qwen(name):
+        return 1  # Wan and Qwen-Image take no pooled vector; the encoder's pooling is left unused
     return FLUX_POOLED_DIM if is_flux(name) else POOLED_DIM
 
 
@@ -202,6 +274,21 @@ def scene_latent_format():
     return SceneFlux()
 
 
+def scene_flux2_format():
+    """Flux.2's latent format (no scale, no shift) for 4-channel latents: the scenes as they are."""
+    import comfy.latent_formats
+
+    class SceneFlux2(comfy.latent_formats.Flux2):
+        latent_channels = data.CHANNELS
+
+        def __init__(self):
+            self.latent_rgb_factors = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+            self.latent_rgb_factors_bias = [0.0, 0.0, 0.0]
+            self.taesd_decoder_name = None
+
+    return SceneFlux2()
+
+
 def scene_video_format():
     """Wan 2.1's latent format for 4-channel clips, with the scenes as they are (mean 0, scale 1): the clips are
     the model's working space."""
@@ -235,15 +322,31 @@ def build_wan_model(name: str):
     return config.get_model({}, device="cpu")
 
 
+def build_qwen_model(name: str):
+    """ComfyUI's Qwen-Image BaseModel (flow matching, ``ModelSamplingFlux`` at QwenImage's shift 1.15, CONST) as
+    its config detection builds it for the config, weights uninitialised."""
+    import comfy.model_detection
+    import comfy.supported_models
+
+    config = comfy.model_detection.model_config_from_unet_config(dict(QWEN_CONFIGS[name]))
+    if type(config) is not comfy.supported_models.QwenImage:
+        raise RuntimeError(f"ComfyUI detected {type(config).__name__} for {name}, not Qwen-Image")
+    config.latent_format = scene_video_format()  # Qwen-Image's latents are Wan 2.1's
+    config.set_inference_dtype(torch.float32, None)
+    return config.get_model({}, device="cpu")
+
+
 def build_flux_model(name: str):
     """ComfyUI's Flux BaseModel as ComfyUI's config detection builds it for the config, weights uninitialised."""
     import comfy.model_detection
     import comfy.supported_models
 
     config = comfy.model_detection.model_config_from_unet_config(dict(FLUX_CONFIGS[name]))
-    if type(config) is not comfy.supported_models.Flux:  # Flux.1-dev's sampling: ModelSamplingFlux, CONST
-        raise RuntimeError(f"ComfyUI detected {type(config).__name__} for {name}, not Flux")
-    config.latent_format = scene_latent_format()
+    # Flux.1-dev's sampling: ModelSamplingFlux, CONST; Flux.2's the same at its shift 2.02
+    expected = comfy.supported_models.Flux2 if is_flux2(name) else comfy.supported_models.Flux
+    if type(config) is not expected:
+        raise RuntimeError(f"ComfyUI detected {type(config).__name__} for {name}, not {expected.__name__}")
+    config.latent_format = scene_flux2_format() if is_flux2(name) else scene_latent_format()
     config.set_inference_dtype(torch.float32, None)
     return config.get_model({}, device="cpu")
 
@@ -256,6 +359,8 @@ def build_base_model(name: str):
         return build_flux_model(name)
     if is_video(name):
         return build_wan_model(name)
+    if is_qwen(name):
+        return build_qwen_model(name)
     family = FAMILIES[name]
     config_class = comfy.supported_models.SDXL if family.adm_channels else comfy.supported_models.SD15
     config = config_class(comfy_unet_config(family))
@@ -271,8 +376,8 @@ def build_base_model(name: str):
 
 def adm_vector(name: str, base_model, pooled: torch.Tensor, size: int) -> torch.Tensor | None:
     """The ``y`` input as ComfyUI computes it at sampling time: SDXL pooled text + size embeddings, Flux the
-    pooled text; None for SD1 and Wan."""
-    if is_video(name):
+    pooled text; None for SD1, Wan and Qwen-Image."""
+    if is_video(name) or is_qwen(name):
         return None
     if is_flux(name):
         return base_model.encode_adm(pooled_output=pooled)
@@ -286,8 +391,11 @@ def adm_vector(name: str, base_model, pooled: torch.Tensor, size: int) -> torch.
 
 def model_inputs(name: str, base_model, context: torch.Tensor, pooled: torch.Tensor, size: int) -> dict:
     """The conditioning inputs of the diffusion model's forward as ComfyUI passes them while sampling."""
-    if is_video(name):
+    if is_video(name) or is_qwen(name):
         return {"context": context}
+    if is_flux2(name):  # ComfyUI pads Flux.2's text in front to 512 tokens
+        pad = FLUX2_TEXT_TOKENS - context.shape[1]
+        context = nn.functional.pad(context, (0, 0, pad, 0))
     inputs = {"context": context, "y": adm_vector(name, base_model, pooled, size)}
     if is_flux(name) and FLUX_CONFIGS[name]["guidance_embed"]:
         inputs["guidance"] = torch.full((context.shape[0],), FLUX_GUIDANCE)

@@ -23,7 +23,12 @@ What is trained, in order:
    ComfyUI's CONST prediction turns back into the image), plain mean squared error. Its step count and
    learning rate are its own (``RECIPES``): a transformer step costs differently from a UNet step;
 4. ``ref-wan`` (``--models ref-wan``) likewise on moving clips of the same scenes (``data.render_clip``), on
-   the schedule ComfyUI samples Wan 2.1 with (``ModelSamplingDiscreteFlow``, shift 8; timestep 1000 sigma).
+   the schedule ComfyUI samples Wan 2.1 with (``ModelSamplingDiscreteFlow``, shift 8; timestep 1000 sigma);
+5. ``ref-qwen`` (``--models ref-qwen``) and ``ref-flux2`` (``--models ref-flux2``) as ``ref-flux``, each on the
+   schedule ComfyUI samples its family with (``ModelSamplingFlux`` at ``supported_models.QwenImage``'s shift
+   1.15, the same curve as the ModelSamplingAuraFlow 3.1 of ComfyUI's Qwen-Image workflow to within 2%; at
+   ``Flux2``'s shift 2.02); ``ref-qwen``'s scenes as one-frame 3-D latents, ``ref-flux2``'s prompt padded to
+   512 tokens, as ComfyUI feeds them.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ RECIPES = {
     "ref-flux": (2000, 1e-3),
     "ref-flux-deep": (2000, 1e-3),
     "ref-wan": (2000, 1e-3),
+    "ref-qwen": (2000, 1e-3),
+    "ref-flux2": (2000, 1e-3),
 }
 
 
@@ -96,9 +103,20 @@ def zero_start(name: str, diffusion_model) -> list[nn.Linear]:
     block starts as the identity."""
     if models.is_video(name):
         return [diffusion_model.head.head]
+    if models.is_qwen(name):  # Qwen-Image: the output projection and every modulation, as Flux
+        layers = [diffusion_model.proj_out, diffusion_model.norm_out.linear]
+        for block in diffusion_model.transformer_blocks:
+            layers += [block.img_mod[-1], block.txt_mod[-1]]
+        return layers
     if not models.is_flux(name):
         return [diffusion_model.out[-1]]
     layers = [diffusion_model.final_layer.linear, diffusion_model.final_layer.adaLN_modulation[-1]]
+    if models.is_flux2(name):  # Flux.2: one modulation per kind of block, shared by the blocks
+        return layers + [
+            diffusion_model.double_stream_modulation_img.lin,
+            diffusion_model.double_stream_modulation_txt.lin,
+            diffusion_model.single_stream_modulation.lin,
+        ]
     for block in diffusion_model.double_blocks:
         layers += [block.img_mod.lin, block.txt_mod.lin]
     return layers + [block.modulation.lin for block in diffusion_model.single_blocks]
@@ -112,7 +130,8 @@ def initial_weights(name: str, seed: int):
     with torch.no_grad():  # zero-started output: faster to train
         for layer in zero_start(name, base.diffusion_model):
             layer.weight.zero_()
-            layer.bias.zero_()
+            if layer.bias is not None:  # Flux.2's layers have none
+                layer.bias.zero_()
     return base, models.PromptEncoder(models.pooled_dim(name))
 
 
@@ -217,7 +236,7 @@ def train_model(name: str, args) -> dict:
         x_in, timestep, target, weight = noised_pair(flow, sigmas_table, t, x0, eps)
         if flow:
             timestep = base.model_sampling.timestep(timestep)
-        with autograd_safe(flow):
+        with autograd_safe(flow and not models.is_qwen(name)):  # Qwen-Image's blocks add out of place
             context, pooled = encoder(indices)
             predicted = base.diffusion_model(x_in, timestep, **models.model_inputs(name, base, context, pooled, size))
         loss = (weight * (predicted - target).square().flatten(1).mean(dim=1)).mean()
