@@ -227,6 +227,55 @@ def test_the_dit_schedule_spaces_its_full_steps_by_the_noise():
         NoiseSpacedSchedule(3, min_steps=-1)
 
 
+def test_the_noise_schedule_can_keep_its_first_and_last_steps_full():
+    """A UNet's schedule by the noise (measured for issue #37, not shipped): the first ``full_first`` and the last
+    ``full_end`` steps run in full, the last ones on top of one in N of the others, as the steps below
+    ``full_below``; the defaults keep the DiTs' plan."""
+    from tome_core.layer_reuse import NoiseSpacedSchedule
+
+    def pattern(steps, levels, **options):
+        plan = NoiseSpacedSchedule(**options).for_run(steps, levels)
+        return "".join("F" if plan.is_full(step, steps) else "." for step in range(steps))
+
+    # ComfyUI's "normal" sigmas of the SD schedule at 25 steps, rounded.
+    sd = [
+        *(14.615, 11.436, 9.077, 7.302, 5.949, 4.904, 4.086, 3.438, 2.918, 2.496, 2.149, 1.859, 1.616, 1.408),
+        *(1.228, 1.071, 0.932, 0.808, 0.695, 0.591, 0.494, 0.4, 0.306, 0.203, 0.029),
+    ]
+    assert pattern(25, sd, interval=3, full_first=2, full_end=3) == "FF.F..F..F..F...F..F..FFF"
+    assert pattern(25, sd, interval=3, full_first=2, full_end=4) == "FF..F..F..F...F...F..FFFF"
+    assert pattern(25, sd, interval=3.5, full_first=2, full_end=3).count("F") == math.ceil(22 / 3.5) + 3
+    assert pattern(30, WAN_SIGMAS_30, interval=3, full_first=1, full_end=0) == pattern(30, WAN_SIGMAS_30, interval=3)
+    assert pattern(25, sd, interval=3, full_first=30, full_end=30) == "F" * 25
+    with pytest.raises(ValueError, match="full_first"):
+        NoiseSpacedSchedule(3, full_first=0)
+    with pytest.raises(ValueError, match="full_end"):
+        NoiseSpacedSchedule(3, full_end=-1)
+
+
+def test_the_parabola_through_three_full_steps():
+    """``order`` 2 (measured for issue #37, not shipped): a reusing call follows the parabola through the last three
+    full steps' features (exact on a feature quadratic in the position), moved ``extrapolate`` of the way from
+    the last one."""
+    from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
+
+    def feature_at(x):
+        return torch.full((1, 2, 3, 3), 1.0 + 2.0 * x - 0.5 * x * x)
+
+    entry_run = LayerReuseRun(IntervalSchedule(1), steps=6, layers=1, extrapolate=1.0)
+    entry_run.order = 2
+    for step in range(3):
+        entry_run.begin_call(step, "a")
+        entry_run.run_layer(0, lambda step=step: feature_at(step), (), {})
+        entry_run.end_call()
+    entry = entry_run.entries["a"]
+    assert len(entry.outputs) == 3  # order 1 keeps two
+    assert torch.allclose(entry.predict(4.0, 1.0, order=2), feature_at(4.0))
+    last = feature_at(2.0)
+    assert torch.allclose(entry.predict(4.0, 0.5, order=2), last + 0.5 * (feature_at(4.0) - last))
+    assert torch.allclose(entry.predict(4.0, 1.0, order=1), torch.lerp(feature_at(1.0), last, 3.0))
+
+
 def test_step_order_schedule_and_layout_changes_compute_in_full():
     from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
 

@@ -146,9 +146,19 @@ class NoiseSpacedSchedule:
     interval: int
     short_run: int = 25
     min_steps: int = 10
+    # Steps at the start and at the end that are always full, whatever the noise says. A DiT's first step alone
+    # (its flow noise falls slowly at first); a UNet's first two (a line to extrapolate on from the first reusing
+    # step) and its last ones (the finest detail: the steps whose error the sampler carries into the picture most,
+    # their noise falling by the largest fractions). The end's steps come on top of the one in ``interval``.
+    full_first: int = 1
+    full_end: int = 0
 
     def __post_init__(self):
         _check_run_rules(self)
+        if self.full_first < 1 or self.full_end < 0:
+            raise ValueError(
+                f"full_first must be from 1 up and full_end from 0 up, got {self.full_first!r}, {self.full_end!r}"
+            )
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
         """The full steps of a run of ``steps`` at ``noise_levels`` (one per step, falling; None or another count:
@@ -160,10 +170,11 @@ class NoiseSpacedSchedule:
         levels = [math.log(max(float(v), MIN_NOISE_LEVEL)) for v in noise_levels]
         interval = min(self.interval, 2) if steps < self.short_run else self.interval
         low_noise = {step for step, level in enumerate(noise_levels) if level < full_below}
+        low_noise |= set(range(max(steps - self.full_end, 0), steps))
         # One in ``interval`` of the steps the host lets reuse; the ones it runs in full come on top (counted
         # against them, they left Wan's first 23 of 30 steps one full step with UniPC at shift 3: SSIM 0.862).
         budget = math.ceil((steps - len(low_noise)) / interval) + len(low_noise)
-        forced = {0} | low_noise
+        forced = set(range(min(self.full_first, steps))) | low_noise
         tight, loose = 0.0, max(levels[0] - min(levels), 0.0) + 1.0  # loose: no step but the forced ones
         full = forced
         for _ in range(48):  # bisection: the fewest-noise spacing with at most ``budget`` full steps
@@ -336,7 +347,7 @@ class _Entry:
     # Both kept out of a compiled graph (torch.compile of the UNet): they compare and weigh the noise levels, which
     # a graph would take as constants and compile again at every step.
     @torch.compiler.disable
-    def record(self, position: float, output: torch.Tensor, compact: bool = False) -> None:
+    def record(self, position: float, output: torch.Tensor, compact: bool = False, keep: int = 2) -> None:
         if self.outputs and self.outputs[-1][0] == position:  # the same step again (another call of this layout)
             self.outputs.pop()
             self.slope = None
@@ -346,11 +357,20 @@ class _Entry:
             self.outputs = [(position, output)]
             return
         self.slope = None
-        self.outputs = (self.outputs + [(position, output)])[-2:]
+        self.outputs = (self.outputs + [(position, output)])[-keep:]
 
     @torch.compiler.disable
-    def predict(self, position: float, extrapolate: float) -> torch.Tensor:
+    def predict(self, position: float, extrapolate: float, order: int = 1) -> torch.Tensor:
         last_position, last = self.outputs[-1]
+        if order == 2 and extrapolate and len(self.outputs) >= 3 and self.slope is None:
+            # The parabola through the last three records, moved ``extrapolate`` of the way from the last one.
+            (xa, a), (xb, b), (xc, c) = self.outputs[-3:]
+            x = position
+            la = (x - xb) * (x - xc) / ((xa - xb) * (xa - xc))
+            lb = (x - xa) * (x - xc) / ((xb - xa) * (xb - xc))
+            lc = (x - xa) * (x - xb) / ((xc - xa) * (xc - xb))
+            curve = a * la + b * lb + c * lc
+            return torch.lerp(c, curve, extrapolate)
         if self.slope is not None:
             if not extrapolate:
                 return last
@@ -358,7 +378,7 @@ class _Entry:
             return last + self.slope.unpacked(last.dtype) * (extrapolate * ahead)
         if not extrapolate or len(self.outputs) < 2:
             return last
-        first_position, first = self.outputs[0]
+        first_position, first = self.outputs[-2]
         ahead = (position - last_position) / (last_position - first_position)
         return torch.lerp(first, last, 1.0 + extrapolate * ahead)
 
@@ -420,6 +440,7 @@ class LayerReuseRun:
         self.steps = steps
         self.layers = layers  # how many inner layers there are; the last one is the boundary
         self.extrapolate = extrapolate
+        self.order = 1  # 2: the prediction follows the parabola through the last three full steps
         self.entries: dict[object, _Entry] = {}
         self.current: _Call | None = None
         self.last_step = -1
@@ -482,7 +503,7 @@ class LayerReuseRun:
             spec = call.entry.shapes[index]
             if not boundary:
                 return _zeros_like_spec(spec)
-            predicted = call.entry.predict(call.position, self.extrapolate)
+            predicted = call.entry.predict(call.position, self.extrapolate, self.order)
             return predicted if isinstance(spec[0], tuple) else spec[0]((predicted,))
         out = forward(*args, **kwargs)
         call.entry.shapes[index] = _spec_of(out)
@@ -492,7 +513,7 @@ class LayerReuseRun:
                 call.entry.shapes.pop(index)
             else:
                 # A copy: the host may add to its output in place (ControlNet).
-                call.entry.record(call.position, feature.detach().clone())
+                call.entry.record(call.position, feature.detach().clone(), keep=self.order + 1)
                 call.entry.step = call.step
         return out
 
@@ -629,6 +650,7 @@ class LayerReuse:
         self.schedule = schedule
         self.layers = layers  # how many inner layers there are; the last one is the boundary
         self.extrapolate = extrapolate
+        self.order = 1  # see ``LayerReuseRun.order``
         self._current: LayerReuseRun | None = None
 
     def __deepcopy__(self, memo):
@@ -643,6 +665,7 @@ class LayerReuse:
         schedule = self.schedule.for_run(steps, noise_levels, full_below)
         run = LayerReuseRun(schedule, steps, self.layers, self.extrapolate)
         run.full_below = full_below
+        run.order = self.order
         return run
 
     def begin_call(self, run: LayerReuseRun, step: int | None, key: object, allowed=True, position=None) -> bool:

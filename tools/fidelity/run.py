@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import time
@@ -278,30 +279,87 @@ def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
         (3, {"full_end": 4, "short_run": 25, "todo": 2.0}),
         (3, {"full_end": 3, "short_run": 25, "full_start": 0.24, "todo": 2.0}),
         (3, {"full_end": 3, "short_run": 25, "extrapolate": 0.25, "todo": 2.0}),
+        # Issue #37: fewer full steps (about 10 of 25 for 2x on SD1.5, 12 on SDXL). The interval schedule with a
+        # shorter start and one in four between; the steps spaced by the logarithm of the noise (the DiTs'
+        # schedule) with the first two and the last few full; the line over log sigma.
+        (4, {"full_start": 0.12, "full_end": 3, "short_run": 25, "todo": 2.0}),
+        (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "todo": 2.0}),
+        (3.5, {"kind": "noise", "full_first": 2, "full_end": 3, "todo": 2.0}),
+        (3, {"kind": "noise", "full_first": 2, "full_end": 3, "todo": 2.0}),
+        (3, {"kind": "noise", "full_first": 2, "full_end": 4, "todo": 2.0}),
+        (4, {"full_start": 0.12, "full_end": 3, "short_run": 25, "by_sigma": "log", "todo": 2.0}),
+        (3.5, {"kind": "noise", "full_first": 2, "full_end": 3, "by_sigma": "log", "todo": 2.0}),
+        # The parabola through the last three full steps; other reaches of the line.
+        (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "order": 2, "todo": 2.0}),
+        (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "order": 2, "extrapolate": 1.0, "todo": 2.0}),
+        (4, {"full_start": 0.12, "full_end": 3, "short_run": 25, "order": 2, "todo": 2.0}),
+        (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "extrapolate": 0.75, "todo": 2.0}),
+        (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "extrapolate": 0.35, "todo": 2.0}),
+        (3, {"kind": "noise", "full_first": 2, "full_end": 4, "order": 2, "todo": 2.0}),
+        (3, {"kind": "noise", "full_first": 3, "full_end": 4, "todo": 2.0}),
+        # Samplers the shipped rule stands reuse down for (DPM++ 2M, Karras sigmas): measured with
+        # ``--any-sampler --sampler dpmpp_2m --scheduler karras``; the shipped schedule, the low-noise calls in full
+        # (as with UniPC on the DiTs), the schedule by the noise.
+        (3, {"any_sigmas": True, "full_end": 4, "short_run": 25, "min_steps": 10, "todo": 2.0}),
+        (3, {"any_sigmas": True, "full_end": 4, "short_run": 25, "min_steps": 10, "full_below": 0.5, "todo": 2.0}),
+        (3, {"any_sigmas": True, "full_end": 4, "short_run": 25, "min_steps": 10, "full_below": 1.0, "todo": 2.0}),
+        (3, {"any_sigmas": True, "kind": "noise", "full_first": 2, "full_end": 4, "todo": 2.0}),
+        (3, {"any_sigmas": True, "kind": "noise", "full_first": 2, "full_end": 4, "full_below": 0.5, "todo": 2.0}),
+        (3, {"any_sigmas": True, "full_start": 0.3, "full_end": 4, "short_run": 25, "min_steps": 10, "todo": 2.0}),
     )
     for interval, changes in changed:
         name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
-        rows.append(FidelityRow(name, "ours", layer_reuse_variant(interval, **changes), settings=changes))
+        rows.append(FidelityRow(name, "ours", *layer_reuse_variant_hooks(interval, **changes), settings=changes))
     return rows
 
 
-def layer_reuse_variant(interval: int, extrapolate=0.5, outer=1, by_sigma=True, todo=1.0, **schedule) -> Callable:
+def layer_reuse_variant_hooks(interval, any_sigmas=False, **changes) -> tuple:
+    """``layer_reuse_variant``'s patch, with ``enter`` / ``leave`` that let reuse run on any sigmas
+    (``any_sigmas``: Karras sigmas too, which the shipped rule stands reuse down on)."""
+    patch = layer_reuse_variant(interval, **changes)
+    if not any_sigmas:
+        return (patch,)
+    from tome_core.hosts.comfyui import layer_reuse as layer_reuse_hooks
+
+    kept = layer_reuse_hooks.schedule_name
+
+    def enter():
+        layer_reuse_hooks.schedule_name = lambda guider, sigmas: None
+
+    def leave():
+        layer_reuse_hooks.schedule_name = kept
+
+    return patch, enter, leave
+
+
+def layer_reuse_variant(
+    interval, extrapolate=0.5, outer=1, by_sigma=True, todo=1.0, kind="interval", order=1, full_below=None, **schedule
+) -> Callable:
     """Layer reuse with engine defaults overridden (the variants the setting's defaults were chosen from), after
-    ToDo at factor ``todo`` (1: none)."""
+    ToDo at factor ``todo`` (1: none). ``kind`` "noise": the full steps spaced by the logarithm of the noise
+    (``NoiseSpacedSchedule``, the DiTs' schedule; ``interval`` may be fractional there), else the interval
+    schedule; ``by_sigma`` "log": the line drawn over log sigma."""
     from tome_core.hosts.comfyui import layer_reuse as layer_reuse_hooks
     from tome_core.hosts.shared.model_patcher import patched_clone
-    from tome_core.layer_reuse import IntervalSchedule
+    from tome_core.layer_reuse import IntervalSchedule, NoiseSpacedSchedule
     from tome_core.schedule import NoiseRange
 
     def patch(model):
         everywhere = NoiseRange(0.0, 1.0, lambda p: p)
         todo_only = PatchSettings(method="todo", downsample_factor=todo, skip_when_slower=False)
         clone = patched_clone(model, todo_only, lambda p: p) if todo != 1.0 else model.clone()
-        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=interval)
+        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=math.ceil(interval))
         # A variant changes the schedule its rows were measured against: the last two steps full and no short-run
         # or few-steps rule (docs/step-reuse.md, "before"); it names any other value.
-        schedule_ = IntervalSchedule(interval, **{"short_run": 0, "full_end": 2, "min_steps": 0, **schedule})
-        layer_reuse_hooks.install(clone, settings, everywhere, extrapolate, outer, schedule_, by_sigma)
+        if kind == "noise":  # the shipped short-run and few-steps rules unless named
+            schedule_ = NoiseSpacedSchedule(interval, **schedule)
+        else:
+            schedule_ = IntervalSchedule(interval, **{"short_run": 0, "full_end": 2, "min_steps": 0, **schedule})
+        layer_reuse_hooks.install(clone, settings, everywhere, extrapolate, outer, schedule_, by_sigma, order)
+        if full_below is not None:  # every call below this sigma in full, in place of the sampler's rule
+            hooks = clone.injections[layer_reuse_hooks.INJECTION_KEY][0].hooks
+            new_run = hooks.new_run
+            hooks.new_run = lambda steps, levels=None, _rule=0.0: new_run(steps, levels, full_below)
         return clone
 
     return patch

@@ -14,11 +14,13 @@ skip connections, ControlNet residuals and block patches run as they are. Per sa
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 from ...layer_reuse import (
     DEFAULT_EXTRAPOLATE,
+    MIN_NOISE_LEVEL,
     OUTER_BLOCKS,
     IntervalSchedule,
     LayerReuse,
@@ -99,7 +101,10 @@ class LayerReuseHooks(LayerReuse):
         step = step_of(sigmas, sigma)
         layout = tuple(str(u) for u in transformer_options.get("uuids") or ())
         key = (layout, tuple(x.shape), x.dtype)
-        position = sigma if self.by_sigma else None
+        # The line over the sigmas (True), over their logarithm ("log"), or over the steps (False).
+        position = None
+        if self.by_sigma:
+            position = math.log(max(sigma, MIN_NOISE_LEVEL)) if self.by_sigma == "log" else sigma
         allowed = self.noise_range.contains(sigma) and sigma >= run.full_below
         self.begin_call(run, step, key, allowed=allowed, position=position)
         try:
@@ -155,7 +160,14 @@ class LayerInjection:
 
 
 def install(
-    clone, settings, noise_range, extrapolate=DEFAULT_EXTRAPOLATE, outer=OUTER_BLOCKS, schedule=None, by_sigma=True
+    clone,
+    settings,
+    noise_range,
+    extrapolate=DEFAULT_EXTRAPOLATE,
+    outer=OUTER_BLOCKS,
+    schedule=None,
+    by_sigma=True,
+    order=1,
 ) -> bool:
     """Give ``clone`` layer reuse at ``settings.reuse_interval``; False where it cannot (left as it is).
 
@@ -168,6 +180,7 @@ def install(
         return False  # a patcher without wrappers or injections (Forge): the WebUI script runs it there
     schedule = IntervalSchedule(settings.reuse_interval) if schedule is None else schedule
     hooks = LayerReuseHooks(schedule, len(layers), noise_range, extrapolate, by_sigma)
+    hooks.order = order
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)
     clone.set_injections(INJECTION_KEY, [LayerInjection(hooks, layers)])
