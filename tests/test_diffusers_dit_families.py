@@ -14,13 +14,13 @@ import pytest
 import torch
 from hosts import diffusers_dit_host as D
 from test_diffusers import module_snapshot
+from test_diffusers_dit import counting_runs
 
 import tome_core
 from tome_core.hosts.diffusers import dit_attention, dit_reuse, pipeline_patch
 from tome_core.layer_reuse import (
     DIT_AUTO_INTERVALS,
     DIT_AUTO_INTERVALS_OTHER,
-    LayerReuseRun,
     NoiseSpacedSchedule,
     dit_auto_schedule,
 )
@@ -78,19 +78,6 @@ def snapshot(pipe):
         *module_snapshot(pipe.transformer),
         [type(getattr(m, "processor", None)) for m in pipe.transformer.modules()],
     )
-
-
-def counting_runs(monkeypatch) -> list:
-    """Every LayerReuseRun made from now on (a run drops its cache after its last step, not its counts)."""
-    runs = []
-    made = LayerReuseRun.__init__
-
-    def record(self, *args, **kwargs):
-        made(self, *args, **kwargs)
-        runs.append(self)
-
-    monkeypatch.setattr(LayerReuseRun, "__init__", record)
-    return runs
 
 
 def patched_run(pipe, steps: int = 12, **settings) -> torch.Tensor:
