@@ -33,12 +33,10 @@ from ...layer_reuse import (
     LayerReuseRun,
     NoiseSpacedSchedule,
     SkippableLayer,
-    attach_forwards,
-    detach_forwards,
     dit_extrapolate,
 )
 from .dit import class_names
-from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerReuseHooks
+from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerInjection, LayerReuseHooks
 
 log = logging.getLogger("tome_patch")
 
@@ -278,28 +276,10 @@ def install(clone, settings, noise_range, outer=DIT_OUTER_BLOCKS, schedule=None,
     else:
         lists = dict(layout.lists)
         modules = [getattr(diffusion_model, lists[block_type])[index] for block_type, index in span]
-        clone.set_injections(INJECTION_KEY, [SpanInjection(hooks, modules)])
+        clone.set_injections(INJECTION_KEY, [LayerInjection(hooks, modules, SpanForward)])
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)
     return True
-
-
-class SpanInjection:
-    """ComfyUI's PatcherInjection for a family without a block hook: ``inject`` gives every span block our
-    ``forward`` (``SpanForward``), ``eject`` removes it; the blocks then compute exactly as before."""
-
-    def __init__(self, hooks: DitReuseHooks, modules: list):
-        self.hooks = hooks
-        self.modules = modules
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def inject(self, patcher) -> None:
-        attach_forwards(self.hooks, self.modules, SpanForward)
-
-    def eject(self, patcher) -> None:
-        detach_forwards(self.modules, lambda owner: owner is self.hooks)
 
 
 class SpanForward(SkippableLayer):

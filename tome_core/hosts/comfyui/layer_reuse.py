@@ -143,17 +143,19 @@ def schedule_name(guider, sigmas) -> str | None:
 
 
 class LayerInjection:
-    """ComfyUI's PatcherInjection: ``inject`` gives every inner layer our ``forward``, ``eject`` removes it."""
+    """ComfyUI's PatcherInjection: ``inject`` gives every inner layer our ``forward`` (a ``SkippableLayer``, or
+    ``forward_class``: a DiT's span blocks), ``eject`` removes it; the layers then compute exactly as before."""
 
-    def __init__(self, hooks: LayerReuseHooks, layers: list):
+    def __init__(self, hooks: LayerReuseHooks, layers: list, forward_class=None):
         self.hooks = hooks
         self.layers = layers
+        self.forward_class = forward_class
 
     def __deepcopy__(self, memo):
         return self
 
     def inject(self, patcher) -> None:
-        attach_forwards(self.hooks, self.layers)
+        attach_forwards(self.hooks, self.layers, self.forward_class)
 
     def eject(self, patcher) -> None:
         detach_forwards(self.layers, lambda owner: owner is self.hooks)
