@@ -224,6 +224,11 @@ class StepCountSchedule:
     def interval(self, steps: int) -> int:
         return [interval for start, interval in self.intervals if start <= steps][-1]
 
+    def describe(self) -> str:
+        """For the log: ``((0, 3), (40, 4))`` as "every 3 (every 4 from 40 steps)"."""
+        later = [f"every {interval} from {start} steps" for start, interval in self.intervals[1:]]
+        return f"every {self.intervals[0][1]}" + (f" ({', '.join(later)})" if later else "")
+
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
         return NoiseSpacedSchedule(self.interval(steps)).for_run(steps, noise_levels, full_below)
 
@@ -231,13 +236,6 @@ class StepCountSchedule:
 def dit_auto_schedule(family: str) -> StepCountSchedule:
     """The schedule ``dit_settings`` "auto" runs on ``family`` (``DIT_AUTO_INTERVALS``)."""
     return StepCountSchedule(DIT_AUTO_INTERVALS.get(family, DIT_AUTO_INTERVALS_OTHER))
-
-
-def describe_intervals(intervals) -> str:
-    """``((0, 3), (40, 4))`` as "every 3 (every 4 from 40 steps)"."""
-    words = f"every {intervals[0][1]}"
-    later = [f"every {interval} from {start} steps" for start, interval in intervals[1:]]
-    return words + (f" ({', '.join(later)})" if later else "")
 
 
 MIN_NOISE_LEVEL = 1e-4  # a last call at noise 0 (none of the hosts' schedules has one) counts as this

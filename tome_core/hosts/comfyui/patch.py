@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from ...layer_reuse import DIT_AUTO_INTERVALS, DIT_AUTO_INTERVALS_OTHER, describe_intervals, dit_auto_schedule
+from ...layer_reuse import dit_auto_schedule
 from ...schedule import NoiseRange
 from ...settings import SPECS
 from ..shared import model_patcher
@@ -65,14 +65,13 @@ def _patch_dit(model, settings, percent_to_sigma):
     name = layout.family if layout is not None else family.name
     schedule = None
     if settings.dit_settings == "auto":
-        intervals = DIT_AUTO_INTERVALS.get(name, DIT_AUTO_INTERVALS_OTHER)
         schedule = dit_auto_schedule(name) if layout is not None else None
         log.info(
             "ToMe Patch: %s (%s) with dit_settings auto: %s, no ToDo (set dit_settings to 'as set' to use the "
             "other inputs).",
             name,
             dit.describe(diffusion_model),
-            f"reuse across steps {describe_intervals(intervals)}"
+            f"reuse across steps {schedule.describe()}"
             if schedule is not None
             else f"nothing to do ({dit_reuse.why_not(diffusion_model)})",
         )

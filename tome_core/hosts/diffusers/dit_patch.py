@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from ...layer_reuse import DIT_AUTO_INTERVALS, DIT_AUTO_INTERVALS_OTHER, describe_intervals, dit_auto_schedule
+from ...layer_reuse import dit_auto_schedule
 from ...settings import SPECS, PatchSettings
 from . import dit_attention, dit_reuse
 from .step_range import StepRange, flow_timestep_of_percent
@@ -67,7 +67,7 @@ def family_settings(
         log.info(
             "ToMe Patch: %s with dit_settings 'auto': reuse across steps %s%s.",
             label or family,
-            describe_intervals(DIT_AUTO_INTERVALS.get(family, DIT_AUTO_INTERVALS_OTHER)),
+            schedule.describe(),
             "" if validated.downsample_factor > 1 else ", no ToDo",
         )
     return validated, schedule
