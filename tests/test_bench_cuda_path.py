@@ -32,6 +32,7 @@ def gpu_table(tmp_path_factory):
     command = [sys.executable, "-m", "tools.bench.gpu", "--device", "cpu", "--configs", "tiny:64"]
     command += ["--steps", str(STEPS), "--repeats", "1", "--max-minutes", "0", "--out", str(out)]
     command += ["--dit-models", "tiny-flux", "--dit-depth", "cut", "--dit-rounds", "1"]
+    command += ["--samplers", "dpmpp_2m:karras", "--dit-whole", "tiny-qwen-image", "--dit-whole-minutes", "5"]
     command += ["--breakeven", "sd15", "--breakeven-sides", "4,8", "--breakeven-repeats", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
@@ -53,6 +54,9 @@ def test_gpu_table_rows_have_time_memory_and_calls(gpu_table):
         "EasyCache 0.2 (its default)",
         "unpatched (ldm UNet)",
         "tomesd 0.5",
+        "unpatched, DPM++ 2M Karras",
+        "ours default, DPM++ 2M Karras",
+        "EasyCache 0.2, DPM++ 2M Karras",
     }
     for name, row in rows.items():
         assert row["median_s"] > 0 and row["speedup"] > 0, name
@@ -70,14 +74,29 @@ def test_gpu_table_rows_have_time_memory_and_calls(gpu_table):
     assert rows["ours ToDo 2"]["reusing_calls"] == 0 and rows["ours ToMe block 0.5 levels<=2"]["reusing_calls"] == 0
     assert all(row["skipped_calls"] == 0 for name, row in rows.items() if not name.startswith("EasyCache"))
     assert 0 <= rows["EasyCache 0.2 (its default)"]["skipped_calls"] < STEPS
+    # Full steps: every step where nothing is reused or skipped; fewer with reuse.
+    assert rows["unpatched"]["full_steps"] == STEPS and rows["ours ToDo 2"]["full_steps"] == STEPS
+    default = rows["ours default (ToDo 2 + reuse every 3)"]
+    assert default["full_steps"] == STEPS - default["reusing_calls"] < STEPS
+    # Another sampler: its rows run it and are paired with its own unpatched run; the default's reuse stands down
+    # on DPM++ 2M with Karras sigmas (measured to lose the picture), so every step is full.
+    dpm = {name: row for name, row in rows.items() if name.endswith("DPM++ 2M Karras")}
+    assert all(
+        row["sampler"] == ["dpmpp_2m", "karras"] and row["host"] == "comfy dpmpp_2m karras" for row in dpm.values()
+    )
+    assert rows["unpatched"]["sampler"] == ["euler", "normal"]
+    assert rows["unpatched, DPM++ 2M Karras"]["deviation"] == 0.0
+    assert rows["ours default, DPM++ 2M Karras"]["reusing_calls"] == 0
+    assert rows["ours default, DPM++ 2M Karras"]["full_steps"] == STEPS
     # The table: a time and a memory column on every row, "-" where a figure does not exist on this device.
     table = (out / "gpu-table.md").read_text()
-    assert "| model, px | row | s / run | speed-up | peak MiB | peak total MiB |" in table
+    assert "| model, px | row | s / run | speed-up | full steps | peak MiB | peak total MiB |" in table
     for name in rows:
         line = next(line for line in table.splitlines() if line.startswith(f"| tiny 64 | {name} |"))
         cells = [cell.strip() for cell in line.split("|")[1:-1]]
         assert re.fullmatch(r"\d+\.\d\d( ± \d+%)?", cells[2]), line
-        assert re.fullmatch(r"\d+|-", cells[4]) and cells[5] == "-", line
+        assert re.fullmatch(r"\d+", cells[4]) and int(cells[4]) == rows[name]["full_steps"], line
+        assert re.fullmatch(r"\d+|-", cells[5]) and cells[6] == "-", line
 
 
 def test_gpu_table_machine_block_and_reliability_line(gpu_table):
@@ -102,6 +121,27 @@ def test_gpu_table_machine_block_and_reliability_line(gpu_table):
     assert {"peak_mib", "peak_total_mib"} <= set(flux["rows"]["ToDo 2"])
     breakeven = json.loads((out / "breakeven-sd15.json").read_text())
     assert set(breakeven) == {"4", "8"} and breakeven["8"]["off"] > 0
+
+
+def test_gpu_table_whole_dit_runs(gpu_table):
+    """--dit-whole: whole ComfyUI runs of a DiT through the node's own patch, unpatched timed before and after."""
+    out, _, result = gpu_table
+    [entry] = result["dit_whole"]["models"]
+    assert entry["model"] == "tiny-qwen-image" and entry["steps"] == 12 and result["dit_whole"]["skipped"] == []
+    rows = {row["row"]: row for row in entry["rows"]}
+    assert list(rows) == ["unpatched", "ours default (dit_settings auto)", "ours every 3", "ours every 6"]
+    unpatched = rows["unpatched"]
+    assert unpatched["seconds"] > 0 and unpatched["seconds_again"] > 0 and unpatched["deviation"] == 0.0
+    # CFG 4 with prompt and negative of one length: one call of batch 2 per step, every block in each.
+    assert unpatched["model_calls"] == 12 and unpatched["full_steps"] == 12
+    for name in ("ours default (dit_settings auto)", "ours every 3", "ours every 6"):
+        row = rows[name]
+        assert row["model_calls"] == 12 and row["full_steps"] < 12, name
+        assert 0 < row["deviation"] < 1 and row["speedup"] > 0, name
+    assert rows["ours default (dit_settings auto)"]["settings"] == {"dit_settings": "auto"}
+    table = (out / "gpu-table.md").read_text()
+    assert "## Whole DiT runs" in table and "EasyCache is not timed" in table
+    assert (out / "dit-whole.md").exists()
 
 
 class FakeEvent:

@@ -15,25 +15,30 @@ estimate allows, as for a user; the batch column says what it did):
   applies it;
 - ComfyUI's built-in TomePatchModel 0.5 and EasyCache at its defaults (reuse_threshold 0.2, 15-95% of the
   steps), each applied through its node class;
+- for each sampler of ``--samplers`` (DPM++ 2M on Karras sigmas, the WebUI's default, and Euler ancestral):
+  unpatched, the node's defaults and EasyCache at its defaults with that sampler, each paired with the unpatched
+  run of its own sampler;
 - SD1.x only: tomesd 0.5 on the WebUI's ldm UNet with the same weights (swapped in by an object patch, so the
   same sampler drives it), paired with that ldm UNet unpatched (ldm cannot build SDXL, which the WebUI runs on
   sgm, so tomesd has no SDXL row).
-First one unpatched 2-step run; then each row once, untimed: a 2-step run (first-call costs, kernel selection)
-and a whole run, which gives its peak memory (the allocator's peak above what was allocated before the run,
-and in all), its model calls (full, reusing, skipped by EasyCache; their batch), its cost per full and per
-reusing step, and its final latent's deviation from its own unpatched run (relative L2; random weights: a
-proxy). Then the rows are timed in A/B pairs beside their own unpatched row (``tools/bench/pairs.py``; on a GPU
-each run is timed with CUDA events), ``--repeats`` pairs at least, more while a speed-up's spread is above
-``--spread`` and the time lasts; the verdict of ``tools/bench/verdict.py`` writes the reliability line above
-the table. Each run loads its model as ComfyUI does when a graph's model changes (no weights are patched).
-Then ToDo on Flux at 1024 px with all its blocks in bf16 (``tools/bench/dit/todo.py --full-depth``), and the
-break-even of each method per token count on one transformer block of SD1.5 and SDXL
-(``tools/bench/unet/breakeven.py``): where a reduction starts to pay on this GPU, against the thresholds of
-``skip_when_slower`` (``tome_core/cost.py``).
+First one unpatched 2-step run; then each row once, untimed: a 2-step run (first-call costs, kernel selection) and a
+whole run, which gives its peak memory (the allocator's peak above what was allocated before the run, and in all),
+its model calls (full, reusing, skipped by EasyCache; their batch), the steps it computed in full, its cost per full
+and per reusing step, and its final latent's deviation from its own unpatched run (relative L2; random weights: a
+proxy). Then the rows are timed in A/B pairs beside their own unpatched row (``tools/bench/pairs.py``; on a GPU each
+run is timed with CUDA events), ``--repeats`` pairs at least, more while a speed-up's spread is above ``--spread``
+and the time lasts; the verdict of ``tools/bench/verdict.py`` writes the reliability line above the table. Each run
+loads its model as ComfyUI does when a graph's model changes (no weights are patched).
+Then ToDo on Flux at 1024 px with all its blocks in bf16 (``tools/bench/dit/todo.py --full-depth``); with
+``--dit-whole``, whole runs of full-depth DiTs (Flux.2, Qwen-Image, Wan, HunyuanVideo 1.5) unpatched, with the
+node's defaults and with two reuse intervals (``tools/bench/dit/whole.py``); and the break-even of each method per
+token count on one transformer block of SD1.5 and SDXL (``tools/bench/unet/breakeven.py``): where a reduction starts
+to pay on this GPU, against the thresholds of ``skip_when_slower`` (``tome_core/cost.py``).
 
 Outputs in ``--out`` (``results/gpu/``): ``gpu-table.md`` (everything, also printed) and ``gpu-table.json``,
-rewritten after each part so that a stopped run keeps what it measured; ``dit.md``/``.json`` and
-``breakeven-<model>.json`` beside them. The same code runs on the CPU (``--device cpu``, the tests' tiny case).
+rewritten after each part so that a stopped run keeps what it measured; ``dit.md``/``.json``,
+``dit-whole.md``/``.json`` and ``breakeven-<model>.json`` beside them. The same code runs on the CPU (``--device
+cpu``, the tests' tiny case).
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ from .measure import relative_l2
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = "sd15:512,sd15:768,sd15:1024,sdxl:1024"
 EASYCACHE_DEFAULTS = {"reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
+SAMPLERS = "dpmpp_2m:karras,euler_ancestral:normal"  # beside the table's Euler on the normal schedule
+SAMPLER_WORDS = {"dpmpp_2m": "DPM++ 2M", "euler_ancestral": "Euler a", "dpmpp_2m_sde": "DPM++ 2M SDE"}
 BREAKEVEN_SIDES = "16,24,32,40,48,56,64,80,96,128"
 BREAKEVEN_SHAPES = {"sd15": "sd15", "sdxl": "sdxl", "tiny": "sd15", "tiny-xl": "sdxl"}
 # Minutes set aside for the parts after the UNet table (on an H200: Flux 0.4, SD1.5's break-even about 1.3, SDXL's
@@ -81,8 +88,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-minutes", type=float, default=20.0, help="time for the whole command")
     parser.add_argument("--busy-limit", type=float, default=bench_load.BUSY_LIMIT_CORES)
     parser.add_argument("--only", default="", help="keep only rows whose name contains one of these (comma list)")
+    parser.add_argument(
+        "--samplers", default=SAMPLERS, help="sampler:scheduler pairs with rows of their own ('' for none)"
+    )
     parser.add_argument("--dit-models", default="flux", help="models of tools.bench.dit ('' for none)")
     parser.add_argument("--dit-dtype", default="bf16", choices=["fp32", "fp16", "bf16"])
+    parser.add_argument(
+        "--dit-whole",
+        default="",
+        help="models of tools.bench.dit.whole: whole DiT runs, after the UNets (e.g. flux2,qwen-image,wan)",
+    )
+    parser.add_argument("--dit-whole-minutes", type=float, default=5.0, help="time set aside for --dit-whole")
     parser.add_argument("--dit-rounds", type=int, default=3)
     parser.add_argument("--dit-depth", default="full", choices=["full", "cut"], help="cut: the CPU benchmark's blocks")
     parser.add_argument("--breakeven", default="sd15,sdxl", help="blocks of tools.bench.unet.breakeven ('' for none)")
@@ -117,9 +133,10 @@ class WholeRow:
 
     name: str
     group: str  # "unpatched", "ours" or "peer"
-    host: str  # "comfy" or "ldm": which unpatched row it is paired with
+    host: str  # "comfy", "ldm" or "comfy <sampler>": which unpatched row it is paired with
     model: object
     settings: dict = field(default_factory=dict)
+    sampler: tuple[str, str] = ("euler", "normal")  # ComfyUI's sampler and scheduler
     enter: object = None
     leave: object = None
 
@@ -134,8 +151,26 @@ class WholeRow:
         return False
 
 
-def table_rows(bench, size: tuple[int, int], only: str) -> list[WholeRow]:
-    """The rows for one model (``speed.Bench``: the patcher, the ldm UNet, the levels) at one size."""
+def parse_samplers(text: str) -> list[tuple[str, str]]:
+    """'dpmpp_2m:karras,euler_ancestral' -> [('dpmpp_2m', 'karras'), ('euler_ancestral', 'normal')]."""
+    pairs = []
+    for part in (p.strip() for p in text.split(",")):
+        if part:
+            sampler, _, scheduler = part.partition(":")
+            pairs.append((sampler, scheduler or "normal"))
+    return pairs
+
+
+def sampler_words(sampler: tuple[str, str]) -> str:
+    """('dpmpp_2m', 'karras') -> 'DPM++ 2M Karras'."""
+    name, scheduler = sampler
+    words = SAMPLER_WORDS.get(name, name)
+    return words if scheduler == "normal" else f"{words} {scheduler.capitalize()}"
+
+
+def table_rows(bench, size: tuple[int, int], only: str, samplers=()) -> list[WholeRow]:
+    """The rows for one model (``speed.Bench``: the patcher, the ldm UNet, the levels) at one size; ``samplers``:
+    (sampler, scheduler) pairs that get an unpatched, a default and an EasyCache row of their own."""
     from comfy_extras.nodes_easycache import EasyCacheNode
     from comfy_extras.nodes_tomesd import TomePatchModel
 
@@ -145,9 +180,13 @@ def table_rows(bench, size: tuple[int, int], only: str) -> list[WholeRow]:
     patcher = bench.patcher
     percent_to_sigma = patcher.get_model_object("model_sampling").percent_to_sigma
 
-    def ours(name: str, **values) -> WholeRow:
+    def ours(name: str, host: str = "comfy", sampler=("euler", "normal"), **values) -> WholeRow:
         clone = patched_unet(patcher, PatchSettings.from_values(**values), percent_to_sigma)
-        return WholeRow(name, "ours", "comfy", clone, dict(values))
+        return WholeRow(name, "ours", host, clone, dict(values), sampler=sampler)
+
+    def easycache(name: str, host: str = "comfy", sampler=("euler", "normal")) -> WholeRow:
+        model = EasyCacheNode.execute(model=patcher, **EASYCACHE_DEFAULTS).result[0]
+        return WholeRow(name, "peer", host, model, dict(EASYCACHE_DEFAULTS), sampler=sampler)
 
     default = PatchSettings()
     todo = [{"method": "todo", "downsample_factor": 2.0, "reuse_interval": n} for n in (1, 2, 3)]
@@ -165,14 +204,15 @@ def table_rows(bench, size: tuple[int, int], only: str) -> list[WholeRow]:
             TomePatchModel.execute(patcher, 0.5).result[0],
             {"ratio": 0.5},
         ),
-        WholeRow(
-            "EasyCache 0.2 (its default)",
-            "peer",
-            "comfy",
-            EasyCacheNode.execute(model=patcher, **EASYCACHE_DEFAULTS).result[0],
-            dict(EASYCACHE_DEFAULTS),
-        ),
+        easycache("EasyCache 0.2 (its default)"),
     ]
+    for sampler in samplers:
+        words, host = sampler_words(sampler), f"comfy {sampler[0]} {sampler[1]}"
+        rows += [
+            WholeRow(f"unpatched, {words}", "unpatched", host, patcher, sampler=sampler),
+            ours(f"ours default, {words}", host, sampler, **dataclasses.asdict(default)),
+            easycache(f"EasyCache 0.2, {words}", host, sampler),
+        ]
     if bench.holder is not None and bench.ldm_fits(size):
         import tomesd
 
@@ -217,7 +257,7 @@ class Config:
         self.label = f"{bench.family.name} {size_label(size)}"
         self.latent_hw = ((size[0] + 7) // 8, (size[1] + 7) // 8)
         self.positive, self.negative = bench_steps.conditioning(bench.family, args.seed)
-        self.rows = table_rows(bench, size, args.only)
+        self.rows = table_rows(bench, size, args.only, parse_samplers(args.samplers))
 
     def run(self, row: WholeRow, steps: int | None = None):
         """One whole sampling run of the row (untimed here: the caller times it)."""
@@ -230,8 +270,7 @@ class Config:
                 self.args.seed,
                 steps or self.args.steps,
                 5.0,
-                "euler",
-                "normal",
+                *row.sampler,
                 self.positive,
                 self.negative,
                 latent,
@@ -239,8 +278,6 @@ class Config:
 
     def examine(self, row: WholeRow) -> dict:
         """The row's untimed runs: first-call costs out of the way, then one whole run that is looked at."""
-        from tome_core.layer_reuse import IntervalSchedule
-
         from .unet import steps as bench_steps
 
         self.run(row, steps=2)
@@ -260,6 +297,7 @@ class Config:
                     self.args.seed,
                     False,
                     self.device,
+                    row.sampler,
                 )
         finally:
             handle.remove()
@@ -268,7 +306,10 @@ class Config:
         reusing = [s for s, reused in calls if reused]
         skipped = max(0, len(calls) - computed[0]) if row.host == "comfy" else 0
         full = [s for s, reused in calls if not reused]
-        full_steps = IntervalSchedule(row.settings.get("reuse_interval", 1)).full_steps(steps)
+        # Steps computed in full: the calls that were neither reusing nor skipped, over the calls a step makes
+        # (one, or two where ComfyUI runs cond and uncond apart).
+        calls_per_step = max(1, round(len(calls) / steps))
+        full_steps = (len(calls) - len(reusing) - skipped) / calls_per_step
         return {
             "row": row.name,
             "group": row.group,
@@ -280,10 +321,12 @@ class Config:
             "model_calls": len(calls),
             "reusing_calls": len(reusing),
             "skipped_calls": skipped,
+            "full_steps": full_steps,
+            "sampler": list(row.sampler),
             "batch": sorted(set(timer.batches)),
             # Per step, as tools/bench/unet/steps.py: ComfyUI may run cond and uncond as one call or as two.
             "full_step_s": sum(full) / full_steps if full and not skipped else None,
-            "reusing_step_s": sum(reusing) / (steps - full_steps) if reusing else None,
+            "reusing_step_s": sum(reusing) / (steps - full_steps) if reusing and steps > full_steps else None,
             "latent": timer.latent,
         }
 
@@ -356,9 +399,9 @@ def _mib(value) -> str:
 
 def unet_table(report: dict) -> str:
     lines = [
-        "| model, px | row | s / run | speed-up | peak MiB | peak total MiB | calls: all / reusing / skipped | "
-        "batch | full step ms | reusing step ms | dev. |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model, px | row | s / run | speed-up | full steps | peak MiB | peak total MiB | "
+        "calls: all / reusing / skipped | batch | full step ms | reusing step ms | dev. |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for block in report["resolutions"]:
         for r in block["rows"]:
@@ -377,8 +420,9 @@ def unet_table(report: dict) -> str:
             calls = f"{r['model_calls']} / {r['reusing_calls']} / {r['skipped_calls']}"
             batch = ", ".join(str(b) for b in r["batch"]) or "-"
             deviation = "-" if r.get("deviation") is None else f"{r['deviation']:.3f}"
+            full_steps = "-" if r.get("full_steps") is None else f"{r['full_steps']:g}"
             lines.append(
-                f"| {block['resolution']} | {r['row']} | {wall} | {speedup} | {_mib(r['peak_mib'])} | "
+                f"| {block['resolution']} | {r['row']} | {wall} | {speedup} | {full_steps} | {_mib(r['peak_mib'])} | "
                 f"{_mib(r['peak_total_mib'])} | {calls} | {batch} | {_ms(r['full_step_s'])} | "
                 f"{_ms(r['reusing_step_s'])} | {deviation} |"
             )
@@ -422,8 +466,9 @@ def markdown(report: dict) -> str:
         f"{where}. torch {v['torch']} (CUDA {m.get('cuda')}, cuDNN {m.get('cudnn')}), ComfyUI {v['comfyui']}, "
         f"tomesd {v['tomesd']}; {s['dtype']} on {s['device']}, attention {m.get('attention')}, clock "
         f"{m['clock']}; {m['date']}. `{s['command']}`.\n\n"
-        f"Whole ComfyUI sampling runs of {s['steps']} steps (Euler, normal schedule, CFG 5, one latent: cond and "
-        "uncond in one call where the batch column says 2), full-size UNets with random weights. Speed-up: the "
+        f"Whole ComfyUI sampling runs of {s['steps']} steps (Euler, normal schedule, unless the row names its "
+        "sampler; CFG 5, one latent: cond and uncond in one call where the batch column says 2), full-size UNets "
+        "with random weights. Full steps: the steps computed in full (neither reusing nor skipped). Speed-up: the "
         "median of A/B pairs, each row's run timed right beside its own unpatched run (tomesd beside the ldm "
         "UNet). ± is the spread of a median (half the range up to 5 values, then its 95% interval). Peak MiB: "
         "the allocator's peak during the row's run above what was allocated before it; total: with the weights "
@@ -438,6 +483,9 @@ def markdown(report: dict) -> str:
     if report.get("dit_markdown"):
         text = report["dit_markdown"].split("\n", 2)[-1].strip()  # without its own title
         parts += ["## ToDo on Flux", text]
+    if report.get("dit_whole_markdown"):
+        text = report["dit_whole_markdown"].split("\n", 2)[-1].strip()  # without its own title
+        parts += ["## Whole DiT runs", text]
     for model, results in report.get("breakeven", {}).items():
         parts += [
             f"## Break-even per token count: one {model} transformer block",
@@ -509,6 +557,7 @@ def main(argv=None) -> dict:
     report["settings"]["command"] = command
     reserve = 60.0 * (
         (DIT_MINUTES if args.dit_models else 0.0)
+        + (args.dit_whole_minutes if args.dit_whole else 0.0)
         + BREAKEVEN_MINUTES * len([m for m in args.breakeven.split(",") if m.strip()])
     )
     # The pairs' time shared by the configs in proportion to their pixels (a run's cost grows with them).
@@ -556,6 +605,18 @@ def main(argv=None) -> dict:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        report["minutes_total"] = round((time.perf_counter() - started) / 60.0, 2)
+        write(report, out)
+    if args.dit_whole:
+        from .dit import whole
+
+        left = max(0.5, (deadline - time.perf_counter()) / 60.0 - BREAKEVEN_MINUTES * len(args.breakeven.split(",")))
+        whole_argv = ["--models", args.dit_whole, "--device", str(device), "--dtype", args.dit_dtype]
+        whole_argv += ["--max-minutes", f"{min(left, args.dit_whole_minutes):.2f}", "--out", str(out)]
+        log("whole DiT runs: " + " ".join(whole_argv))
+        with contextlib.redirect_stdout(sys.stderr):  # stdout: the table alone, at the end
+            report["dit_whole"] = whole.main(whole_argv)
+        report["dit_whole_markdown"] = (out / "dit-whole.md").read_text()
         report["minutes_total"] = round((time.perf_counter() - started) / 60.0, 2)
         write(report, out)
     report["breakeven"] = {}

@@ -145,9 +145,18 @@ class CallTimer:
 
 
 def sample(
-    model, positive, negative, latent_hw, steps: int, seed: int, cpu: bool, device: torch.device | None = None
+    model,
+    positive,
+    negative,
+    latent_hw,
+    steps: int,
+    seed: int,
+    cpu: bool,
+    device: torch.device | None = None,
+    sampler: tuple[str, str] = ("euler", "normal"),
 ) -> tuple[float, CallTimer]:
-    """One whole ComfyUI sampling run (Euler, CFG 5, normal schedule) of ``steps``: its seconds and the timer of
+    """One whole ComfyUI sampling run (``sampler``: sampler and scheduler, Euler on the normal schedule by
+    default; CFG 5) of ``steps``: its seconds and the timer of
     its calls, which also holds the run's peak memory (``peak_mib`` above what was allocated before, and on CUDA
     ``peak_total_mib``) and, after it, the run's output (``latent``, on the CPU)."""
     import nodes as comfy_nodes
@@ -162,7 +171,7 @@ def sample(
     latent = {"samples": torch.zeros(1, 4, *latent_hw)}
 
     def run():
-        return comfy_nodes.common_ksampler(model, seed, steps, 5.0, "euler", "normal", positive, negative, latent)
+        return comfy_nodes.common_ksampler(model, seed, steps, 5.0, *sampler, positive, negative, latent)
 
     with PeakMemory(device) as peak:
         if cpu:
