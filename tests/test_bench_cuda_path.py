@@ -88,6 +88,9 @@ def test_gpu_table_rows_have_time_memory_and_calls(gpu_table):
     assert rows["unpatched, DPM++ 2M Karras"]["deviation"] == 0.0
     assert rows["ours default, DPM++ 2M Karras"]["reusing_calls"] == 0
     assert rows["ours default, DPM++ 2M Karras"]["full_steps"] == STEPS
+    # EasyCache skips steps with any sampler on this UNet (its skips are counted for every ComfyUI row).
+    easy = rows["EasyCache 0.2, DPM++ 2M Karras"]
+    assert 0 < easy["skipped_calls"] < STEPS and easy["full_steps"] == STEPS - easy["skipped_calls"]
     # The table: a time and a memory column on every row, "-" where a figure does not exist on this device.
     table = (out / "gpu-table.md").read_text()
     assert "| model, px | row | s / run | speed-up | full steps | peak MiB | peak total MiB |" in table

@@ -304,7 +304,7 @@ class Config:
         steps = self.args.steps
         calls = timer.calls
         reusing = [s for s, reused in calls if reused]
-        skipped = max(0, len(calls) - computed[0]) if row.host == "comfy" else 0
+        skipped = max(0, len(calls) - computed[0]) if row.host != "ldm" else 0
         full = [s for s, reused in calls if not reused]
         # Steps computed in full: the calls that were neither reusing nor skipped, over the calls a step makes
         # (one, or two where ComfyUI runs cond and uncond apart).
