@@ -1,7 +1,10 @@
 """Train the reference models: ``python -m tools.fidelity.reference.train`` (about 1.5 hours on a 2-core CPU).
 
 The classifier and the models are independent: ``--models`` and ``--no-classifier`` split the work into
-processes that run in parallel (each gives the same weights as the whole command).
+processes that run in parallel (each gives the same weights as the whole command). A model's training can span
+several sessions: every ``SAVE_EVERY`` steps it also writes its whole training state (weights, average,
+optimiser, data generator, losses) to ``weights/<model>.resume.pt`` (ignored by git), and ``--resume`` goes on
+from there, to the same weights as one uninterrupted run; the file is removed once the model is saved.
 
 Deterministic from ``--seed`` on a given machine and thread count: the data stream, the initial weights and
 the noise all come from seeded generators, and PyTorch is put in deterministic mode. The trained weights go to
@@ -68,6 +71,9 @@ RECIPES = {
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--resume", action="store_true", help="go on from a model's saved training state (weights/<model>.resume.pt)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="optimiser steps per model (default: RECIPES)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: RECIPES)")
@@ -208,6 +214,36 @@ def train_classifier(args) -> dict:
     return {"steps": args.classifier_steps, "final_loss": loss.item(), "accuracy_on_real": accuracy}
 
 
+def resume_path(name: str):
+    return models.WEIGHTS / f"{name}.resume.pt"
+
+
+def save_training_state(name: str, recipe: dict, step: int, parts: dict, generator, losses, seconds: float) -> None:
+    """Everything the loop needs to go on after ``step`` steps, written whole or not at all."""
+    state = {key: part.state_dict() for key, part in parts.items()}
+    state.update(recipe=recipe, step=step, generator=generator.get_state(), losses=losses, seconds=seconds)
+    path = resume_path(name)
+    partial = path.with_suffix(".partial")
+    torch.save(state, partial)
+    partial.replace(path)
+
+
+def load_training_state(name: str, recipe: dict, parts: dict, generator) -> tuple[int, list, float]:
+    """(steps done, losses, seconds spent) from the saved state of this recipe, or a fresh start."""
+    path = resume_path(name)
+    if not path.exists():
+        log(f"{name}: no saved training state ({path.name}); starting afresh")
+        return 0, [], 0.0
+    state = torch.load(path, weights_only=False)
+    if state["recipe"] != recipe:
+        raise SystemExit(f"{path} is of another recipe ({state['recipe']}, not {recipe}): remove it or match it")
+    for key, part in parts.items():
+        part.load_state_dict(state[key])
+    generator.set_state(state["generator"])
+    log(f"{name}: resuming after step {state['step']} ({state['seconds'] / 60:.0f} min spent)")
+    return state["step"], state["losses"], state["seconds"]
+
+
 def train_model(name: str, args) -> dict:
     """One reference diffusion model (UNet or Flux) with its prompt encoder."""
     steps, peak_lr = RECIPES[name]
@@ -222,9 +258,11 @@ def train_model(name: str, args) -> dict:
     sigmas_table = base.model_sampling.sigmas.float()
     generator = torch.Generator().manual_seed(args.seed + 10)
     size = models.train_size(name)
-    losses = []
-    started = time.time()
-    for step in range(steps):
+    recipe = {"steps": steps, "lr": peak_lr, "batch": args.batch, "seed": args.seed, "threads": args.threads}
+    parts = {"net": net, "ema": ema, "optimiser": optimiser}
+    first, losses, spent = load_training_state(name, recipe, parts, generator) if args.resume else (0, [], 0.0)
+    started = time.time() - spent
+    for step in range(first, steps):
         for group in optimiser.param_groups:
             group["lr"] = lr_at(step, steps, peak_lr)
         x0, prompts = models.samples(name, args.batch, size, generator)
@@ -248,9 +286,10 @@ def train_model(name: str, args) -> dict:
         losses.append(loss.item())
         if (step + 1) % SAVE_EVERY == 0 and step + 1 < steps:  # a usable checkpoint if stopped early
             save_average(name, ema, init_state, step + 1, {"model": name, "steps": step + 1})
+            save_training_state(name, recipe, step + 1, parts, generator, losses, time.time() - started)
         if step % LOG_EVERY == 0 or step == steps - 1:
             recent = sum(losses[-200:]) / len(losses[-200:])
-            rate = (time.time() - started) / (step + 1)
+            rate = (time.time() - started) / (step + 1)  # over the whole run, sessions before included
             left = rate * (steps - step - 1) / 60
             log(f"{name} step {step}: loss {recent:.4f} ({rate:.2f} s/step, {left:.0f} min left)")
     final = sum(losses[-500:]) / len(losses[-500:])
@@ -265,6 +304,7 @@ def train_model(name: str, args) -> dict:
         "minutes": round((time.time() - started) / 60, 1),
     }
     save_average(name, ema, init_state, steps, info)
+    resume_path(name).unlink(missing_ok=True)
     log(f"{name}: saved, final loss {final:.4f}")
     return info
 
