@@ -67,8 +67,6 @@ class BlockLayout:
 # Every family whose blocks reuse can skip (checked in ComfyUI 0.3.75, the same in 0.8.0; REFERENCE.md section 10).
 # Order matters where one family's class derives from another's: the first row that matches wins.
 LAYOUTS = (
-    # Flux.1, Flux.2 (the same class with global modulation: its ``vec`` is a tuple, which passes through) and
-    # Kontext (reference tokens after the image, in the same stream).
     # Flux.1, Flux.2 (the same class with global modulation: its ``vec`` is a tuple, which passes through),
     # Kontext (reference tokens after the image, in the same stream), Chroma and Chroma Radiance (Flux's blocks;
     # Radiance's pixel-space head runs after them, at every call).
