@@ -157,6 +157,21 @@ def test_reference_latents_stay_whole(node_classes, dits, family, reference, ima
     assert set(counter.calls) == {(text + image + ref, text + kept + ref)}
 
 
+def test_hunyuan_video_reference_latent_and_text_mask(node_classes, dits):
+    """HunyuanVideo: a reference latent's tokens (as wide as the model input) come before the video, kept whole;
+    a padded text's mask (additive, over the joint sequence) is downsampled with the keys."""
+    family = "hunyuan_video15"
+    counter = KeyCounter()
+    patched = patch(node_classes, with_override(dits[family], counter))
+    reference = torch.randn(1, 65, 1, 7, 9, generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(1, 9, dtype=torch.long)
+    mask[:, 6:] = 0
+    out = sample(patched, family, steps=1, ref_latent=reference, attention_mask=mask)
+    assert torch.isfinite(out).all()
+    ref, video, kept, text = 7 * 9, 3 * 7 * 9, 3 * 4 * 5, 9
+    assert set(counter.calls) == {(text, text), (ref + video + text, ref + kept + text)}
+
+
 def test_hunyuan_video_vision_tokens_join_the_text(dits):
     """HunyuanVideo 1.5's image-to-video vision tokens (``clip_fea``) are text for the layout: counted after the
     video, kept whole."""
