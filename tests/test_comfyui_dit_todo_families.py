@@ -210,3 +210,20 @@ def test_qwen_image_of_several_frames_is_no_image(dits):
     family = comfy_dit.family_of(dits["qwen_image"].model.diffusion_model)
     assert family.image_tokens(torch.zeros(1, 16, 2, 8, 8), {}) is None
     assert family.image_tokens(torch.zeros(1, 16, 8, 8), {}).grid == (1, 4, 4)
+
+
+def test_lumina_2_reduces_from_its_measured_threshold(node_classes, dits):
+    """skip_when_slower on (the default): Z-Image / Lumina 2 from 2304 image tokens (768 px) on, as measured; the
+    other families added here keep the engine's ToDo threshold (1024)."""
+    assert {name: comfy_dit.MIN_IMAGE_TOKENS[name] for name in ("Qwen-Image", "HunyuanVideo", "LTX-Video")} == {
+        "Qwen-Image": None,
+        "HunyuanVideo": None,
+        "LTX-Video": None,
+    }
+    assert comfy_dit.MIN_IMAGE_TOKENS["Lumina 2"] == 2304
+    for side, grid in ((96, 48 * 48), (94, 47 * 47)):  # 2304 image tokens, then 2209
+        counter = KeyCounter()
+        patched = patch(node_classes, with_override(dits["z_image"], counter), skip_when_slower=True)
+        host.sample_dit(patched, "z_image", (1, side, side), steps=1, cfg=1.0)
+        joint = [(queries, keys) for queries, keys in counter.calls if queries > grid]
+        assert joint and all((keys < queries) == (grid >= 2304) for queries, keys in joint), (side, joint)

@@ -77,7 +77,20 @@ _REFUSED_CLASSES = ("ChromaRadiance", "WanModel_S2V", "HumoWanModel", "AnimateWa
 # small share of them at small sizes: at 512 px (1024 image tokens) ToDo 2 was 4% slower and even free keys
 # saved nothing, at 1024 px (4096) it was 1.15x faster. SD3.5 Medium gained 1.11x at 512 px already, so SD3 and
 # Wan keep the engine's ToDo threshold (1024, ``cost.MIN_TOKENS``); every Wan video size is far above it.
-MIN_IMAGE_TOKENS = {"Flux": 4096, "SD3": None, "Wan": None}
+# The later families, one block at full width, 1024 image tokens forced on (2026-11-26, 2-core AMD EPYC, CPU, fp32,
+# one thread; docs/dit.md): Qwen-Image gained 1.06x, HunyuanVideo 1.5 1.05x and LTX-Video 1.04x, so they keep
+# the engine's threshold. Z-Image's layers are wider still (3840): at 1024 image tokens all of its attention was 3%
+# of a layer's time and ToDo 2's 1.03x within the noise, at 768 px (2304 tokens) 1.06x, at 1024 px 1.17x; Lumina 2
+# (not measured; narrower, so attention weighs more) shares the family's threshold.
+MIN_IMAGE_TOKENS = {
+    "Flux": 4096,
+    "SD3": None,
+    "Wan": None,
+    "Qwen-Image": None,
+    "HunyuanVideo": None,
+    "LTX-Video": None,
+    "Lumina 2": 2304,
+}
 
 
 def _ceil_div(a: int, b: int) -> int:
