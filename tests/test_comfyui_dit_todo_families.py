@@ -227,3 +227,14 @@ def test_lumina_2_reduces_from_its_measured_threshold(node_classes, dits):
         host.sample_dit(patched, "z_image", (1, side, side), steps=1, cfg=1.0)
         joint = [(queries, keys) for queries, keys in counter.calls if queries > grid]
         assert joint and all((keys < queries) == (grid >= 2304) for queries, keys in joint), (side, joint)
+
+
+def test_hunyuan_image_21_is_a_still_image_of_the_same_layout():
+    """HunyuanImage 2.1: ``HunyuanVideo`` with a 2-D patch on 4-D latents; ByT5's glyph tokens join the text where
+    the model has their input layer; a 5-D input there, or a call without text, is no layout of its own."""
+    family = comfy_dit.DitFamily("HunyuanVideo", (2, 2), text_inputs=("txt_byt5",))
+    context = torch.zeros(1, 9, 64)
+    tokens = family.image_tokens(torch.zeros(1, 64, 9, 7), {"txt_byt5": torch.zeros(1, 5, 1472)}, context)
+    assert (tokens.grid, tokens.before, tokens.after) == ((1, 5, 4), 0, 14)
+    assert family.image_tokens(torch.zeros(1, 64, 1, 9, 7), {}, context) is None
+    assert family.image_tokens(torch.zeros(1, 64, 9, 7), {}) is None
