@@ -136,7 +136,7 @@ class DitFamily:
         after = 0
         if self.name in ("Flux", "Qwen-Image"):  # Kontext, Qwen-Image Edit: reference latents after the image
             for ref in kwargs.get("ref_latents") or ():
-                if ref.dim() == 5 and ref.shape[2] != 1:
+                if self.name == "Qwen-Image" and ref.dim() == 5 and ref.shape[2] != 1:
                     return None
                 after += math.prod(_cells(ref.shape[-2:], self.patch))
         return ImageTokens(grid, after=after)

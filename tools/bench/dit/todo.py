@@ -9,6 +9,9 @@ models where they would not fit in memory (the per-block speed-up is what transf
   first 13 blocks have, one without), 1024 x 1024 px (4096 image tokens), 333 text tokens.
 - Wan 2.1 1.3B: width 1536, 12 heads, 1 of its 30 blocks, 480 x 832 px and 17 frames (5 latent frames,
   7800 video tokens), 512 text tokens.
+- The families whose ToDo came later (``qwen-image``, ``hunyuan-video15``, ``ltxv``, ``z-image``; not in the
+  default ``--models``): one block each at the real width, a still image at 1024 px (``--image-px`` for other
+  sizes): their skip_when_slower break-even (docs/dit.md).
 On this 2-core CPU one evaluation of these cut-down models takes about a minute; whole models are 20-40 times
 that, with the same per-block share of attention.
 One timed call is one model evaluation (``BaseModel.apply_model``, batch 1). Rows:
