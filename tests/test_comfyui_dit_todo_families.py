@@ -238,3 +238,28 @@ def test_hunyuan_image_21_is_a_still_image_of_the_same_layout():
     assert (tokens.grid, tokens.before, tokens.after) == ((1, 5, 4), 0, 14)
     assert family.image_tokens(torch.zeros(1, 64, 1, 9, 7), {}, context) is None
     assert family.image_tokens(torch.zeros(1, 64, 9, 7), {}) is None
+
+
+@pytest.mark.parametrize("family", ("z_image", "hunyuan_video15"))
+def test_todo_and_reuse_across_steps_together(node_classes, family):
+    """ToDo with reuse every 3 over 10 steps: the reduced calls are the blocks that run (Lumina 2 / Z-Image through
+    its span blocks' instance forwards, HunyuanVideo through the block hook); the output is finite and differs
+    from reuse alone."""
+    model = host.tiny_dit(family, **host.dit_blocks(family, 4))
+    reuse = {"reuse_interval": 3, "skip_when_slower": False, "dit_settings": "as set"}
+    counter = KeyCounter()
+    both = host.patch_with_node(node_classes, with_override(model, counter), **reuse)
+    out = host.sample_dit(both, family, SHAPES[family], 10, cfg=1.0)
+    alone = host.sample_dit(
+        host.patch_with_node(node_classes, model, **dict(reuse, downsample_factor=1.0)),
+        family,
+        SHAPES[family],
+        10,
+        cfg=1.0,
+    )
+    assert torch.isfinite(out).all() and not torch.equal(out, alone)
+    _, reduced = CALLS[family]
+    assert set(counter.calls) == reduced
+    # One joint attention per block: the first block at each of the 10 steps, the 3 after it at the 5 full steps
+    # (test_comfyui_dit_families.py pins that schedule).
+    assert sum(keys < queries for queries, keys in counter.calls) == 10 + 5 * 3
