@@ -1,12 +1,13 @@
 """ToDo for the attention of DiT models: the keys and values of the image (video) tokens are downsampled on
 their own token grid; every query, and every text or reference token, stays whole.
 
-A DiT attends over one sequence per call. Joint attention (Flux, SD3) concatenates text and image tokens,
-and Flux Kontext appends the tokens of reference images after the image; video models (Wan) attend over
-frames x h x w tokens. ``ImageTokens`` says where the image grid lies in such a sequence, from what the host
-adapter knows of the model's input; ``SequenceDownsample`` reduces the keys and values of one attention call
-with the engine's grid downsampling (``downsample.py``, shared with the UNets). Where keys carry rotary
-position embeddings, the adapter calls this after the rotation, so every kept key keeps its own position.
+A DiT attends over one sequence per call. Joint attention (Flux, SD3, Qwen-Image, Lumina 2) concatenates text
+and image tokens, HunyuanVideo the video before the text, and Flux Kontext appends the tokens of reference images
+after the image; video models (Wan, LTX-Video) attend over frames x h x w tokens. ``ImageTokens`` says where the
+image grid lies in such a sequence, from what the host adapter knows of the model's input;
+``SequenceDownsample`` reduces the keys and values of one attention call with the engine's grid downsampling
+(``downsample.py``, shared with the UNets). Where keys carry rotary position embeddings, the adapter calls this
+after the rotation, so every kept key keeps its own position.
 
 Joint attention needs one correction that a UNet's self-attention does not: the text (and reference) keys share
 the softmax with the image keys, so keeping a quarter of the image keys would hand the text about four times its

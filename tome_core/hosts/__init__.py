@@ -1,6 +1,7 @@
 """The doors into the hosts, one package each; the engine (``tome_core``'s own modules) never imports them.
 
-- ``comfyui``: ComfyUI's reuse across steps wiring, its sampling-run wrapper and its DiT patch (Flux, SD3, Wan);
+- ``comfyui``: ComfyUI's reuse across steps wiring, its sampling-run wrapper and its DiT patch (Flux, SD3, Wan,
+  Qwen-Image, HunyuanVideo, LTX-Video, Lumina 2);
 - ``webui``: the AUTOMATIC1111 WebUI and Forge: the ldm/sgm block patch, the script's arguments and controls,
   the reuse across steps wiring;
 - ``diffusers``: diffusers pipelines: the UNet patch and the reuse across steps wiring;

@@ -1,4 +1,5 @@
-"""ToDo on ComfyUI's DiT models: Flux (and Chroma), SD3 / SD3.5 (MMDiT) and Wan 2.x video.
+"""ToDo on ComfyUI's DiT models: Flux (Flux.1, Flux.2, Chroma), SD3 / SD3.5 (MMDiT), Wan 2.x video, Qwen-Image,
+HunyuanVideo 1.0 / 1.5 (and HunyuanImage 2.1), LTX-Video, Lumina 2 and Z-Image.
 
 Hook point (checked in ComfyUI 0.3.75): every attention call of these models goes through ``optimized_attention``
 (comfy/ldm/modules/attention.py), whose ``wrap_attn`` hands the call to
@@ -17,12 +18,30 @@ What the override sees, per family (0.3.75):
   added to x before the blocks, so the tokens carry them.
 - Wan (wan/model.py ``WanSelfAttention``): (batch, frames*h*w, channels) with RoPE applied, in raster order
   frame first; the cross-attention to the text has other key counts and is left alone.
+- Qwen-Image (qwen_image/model.py ``Attention``): (batch, heads, tokens, head_dim), ``skip_reshape=True``, RoPE
+  applied, no mask: [text, image, reference images] (Qwen-Image Edit's reference latents follow the image). Its
+  latents are 5-D with one frame (Wan 2.1's latent format); patch 2, padded up.
+- HunyuanVideo 1.0 / 1.5 (hunyuan_video/model.py, Flux's blocks): (batch, heads, tokens, head_dim) with RoPE
+  applied: [reference latent, video, text] in double and single blocks alike, the video BEFORE the text. The
+  text is the context's tokens plus, where the model has their inputs, ByT5's glyph tokens and the vision
+  tokens of ``clip_fea``; its mask (a text with padding) is an additive (1, 1, tokens) mask. The token refiner's
+  self-attention over the text alone has another length and is left alone. HunyuanImage 2.1 is the same class
+  with a 2-D patch on 4-D latents.
+- LTX-Video (lightricks/model.py ``CrossAttention``): (batch, frames*h*w, channels), patch 1, RoPE applied; its
+  self-attention (``attn1``) sees the video tokens alone (LTXVAddGuide's keyframe latents are frames of the same
+  latent); the cross-attention to the text (``attn2``) has other key counts and is left alone.
+- Lumina 2 / Z-Image (lumina/model.py ``JointAttention``, ``NextDiT``): (batch, heads, tokens, head_dim), RoPE
+  applied, no mask in the main layers: [caption, image, image padding]. Z-Image pads the caption and the image
+  each to a multiple of ``pad_tokens_multiple`` tokens with learnt pad tokens (kept whole, as the caption).
+  The refiners before the main layers (caption alone, image and its padding alone) have other lengths and are
+  left alone.
 The image grid comes from the model input's shape and the family's patch size, and the engine finds it in each
 call's sequence (``ImageTokens``): a call whose sequence has another layout is left exactly as it is.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ...joint_attention import ImageTokens, SequenceDownsample
@@ -32,11 +51,24 @@ OVERRIDE_KEY = "optimized_attention_override"
 WRAPPER_TYPE = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
 WRAPPER_KEY = "tome_patch_dit"
 
-# Class names (any class in the MRO) of the supported families. Other DiTs (HunyuanVideo, Lumina, Qwen-Image,
-# ...) and the Wan variants that add tokens of their own (speech-to-video, HuMo, Animate) are refused.
+# Class names (any class in the MRO) of the supported families. Other DiTs (HiDream, Cosmos, OmniGen2, ...) and
+# the Wan variants that add tokens of their own (speech-to-video, HuMo, Animate) are refused.
 _FLUX_CLASSES = ("Flux", "Chroma")
 _SD3_CLASSES = ("MMDiT",)
 _WAN_CLASSES = ("WanModel", "VaceWanModel", "CameraWanModel")
+_QWEN_CLASSES = ("QwenImageTransformer2DModel",)
+_HUNYUAN_CLASSES = ("HunyuanVideo",)
+_LTXV_CLASSES = ("LTXVModel",)
+_LUMINA_CLASSES = ("NextDiT",)
+_FAMILY_CLASSES = (
+    ("Flux", _FLUX_CLASSES),
+    ("SD3", _SD3_CLASSES),
+    ("Wan", _WAN_CLASSES),
+    ("Qwen-Image", _QWEN_CLASSES),
+    ("HunyuanVideo", _HUNYUAN_CLASSES),
+    ("LTX-Video", _LTXV_CLASSES),
+    ("Lumina 2", _LUMINA_CLASSES),
+)
 _REFUSED_CLASSES = ("ChromaRadiance", "WanModel_S2V", "HumoWanModel", "AnimateWanModel")
 
 
@@ -45,32 +77,68 @@ _REFUSED_CLASSES = ("ChromaRadiance", "WanModel_S2V", "HumoWanModel", "AnimateWa
 # small share of them at small sizes: at 512 px (1024 image tokens) ToDo 2 was 4% slower and even free keys
 # saved nothing, at 1024 px (4096) it was 1.15x faster. SD3.5 Medium gained 1.11x at 512 px already, so SD3 and
 # Wan keep the engine's ToDo threshold (1024, ``cost.MIN_TOKENS``); every Wan video size is far above it.
-MIN_IMAGE_TOKENS = {"Flux": 4096, "SD3": None, "Wan": None}
+# The later families, one block at full width, 1024 image tokens forced on (2026-11-26, 2-core AMD EPYC, CPU, fp32,
+# one thread; docs/dit.md): Qwen-Image gained 1.06x, HunyuanVideo 1.5 1.05x and LTX-Video 1.04x, so they keep
+# the engine's threshold. Z-Image's layers are wider still (3840): at 1024 image tokens all of its attention was 3%
+# of a layer's time and ToDo 2's 1.03x within the noise, at 768 px (2304 tokens) 1.06x, at 1024 px 1.17x; Lumina 2
+# (not measured; narrower, so attention weighs more) shares the family's threshold.
+MIN_IMAGE_TOKENS = {
+    "Flux": 4096,
+    "SD3": None,
+    "Wan": None,
+    "Qwen-Image": None,
+    "HunyuanVideo": None,
+    "LTX-Video": None,
+    "Lumina 2": 2304,
+}
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _cells(sizes, patch) -> tuple[int, ...]:
+    """Tokens along each axis of a latent whose axes are ``sizes``, patched by ``patch`` (padded up)."""
+    return tuple(_ceil_div(int(size), int(p)) for size, p in zip(sizes, patch, strict=True))
+
+
 @dataclass(frozen=True)
 class DitFamily:
-    """Where a family's image tokens lie, from the shape of the model input ``x`` and the call's kwargs."""
+    """Where a family's image tokens lie, from the shape of the model input ``x``, the call's kwargs and its text
+    context (``c_crossattn``)."""
 
-    name: str  # "Flux", "SD3" or "Wan": the words of messages and docs
+    name: str  # "Flux", "SD3", "Wan", "Qwen-Image", "HunyuanVideo", "LTX-Video", "Lumina 2": the words of messages
     patch: tuple[int, ...]  # (ph, pw) or, for video, (pt, ph, pw)
     has_reference_conv: bool = False  # Wan with ``ref_conv``: reference tokens before the video
+    # HunyuanVideo: the call's kwargs whose tokens join the text after the context (ByT5's glyphs, the vision
+    # tokens), where the model has their input layers.
+    text_inputs: tuple[str, ...] = ()
+    pad_multiple: int | None = None  # Z-Image: caption and image each padded to a multiple of this many tokens
 
-    def image_tokens(self, x, kwargs: dict) -> ImageTokens | None:
+    def image_tokens(self, x, kwargs: dict, context=None) -> ImageTokens | None:
         if self.name == "Wan":
             return self._video_tokens(x, kwargs)
+        if self.name == "HunyuanVideo":
+            return self._hunyuan_tokens(x, kwargs, context)
+        if self.name == "LTX-Video":
+            if x.dim() != 5:
+                return None
+            return ImageTokens(_cells(x.shape[2:], self.patch), before=0)
+        if self.name == "Lumina 2":
+            return self._lumina_tokens(x, context)
+        if self.name == "Qwen-Image" and x.dim() == 5:  # Wan 2.1's latent format: one frame for an image
+            if x.shape[2] != 1:
+                return None
+            x = x[:, :, 0]
         if x.dim() != 4:
             return None
-        ph, pw = self.patch
-        grid = (1, _ceil_div(x.shape[-2], ph), _ceil_div(x.shape[-1], pw))
+        grid = (1, *_cells(x.shape[-2:], self.patch))
         after = 0
-        if self.name == "Flux":  # Kontext: reference latents appended after the image, kept whole
+        if self.name in ("Flux", "Qwen-Image"):  # Kontext, Qwen-Image Edit: reference latents after the image
             for ref in kwargs.get("ref_latents") or ():
-                after += _ceil_div(ref.shape[-2], ph) * _ceil_div(ref.shape[-1], pw)
+                if self.name == "Qwen-Image" and ref.dim() == 5 and ref.shape[2] != 1:
+                    return None
+                after += math.prod(_cells(ref.shape[-2:], self.patch))
         return ImageTokens(grid, after=after)
 
     def _video_tokens(self, x, kwargs: dict) -> ImageTokens | None:
@@ -86,6 +154,39 @@ class DitFamily:
         before = None if self.has_reference_conv and "reference_latent" in kwargs else 0
         return ImageTokens(grid, before=before)
 
+    def _hunyuan_tokens(self, x, kwargs: dict, context) -> ImageTokens | None:
+        """[reference latent, video, text]: both counts exact, so the text refiner's call (the context alone) and
+        any other layout find no place."""
+        if context is None or x.dim() != len(self.patch) + 2:
+            return None
+        grid = _cells(x.shape[2:], self.patch)
+        if len(grid) == 2:  # HunyuanImage 2.1: a still image
+            grid = (1, *grid)
+        before = 0
+        ref = kwargs.get("ref_latent")
+        if ref is not None:
+            if ref.dim() != x.dim():
+                return None
+            before = math.prod(_cells(ref.shape[2:], self.patch))
+        text = context.shape[1]
+        for key in self.text_inputs:
+            extra = kwargs.get(key)
+            if extra is not None:
+                text += extra.shape[1]
+        return ImageTokens(grid, after=text, before=before)
+
+    def _lumina_tokens(self, x, context) -> ImageTokens | None:
+        """[caption, image, image padding]: the caption (padded) counted exactly, so the refiners' calls (caption
+        alone, image alone) find no place."""
+        if context is None or x.dim() != 4:
+            return None
+        grid = (1, *_cells(x.shape[-2:], self.patch))
+        caption, after = context.shape[1], 0
+        if self.pad_multiple:
+            caption += -caption % self.pad_multiple
+            after = -math.prod(grid) % self.pad_multiple
+        return ImageTokens(grid, after=after, before=caption)
+
 
 def class_names(module) -> set[str]:
     """The names of the module's class and of every class it derives from."""
@@ -93,9 +194,10 @@ def class_names(module) -> set[str]:
 
 
 def family_name(diffusion_model) -> str | None:
-    """ "Flux" (Chroma too), "SD3" or "Wan" by the model's classes, or None for any other model."""
+    """The family ("Flux", Chroma too, "SD3", "Wan", "Qwen-Image", "HunyuanVideo", "LTX-Video", "Lumina 2") by
+    the model's classes, or None for any other model."""
     names = class_names(diffusion_model)
-    for name, classes in (("Flux", _FLUX_CLASSES), ("SD3", _SD3_CLASSES), ("Wan", _WAN_CLASSES)):
+    for name, classes in _FAMILY_CLASSES:
         if names & set(classes):
             return name
     return None
@@ -117,6 +219,23 @@ def family_of(diffusion_model) -> DitFamily | None:
             if len(patch) != 3:
                 return None
             return DitFamily("Wan", patch, getattr(diffusion_model, "ref_conv", None) is not None)
+        if name == "Qwen-Image":
+            p = int(diffusion_model.patch_size)
+            return DitFamily("Qwen-Image", (p, p))
+        if name == "HunyuanVideo":
+            patch = tuple(int(p) for p in diffusion_model.patch_size)
+            if len(patch) not in (2, 3):
+                return None
+            inputs = (("txt_byt5", "byt5_in"), ("clip_fea", "vision_in"))
+            text_inputs = tuple(key for key, layer in inputs if getattr(diffusion_model, layer, None) is not None)
+            return DitFamily("HunyuanVideo", patch, text_inputs=text_inputs)
+        if name == "LTX-Video":
+            patch = tuple(int(p) for p in diffusion_model.patchifier.patch_size)
+            return DitFamily("LTX-Video", patch) if len(patch) == 3 else None
+        if name == "Lumina 2":
+            p = int(diffusion_model.patch_size)
+            pad = getattr(diffusion_model, "pad_tokens_multiple", None)
+            return DitFamily("Lumina 2", (p, p), pad_multiple=int(pad) if pad else None)
     except (AttributeError, TypeError, ValueError):  # a subclass laid out differently
         return None
     return None
@@ -177,7 +296,7 @@ class DitHooks:
         if transformer_options is not None and (
             self.noise_range.everywhere or self.noise_range.contains(float(t.max()))
         ):
-            tokens = self.family.image_tokens(x, kwargs)
+            tokens = self.family.image_tokens(x, kwargs, c_crossattn)
             if tokens is not None:
                 transformer_options = dict(transformer_options)  # this call's own copy: nothing outlives it
                 previous = transformer_options.get(OVERRIDE_KEY)

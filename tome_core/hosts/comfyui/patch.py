@@ -1,7 +1,8 @@
 """ComfyUI: how a MODEL is patched. A UNet (SD1.x, SD2.x, SDXL) gets the token reduction through the ModelPatcher's
-attention hooks (``shared.model_patcher``) and reuse across steps (``layer_reuse``); a DiT (Flux, SD3, Wan) gets
-ToDo through its attention (``dit``) and reuse across steps through its block replacements (``dit_reuse``);
-anything else is passed through unchanged with one warning.
+attention hooks (``shared.model_patcher``) and reuse across steps (``layer_reuse``); a DiT gets ToDo through its
+attention (``dit``: Flux.1, Flux.2, Chroma, SD3, Wan, Qwen-Image, HunyuanVideo, LTX-Video, Lumina 2, Z-Image) and
+reuse across steps through its block replacements (``dit_reuse``); a DiT whose attention is not mapped (Chroma
+Radiance) gets reuse only; anything else is passed through unchanged with one warning.
 
 Always a clone: the input MODEL is never changed, and applying the patch again replaces the earlier one.
 """

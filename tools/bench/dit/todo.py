@@ -9,6 +9,9 @@ models where they would not fit in memory (the per-block speed-up is what transf
   first 13 blocks have, one without), 1024 x 1024 px (4096 image tokens), 333 text tokens.
 - Wan 2.1 1.3B: width 1536, 12 heads, 1 of its 30 blocks, 480 x 832 px and 17 frames (5 latent frames,
   7800 video tokens), 512 text tokens.
+- The families whose ToDo came later (``qwen-image``, ``hunyuan-video15``, ``ltxv``, ``z-image``; not in the
+  default ``--models``): one block each at the real width, a still image at 1024 px (``--image-px`` for other
+  sizes): their skip_when_slower break-even (docs/dit.md).
 On this 2-core CPU one evaluation of these cut-down models takes about a minute; whole models are 20-40 times
 that, with the same per-block share of attention.
 One timed call is one model evaluation (``BaseModel.apply_model``, batch 1). Rows:
@@ -121,6 +124,102 @@ MODELS = {
         "text": (512, 4096),
         "pooled": None,
     },
+    # The families whose ToDo came after Flux, SD3 and Wan: one block each at the real width, a still image (one
+    # latent frame) at 1024 px; ``--image-px`` sets the size (their break-even, ``dit.MIN_IMAGE_TOKENS``).
+    "qwen-image": {
+        "title": "Qwen-Image (width 3072, 1 of 60 blocks), 1024 px",
+        "config": {
+            "image_model": "qwen_image",
+            "in_channels": 64,
+            "out_channels": 16,
+            "patch_size": 2,
+            "num_layers": 1,
+            "attention_head_dim": 128,
+            "num_attention_heads": 24,
+            "joint_attention_dim": 3584,
+            "axes_dims_rope": [16, 56, 56],
+        },
+        "latent": (16, 1, 128, 128),
+        "text": (256, 3584),
+        "pooled": None,
+    },
+    # HunyuanVideo 1.5: 32-channel latents (16x spatial compression) and 33 channels of image condition (zeros:
+    # text to video), patch 1.
+    "hunyuan-video15": {
+        "title": "HunyuanVideo 1.5 (width 2048, 1 double of 54 blocks), 1024 px, 1 frame",
+        "config": {
+            "image_model": "hunyuan_video",
+            "in_channels": 65,
+            "out_channels": 32,
+            "patch_size": [1, 1, 1],
+            "vec_in_dim": None,
+            "axes_dim": [16, 56, 56],
+            "meanflow": False,
+            "context_in_dim": 3584,
+            "hidden_size": 2048,
+            "mlp_ratio": 4.0,
+            "num_heads": 16,
+            "depth": 1,
+            "depth_single_blocks": 0,
+            "theta": 256,
+            "qkv_bias": True,
+            "byt5": False,
+            "guidance_embed": False,
+            "use_cond_type_embedding": True,
+            "vision_in_dim": 1152,
+        },
+        "latent": (32, 1, 64, 64),
+        "vae_scale": 16,
+        "concat": 33,
+        "text": (256, 3584),
+        "pooled": None,
+    },
+    # LTX-Video: 128-channel latents (32x spatial compression), patch 1; its forward asks for the text's mask.
+    "ltxv": {
+        "title": "LTX-Video (width 2048, 1 of 28 blocks), 1024 px, 1 frame",
+        "config": {
+            "image_model": "ltxv",
+            "in_channels": 128,
+            "num_layers": 1,
+            "attention_head_dim": 64,
+            "num_attention_heads": 32,
+            "cross_attention_dim": 2048,
+            "caption_channels": 4096,
+        },
+        "latent": (128, 1, 32, 32),
+        "vae_scale": 32,
+        "text": (128, 4096),
+        "text_mask": True,
+        "pooled": None,
+    },
+    # Z-Image (Lumina 2's NextDiT at width 3840): no refiner layers here (they run at every call, outside ToDo's
+    # reach, in the real model 2 + 2 of them beside 30 layers); its forward asks for the text's token count.
+    "z-image": {
+        "title": "Z-Image (width 3840, 1 of 30 layers), 1024 px",
+        "config": {
+            "image_model": "lumina2",
+            "patch_size": 2,
+            "in_channels": 16,
+            "dim": 3840,
+            "cap_feat_dim": 2560,
+            "n_layers": 1,
+            "n_refiner_layers": 0,
+            "qk_norm": True,
+            "n_heads": 30,
+            "n_kv_heads": 30,
+            "axes_dims": [32, 48, 48],
+            "axes_lens": [1536, 512, 512],
+            "rope_theta": 256.0,
+            "ffn_dim_multiplier": 8.0 / 3.0,
+            "z_image_modulation": True,
+            "time_scale": 1000.0,
+            "pad_tokens_multiple": 32,
+        },
+        "latent": (16, 128, 128),
+        "text": (256, 2560),
+        "num_tokens": True,
+        "pooled": None,
+    },
     # A small model of Flux's layout at 64 px, for the tests and quick checks of the code path.
     "tiny-flux": {
         "title": "tiny Flux (width 64, 1 double + 1 single block), 64 px",
@@ -198,7 +297,8 @@ class FreeKeysOverride:
         start = self.tokens.start_in(total)
         if q.shape[dim] == total and start is not None:
             frames, h, w = self.tokens.grid
-            keep = start + frames * math.ceil(h / 2) * math.ceil(w / 2)
+            # As many keys as ToDo 2 keeps (every key outside the grid, a quarter of the grid's), from the start.
+            keep = total - self.tokens.count + frames * math.ceil(h / 2) * math.ceil(w / 2)
             args = (q, k.narrow(dim, 0, keep), v.narrow(dim, 0, keep), *args[3:])
         return func(*args, **kwargs)
 
@@ -210,7 +310,7 @@ def bound_clone(patcher, free_attention: bool):
 
     def wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs):
         options = dict(transformer_options)
-        options[comfy_dit.OVERRIDE_KEY] = FreeKeysOverride(family.image_tokens(x, kwargs), free_attention)
+        options[comfy_dit.OVERRIDE_KEY] = FreeKeysOverride(family.image_tokens(x, kwargs, c_crossattn), free_attention)
         return executor(x, t, c_concat, c_crossattn, control, options, **kwargs)
 
     clone = patcher.clone()
@@ -241,6 +341,13 @@ def model_call(patcher, name: str, device: torch.device | None = None):
         kwargs["y"] = torch.randn(1, spec["pooled"], generator=generator).to(device)
     if spec["config"].get("guidance_embed"):  # Flux
         kwargs["guidance"] = torch.full((1,), 3.5, device=device)
+    if spec.get("num_tokens"):  # Lumina 2 / Z-Image
+        kwargs["num_tokens"] = spec["text"][0]
+    if spec.get("text_mask"):  # LTX-Video
+        kwargs["attention_mask"] = torch.ones(1, spec["text"][0], dtype=torch.long, device=device)
+    concat = None
+    if spec.get("concat"):  # HunyuanVideo 1.5's image condition: zeros (text to video)
+        concat = torch.zeros(1, spec["concat"], *spec["latent"][1:], device=device)
     sigma = torch.full((1,), 0.7, device=device)
 
     def call():
@@ -249,7 +356,9 @@ def model_call(patcher, name: str, device: torch.device | None = None):
             options.get("wrappers", {}), patcher.wrappers, copy_dict1=True
         )
         with torch.inference_mode():
-            return patcher.model.apply_model(latent, sigma, c_crossattn=context, transformer_options=options, **kwargs)
+            return patcher.model.apply_model(
+                latent, sigma, c_concat=concat, c_crossattn=context, transformer_options=options, **kwargs
+            )
 
     return call
 
@@ -261,7 +370,7 @@ def measure(
     gpu = clock_for(device) == "cuda events"  # then the speed-up is taken on the GPU's time, not the CPU's
     base = build(name, device, dtype)
     rows = {"unpatched": base, "ToDo 2": todo_clone(base)}
-    if len(MODELS[name]["latent"]) == 4:
+    if len(MODELS[name]["latent"]) == 4 and MODELS[name]["latent"][1] > 1:  # video of several frames
         rows["ToDo 2, also in time"] = todo_clone(base, time_factor=2.0)
     rows["free K/V (ceiling of ToDo 2)"] = bound_clone(base, free_attention=False)
     rows["attention free"] = bound_clone(base, free_attention=True)
@@ -395,8 +504,8 @@ def main(argv=None) -> dict:
         "--image-px",
         type=int,
         default=None,
-        help="Flux and SD3.5 at this square size instead of 1024 px (e.g. 512: 1024 image tokens, the "
-        "skip_when_slower threshold)",
+        help="the image models (all but Wan) at this square size instead of 1024 px (e.g. 512: 1024 image "
+        "tokens of Flux, the skip_when_slower threshold)",
     )
     parser.add_argument("--out", default=str(RESULTS / "dit"), help="path of the report without extension")
     args = parser.parse_args(argv)
@@ -407,9 +516,11 @@ def main(argv=None) -> dict:
     if args.full_depth:
         full_depth()
     if args.image_px:
-        for name in ("flux", "sd35m"):
-            MODELS[name]["latent"] = (16, args.image_px // 8, args.image_px // 8)
-            MODELS[name]["title"] = MODELS[name]["title"].replace("1024 px", f"{args.image_px} px")
+        for spec in MODELS.values():
+            if "1024 px" in spec["title"]:
+                side = args.image_px // spec.get("vae_scale", 8)
+                spec["latent"] = (*spec["latent"][:-2], side, side)
+                spec["title"] = spec["title"].replace("1024 px", f"{args.image_px} px")
     setup_comfy(device.type)
     from ..report import gpu_line, machine
 
