@@ -29,8 +29,9 @@ wall time (it does not count the time the benchmark waits for a core); the wall-
 On a GPU (``--device cuda --dtype bf16``) the model is built on the device in that dtype, every row is called
 once untimed first (first-call costs; it gives the row's peak memory), the calls are timed with CUDA events and
 the speed-up is taken on that time (the CPU time of a GPU run is the host's launching, not the work).
-``--full-depth`` builds the models with all their blocks (Flux 19 double + 38 single, SD3.5 Medium 24, Wan 2.1
-1.3B 30), the whole model as users run it; its weights are drawn on the device.
+``--full-depth`` builds the models with all their blocks (Flux 19 double + 38 single, SD3.5 Medium 24, Wan 2.1 1.3B
+30, Qwen-Image 60, HunyuanVideo 1.5 54, LTX-Video 28, Z-Image 30), the whole model as users run it; its weights are
+drawn on the device.
 """
 
 from __future__ import annotations
@@ -251,6 +252,10 @@ FULL_DEPTH = {
     "flux": ({"depth": 19, "depth_single_blocks": 38}, "19 double + 38 single blocks"),
     "sd35m": ({"num_blocks": 24, "x_block_self_attn_layers": list(range(13))}, "all 24 joint blocks"),
     "wan": ({"num_layers": 30}, "all 30 blocks"),
+    "qwen-image": ({"num_layers": 60}, "all 60 blocks"),
+    "hunyuan-video15": ({"depth": 54}, "all 54 double blocks"),
+    "ltxv": ({"num_layers": 28}, "all 28 blocks"),
+    "z-image": ({"n_layers": 30}, "all 30 layers"),
 }
 
 
