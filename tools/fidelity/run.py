@@ -568,10 +568,11 @@ def sample_row(row: FidelityRow, patcher, positive, negative, shape: tuple, args
     # Measuring reuse with a sampler the rule does not know yet: every loaded copy of the engine's rule (ComfyUI
     # loads the node package under its folder's name) lets it through for this row.
     rules = [m for name, m in sys.modules.items() if name.endswith("tome_core.layer_reuse")]
-    kept = [rule.SAMPLERS_THAT_KEEP_THE_PICTURE for rule in rules]
-    if getattr(args, "any_sampler", False):
-        for rule, samplers in zip(rules, kept, strict=True):
+    kept = [(rule.SAMPLERS_THAT_KEEP_THE_PICTURE, rule.SCHEDULES_THAT_LOSE_THE_PICTURE) for rule in rules]
+    if getattr(args, "any_sampler", False):  # the sampler and its schedule (Karras sigmas) both let through
+        for rule, (samplers, schedules) in zip(rules, kept, strict=True):
             rule.SAMPLERS_THAT_KEEP_THE_PICTURE = samplers | {args.sampler}
+            rule.SCHEDULES_THAT_LOSE_THE_PICTURE = schedules - {args.scheduler}
     try:
         wall, cpu = time.perf_counter(), time.process_time()
         images = []
@@ -586,8 +587,9 @@ def sample_row(row: FidelityRow, patcher, positive, negative, shape: tuple, args
             images.append(patcher.model.process_latent_in(out["samples"]))  # undo the latent scale factor
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
-        for rule, samplers in zip(rules, kept, strict=True):
+        for rule, (samplers, schedules) in zip(rules, kept, strict=True):
             rule.SAMPLERS_THAT_KEEP_THE_PICTURE = samplers
+            rule.SCHEDULES_THAT_LOSE_THE_PICTURE = schedules
         row.leave()
     return torch.cat(images), wall, cpu
 
