@@ -39,7 +39,16 @@ from pathlib import Path
 
 import torch
 
+from .todo import FULL_DEPTH
+from .todo import MODELS as PER_CALL
+
 RESULTS = Path(__file__).resolve().parents[3] / "results" / "gpu"
+
+
+def full_width(name: str) -> dict:
+    """The ComfyUI config of a model of ``tools.bench.dit`` (its real width) with all its blocks."""
+    return {**PER_CALL[name]["config"], **FULL_DEPTH[name][0]}
+
 
 # What a whole run of each model is: its ComfyUI config, latent (without the batch axis), text tokens and width,
 # the conditioning's other entries, sampler, scheduler, CFG, steps and the two intervals timed beside the default.
@@ -78,16 +87,7 @@ MODELS = {
     },
     "qwen-image": {
         "title": "Qwen-Image (60 blocks, width 3072), 1024 px",
-        "config": {
-            "image_model": "qwen_image",
-            "in_channels": 64,
-            "out_channels": 16,
-            "patch_size": 2,
-            "num_layers": 60,
-            "attention_head_dim": 128,
-            "num_attention_heads": 24,
-            "joint_attention_dim": 3584,
-        },
+        "config": full_width("qwen-image"),
         "latent": (16, 128, 128),
         "text": (64, 3584),
         "extra": {},
@@ -98,23 +98,7 @@ MODELS = {
     },
     "wan": {
         "title": "Wan 2.1 1.3B (30 blocks, width 1536), 480x832, 33 frames",
-        "config": {
-            "image_model": "wan2.1",
-            "model_type": "t2v",
-            "dim": 1536,
-            "out_dim": 16,
-            "num_heads": 12,
-            "ffn_dim": 8960,
-            "num_layers": 30,
-            "patch_size": (1, 2, 2),
-            "freq_dim": 256,
-            "window_size": (-1, -1),
-            "qk_norm": True,
-            "cross_attn_norm": True,
-            "eps": 1e-6,
-            "in_dim": 16,
-            "text_dim": 4096,
-        },
+        "config": full_width("wan"),
         "latent": (16, 9, 60, 104),
         "text": (512, 4096),
         "extra": {},
@@ -125,27 +109,7 @@ MODELS = {
     },
     "hunyuan-video-15": {
         "title": "HunyuanVideo 1.5 (54 blocks, width 2048), 480x848, 33 frames",
-        "config": {
-            "image_model": "hunyuan_video",
-            "in_channels": 65,
-            "out_channels": 32,
-            "patch_size": [1, 1, 1],
-            "vec_in_dim": None,
-            "axes_dim": [16, 56, 56],
-            "meanflow": False,
-            "context_in_dim": 3584,
-            "hidden_size": 2048,
-            "mlp_ratio": 4.0,
-            "num_heads": 16,
-            "depth": 54,
-            "depth_single_blocks": 0,
-            "theta": 256,
-            "qkv_bias": True,
-            "byt5": False,
-            "guidance_embed": False,
-            "use_cond_type_embedding": True,
-            "vision_in_dim": 1152,
-        },
+        "config": full_width("hunyuan-video15"),
         "latent": (32, 9, 30, 53),
         "text": (128, 3584),
         "extra": {"pooled_output": None},
