@@ -263,3 +263,47 @@ def test_todo_and_reuse_across_steps_together(node_classes, family):
     # One joint attention per block: the first block at each of the 10 steps, the 3 after it at the 5 full steps
     # (test_comfyui_dit_families.py pins that schedule).
     assert sum(keys < queries for queries, keys in counter.calls) == 10 + 5 * 3
+
+
+def first_attention_weight(model) -> tuple[str, torch.Tensor]:
+    """The patcher's key and the tensor of the first block's first attention weight matrix."""
+    for name, weight in model.model.diffusion_model.named_parameters():
+        if weight.dim() == 2 and any(word in name for word in ("attn", "attention")):
+            return f"diffusion_model.{name}", weight
+    raise AssertionError("no attention weight")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_weight_patch_applies_under_todo(node_classes, dits, unpatched, family):
+    """A LoRA-like weight patch (``add_patches``) applies under ToDo: factor 1 gives the weight patch's own output
+    bit for bit, ToDo on it differs from both ToDo alone and the weight patch alone."""
+    model = dits[family]
+    key, weight = first_attention_weight(model)
+    lora = model.clone()
+    lora.add_patches({key: (torch.full_like(weight, 0.05),)}, 1.0)
+    lora_only = sample(lora, family)
+    assert not torch.equal(lora_only, unpatched[family])
+    assert torch.equal(sample(patch(node_classes, lora, downsample_factor=1.0), family), lora_only)
+    both = sample(patch(node_classes, lora), family)
+    assert torch.isfinite(both).all()
+    assert not torch.equal(both, lora_only) and not torch.equal(both, sample(patch(node_classes, model), family))
+
+
+@pytest.mark.parametrize("family", ("qwen_image", "z_image"))  # the block hook; the span blocks' forwards
+def test_compiled_model_samples_the_same(node_classes, dits, family):
+    """torch.compile (ComfyUI's own wrapper, eager backend: the graph capture without code generation) traces
+    through the families' ToDo and computes what the uncompiled patched model computes."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    patched = patch(node_classes, dits[family])
+    expected = sample(patched, family)
+    compiled = patched.clone()
+    set_torch_compile_wrapper(compiled, backend="eager")
+    torch._dynamo.reset()
+    try:
+        out = sample(compiled, family)
+    finally:
+        torch._dynamo.reset()
+    # The same operations, traced: equal up to float rounding of a reordered graph.
+    assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(out, sample(dits[family], family))
