@@ -181,7 +181,10 @@ def test_the_default_reuses_on_a_pipeline_and_leaves_reuse_out_on_a_bare_unet(pi
     pipe = pipeline(pipes, "txt2img")
     tome_core.apply_patch(pipe)
     try:
-        assert diffusers_layer_reuse.installed(pipe.unet).schedule.interval == 3
+        schedule = diffusers_layer_reuse.installed(pipe.unet).schedule
+        assert schedule.interval == 3
+        # From 25 steps, the plan of a UNet with attention at full resolution (this SD1.x-layout UNet).
+        assert schedule.full_steps(25) == 12 and schedule.for_run(25).extrapolate == 0.75
     finally:
         tome_core.remove_patch(pipe)
     unet = H.sd1_unet()

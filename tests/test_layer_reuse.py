@@ -183,6 +183,48 @@ def test_the_schedule_and_its_short_runs():
         IntervalSchedule(3, min_steps=-1)
 
 
+def test_the_default_interval_on_a_unet_plans_long_runs_per_family():
+    """reuse_interval 3 over 25 steps or more: 12 full steps of 25, SD1.x's (attention at full resolution) with the
+    first three full and three quarters of the line, SDXL's with the last four full and half the line; shorter
+    runs, other intervals and a UNet of unknown layout take the general schedule, bit for bit as before."""
+    from tome_core.layer_reuse import IntervalSchedule, LayerReuse, unet_schedule
+
+    def pattern(schedule, steps):
+        return "".join("F" if schedule.is_full(step, steps) else "." for step in range(steps))
+
+    sd1, sdxl = unet_schedule(3, (1, 2, 4)), unet_schedule(3, (2, 4))
+    assert pattern(sd1, 25) == "FFF..F..F..F..F..F..F.FFF" and sd1.full_steps(25) == 12
+    assert pattern(sdxl, 25) == "FF..F..F..F..F..F..F.FFFF" and sdxl.full_steps(25) == 12
+    assert pattern(sd1, 30) == "FFFF..F..F..F..F..F..F..F..FFF"
+    assert pattern(sdxl, 30) == "FFF..F..F..F..F..F..F..F..FFFF"
+    for steps in (8, 10, 12, 20, 24):
+        assert pattern(sd1, steps) == pattern(sdxl, steps) == pattern(IntervalSchedule(3), steps), steps
+    for interval in (1, 2, 4):
+        assert unet_schedule(interval, (1, 2, 4)) == unet_schedule(interval, (2, 4)) == IntervalSchedule(interval)
+    assert unet_schedule(3, None) == unet_schedule(3, ()) == IntervalSchedule(3)
+    # The reach of the line is the plan's in its runs, the owner's elsewhere.
+    owner = LayerReuse(sd1, layers=2, extrapolate=0.5)
+    assert owner.new_run(25).extrapolate == 0.75 and owner.new_run(20).extrapolate == 0.5
+    assert LayerReuse(sdxl, layers=2, extrapolate=0.3).new_run(25).extrapolate == 0.5
+    assert LayerReuse(IntervalSchedule(3), layers=2, extrapolate=0.3).new_run(25).extrapolate == 0.3
+
+
+@pytest.mark.parametrize("family, full", [("sd15", 12), ("sdxl", 12)])
+def test_a_comfyui_run_of_25_steps_takes_its_familys_plan(node_classes, models, family, full):
+    """The node's default on a tiny SD1.5 (attention at full resolution) and SDXL (none there) UNet: 13 of 25 steps
+    reuse, and the SD1.5 run moves three quarters along the line."""
+    from tome_core.hosts.shared.unet_layout import attention_levels
+
+    levels = attention_levels(models[family].model.diffusion_model)
+    assert (1 in levels) == (family == "sd15")
+    patched = patch(node_classes, models[family])
+    out = host.sample(patched, family, latent_hw=(8, 8), steps=25, batch=1)
+    assert torch.isfinite(out).all()
+    last = hooks_of(patched).last_run
+    assert last.calls % 25 == 0 and last.reused_calls * 25 == last.calls * (25 - full)  # one or two calls a step
+    assert last.extrapolate == (0.75 if family == "sd15" else 0.5)
+
+
 # Wan's noise levels in ComfyUI at 30 steps (shift 8, the ``simple`` scheduler), rounded.
 WAN_SIGMAS_30 = [
     *(1.0, 0.996, 0.991, 0.986, 0.981, 0.976, 0.97, 0.963, 0.957, 0.949, 0.941, 0.933, 0.923, 0.913, 0.902),

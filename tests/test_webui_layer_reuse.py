@@ -85,6 +85,18 @@ def test_interval_3_reuses_the_scheduled_calls_then_leaves_nothing(host, layout)
     assert not host.console
 
 
+@pytest.mark.parametrize(("layout", "extrapolate"), [("sd1", 0.75), ("sdxl", 0.5)])
+def test_a_job_of_25_steps_takes_its_familys_plan(host, layout, extrapolate):
+    """From 25 steps the default interval follows the UNet family's plan (``layer_reuse.UNET_LONG_RUN_PLANS``):
+    12 full steps of 25 on both layouts, three quarters of the line on SD1.x (attention at full resolution)."""
+    sd_model = SDModel(make_unet(layout))
+    out, p = job(host, sd_model, script_args(**REUSE), steps=tuple(range(999, 0, -40)))
+    (run,) = runs_of(p)
+    assert (run.steps, run.reused_calls, run.extrapolate) == (25, 25 - 12, extrapolate)
+    assert torch.isfinite(out).all()
+    assert_clean(sd_model)
+
+
 @pytest.mark.parametrize(
     ("job_of", "said"),
     [

@@ -80,15 +80,16 @@ def reusing_share(args, bench) -> float:
     return costs["reusing_call_s"] / costs["unpatched_call_s"]
 
 
-def whole_run(speed_report: dict, picture: dict, reusing: float, steps: int) -> dict:
-    """Each row's speed-up over a run of ``steps`` (see the module docstring) and its picture figures."""
-    from tome_core.layer_reuse import IntervalSchedule
+def whole_run(speed_report: dict, picture: dict, reusing: float, steps: int, attention_levels=(1, 2, 4)) -> dict:
+    """Each row's speed-up over a run of ``steps`` (see the module docstring) and its picture figures; the default's
+    full steps are those of the speed part's UNet (its ``attention_levels``: SD1.5's by default)."""
+    from tome_core.layer_reuse import unet_schedule
     from tome_core.settings import SPECS
 
     call = {row["row"]: row for row in speed_report["resolutions"][0]["rows"]}
     todo = call[TODO_ROW]["speedup"]
     records = {record["row"]: record for record in picture["records"]}
-    full = IntervalSchedule(SPECS["reuse_interval"].default).full_steps(steps)
+    full = unet_schedule(SPECS["reuse_interval"].default, attention_levels).full_steps(steps)
     calls = records[EASYCACHE_ROW]["work"].get("call_share", 1.0)
     speed = {
         "unpatched": 1.0,
@@ -116,6 +117,7 @@ def whole_run(speed_report: dict, picture: dict, reusing: float, steps: int) -> 
 
 
 def main(argv=None) -> dict:
+    from tome_core.hosts.shared import unet_layout
     from tools.bench import speed
     from tools.fidelity import run as fidelity
 
@@ -127,7 +129,8 @@ def main(argv=None) -> dict:
     built = {}
     speed_report = speed.main(speed_argv(args), keep=built)
     print("3/3 speed of a reusing call ...", file=sys.stderr, flush=True)
-    run = whole_run(speed_report, picture, reusing_share(args, built["bench"]), args.steps)
+    levels = unet_layout.attention_levels(built["bench"].patcher.model.diffusion_model)
+    run = whole_run(speed_report, picture, reusing_share(args, built["bench"]), args.steps, levels)
     minutes = (time.perf_counter() - started) / 60
     out = Path(args.out)
     run.update(reliable=speed_report["reliable"], minutes=round(minutes, 1), machine=speed_report["machine"])

@@ -297,6 +297,12 @@ def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
         (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "extrapolate": 0.35, "todo": 2.0}),
         (3, {"kind": "noise", "full_first": 2, "full_end": 4, "order": 2, "todo": 2.0}),
         (3, {"kind": "noise", "full_first": 3, "full_end": 4, "todo": 2.0}),
+        # 12 full steps of 25 with the last four full (a start of two) and the line's reach per model: `ref-sdxl`
+        # kept more with a third of the line, `ref-sd1` with three quarters.
+        (3, {"full_start": 0.08, "full_end": 4, "short_run": 25, "todo": 2.0}),
+        (3, {"full_start": 0.08, "full_end": 4, "short_run": 25, "extrapolate": 0.35, "todo": 2.0}),
+        (3, {"full_start": 0.08, "full_end": 4, "short_run": 25, "extrapolate": 0.75, "todo": 2.0}),
+        (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "extrapolate": 0.6, "todo": 2.0}),
         # Samplers the shipped rule stands reuse down for (DPM++ 2M, Karras sigmas): measured with
         # ``--any-sampler --sampler dpmpp_2m --scheduler karras``; the shipped schedule, the low-noise calls in full
         # (as with UniPC on the DiTs), the schedule by the noise.

@@ -30,9 +30,10 @@ from ...layer_reuse import (
     full_below_noise,
     is_karras,
     keeps_the_picture_with,
+    unet_schedule,
 )
 from ...schedule import call_sigmas, step_of
-from ..shared.unet_layout import inner_layers
+from ..shared.unet_layout import attention_levels, inner_layers
 from .sampling_run import sample_with_run
 
 log = logging.getLogger("tome_patch")
@@ -174,13 +175,14 @@ def install(
     """Give ``clone`` layer reuse at ``settings.reuse_interval``; False where it cannot (left as it is).
 
     ``extrapolate``, ``by_sigma``, ``outer`` (how many outer blocks run at every step) and ``schedule`` (an
-    ``IntervalSchedule``) override the engine's defaults, for the benchmarks."""
+    ``IntervalSchedule``) override the engine's defaults (a schedule's own ``extrapolate`` wins), for the benchmarks."""
     layers = [layer for _, layer in inner_layers(clone.model.diffusion_model, outer)]
     if settings.reuse_interval <= 1 or not layers:
         return False
     if not (hasattr(clone, "add_wrapper_with_key") and hasattr(clone, "set_injections")):
         return False  # a patcher without wrappers or injections (Forge): the WebUI script runs it there
-    schedule = IntervalSchedule(settings.reuse_interval) if schedule is None else schedule
+    if schedule is None:
+        schedule = unet_schedule(settings.reuse_interval, attention_levels(clone.model.diffusion_model))
     hooks = LayerReuseHooks(schedule, len(layers), noise_range, extrapolate, by_sigma)
     hooks.order = order
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)

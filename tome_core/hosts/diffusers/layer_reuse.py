@@ -40,6 +40,7 @@ from ...layer_reuse import (
     detach_forwards,
     full_below_noise,
     keeps_the_picture_with,
+    unet_schedule,
 )
 
 log = logging.getLogger("tome_patch")
@@ -247,7 +248,10 @@ def install(unet, pipeline, settings, allowed: Callable[[float], bool]) -> bool:
     layers = inner_layers(unet)
     if settings.reuse_interval <= 1 or not layers:
         return False
-    owner = PipelineReuse(pipeline, IntervalSchedule(settings.reuse_interval), layers, allowed)
+    from .pipeline_patch import attention_levels  # that module imports this one
+
+    schedule = unet_schedule(settings.reuse_interval, attention_levels(unet))
+    owner = PipelineReuse(pipeline, schedule, layers, allowed)
     attach_forwards(owner, [layer for _, layer in layers])
     unet.__dict__[_STATE] = owner
     unet.__dict__[_HOOKS] = (

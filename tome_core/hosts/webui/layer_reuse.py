@@ -49,9 +49,10 @@ from ...layer_reuse import (
     attach_forwards,
     detach_forwards,
     keeps_the_picture_with,
+    unet_schedule,
 )
 from ...schedule import NoiseRange, timestep_of_percent
-from ..shared.unet_layout import inner_layers
+from ..shared.unet_layout import attention_levels, inner_layers
 
 _STATE = "_tome_patch_layer_reuse"  # on an ldm UNet: (PassReuse, hook handles, layers)
 _reusing_unets: weakref.WeakSet = weakref.WeakSet()
@@ -151,8 +152,8 @@ def sampler_keeps_the_picture(p) -> bool:
     return keeps_the_picture_with(getattr(p, "sampler_name", None), getattr(p, "scheduler", None))
 
 
-def _schedule(settings) -> IntervalSchedule:
-    return IntervalSchedule(settings.reuse_interval)
+def _schedule(settings, unet):
+    return unet_schedule(settings.reuse_interval, attention_levels(unet))
 
 
 def _activate(owner: PassReuse) -> PassReuse:
@@ -201,7 +202,7 @@ def install_ldm(unet, settings, p, num_timesteps: int = 1000) -> PassReuse | Non
     noise_range = NoiseRange(
         settings.start_percent, settings.end_percent, lambda q: timestep_of_percent(q, num_timesteps)
     )
-    owner = PassReuse(p, _schedule(settings), len(layers), noise_range)
+    owner = PassReuse(p, _schedule(settings, unet), len(layers), noise_range)
 
     def before(module, args, kwargs):
         x = args[0] if args else kwargs.get("x")
@@ -295,7 +296,7 @@ def install_forge(patcher, settings, p, percent_to_sigma) -> PassReuse | None:
         noise_range = NoiseRange(0.0, 1.0, lambda q: math.nan)
     else:
         noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
-    owner = PassReuse(p, _schedule(settings), len(layers), noise_range)
+    owner = PassReuse(p, _schedule(settings, unet), len(layers), noise_range)
     for index, (name, layer) in enumerate(layers):
         patcher.add_object_patch(f"diffusion_model.{name}.forward", SkippableLayer(owner, index, layer))
     inner = getattr(patcher, "object_patches", {}).get("diffusion_model.forward")

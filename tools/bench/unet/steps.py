@@ -185,6 +185,14 @@ def sample(
     return seconds, timer
 
 
+def schedule_of(values: dict, patcher):
+    """The layer reuse schedule a row's settings run on ``patcher``'s UNet (its family's plan)."""
+    from tome_core.hosts.shared.unet_layout import attention_levels
+    from tome_core.layer_reuse import unet_schedule
+
+    return unet_schedule(values.get("reuse_interval", 1), attention_levels(patcher.model.diffusion_model))
+
+
 def per_call(patcher, values: dict, family, latent_hw, seed: int, device: torch.device | None = None) -> dict:
     """``--calls-only``: the CPU seconds of one unpatched call, one full call of the row and one reusing call,
     each a direct model call (batch 2, sigma of a mid step), for sizes where whole runs take too long. On a CUDA
@@ -299,7 +307,6 @@ def main(argv=None) -> dict:
         print(json.dumps(result))
         return result
     from tome_core.hosts.comfyui.patch import patched_unet
-    from tome_core.layer_reuse import IntervalSchedule
     from tome_core.settings import PatchSettings
 
     def log(message):
@@ -326,7 +333,7 @@ def main(argv=None) -> dict:
         full = [s for s, reused in timer.calls if not reused]
         reusing = [s for s, reused in timer.calls if reused]
         # Per step, not per call: ComfyUI may run cond and uncond as one call or as two (its memory estimate).
-        full_steps = IntervalSchedule(values.get("reuse_interval", 1)).full_steps(args.steps)
+        full_steps = schedule_of(values, patcher).full_steps(args.steps)
         results[name] = {
             "settings": values,
             "direct_s": total,
@@ -343,8 +350,7 @@ def main(argv=None) -> dict:
     base_call = base["full_call_s"]
     for r in results.values():
         r["direct_speedup"] = base["direct_s"] / r["direct_s"]
-        interval = r["settings"].get("reuse_interval", 1)
-        schedule = IntervalSchedule(interval)
+        schedule = schedule_of(r["settings"], patcher)
         r["converted"] = {}
         for steps in [args.steps] + [int(s) for s in args.convert.split(",") if s.strip()]:
             full = schedule.full_steps(steps)
