@@ -13,6 +13,9 @@ their own, averaged. Writes ``results/step-change.json``.
 The video reference (``--models ref-wan --steps 50``, sampled with ``uni_pc`` and the ``simple`` scheduler as Wan
 users sample in ComfyUI): the residual of Wan's block stack, beside real Wan 2.1 1.3B's ratios at 50 steps as
 ComfyUI-MagCache publishes them (``REAL_WAN_RATIOS``: the conditional call's, every fifth step and the last).
+The Qwen-Image reference (``--models ref-qwen --steps 50``): the image stream's residual (Qwen-Image's blocks
+carry text and image apart), beside real Qwen-Image's ratios at 50 steps as MagCache publishes them
+(``REAL_QWEN_RATIOS``). Flux.2 has no published calibration: ``ref-flux2`` is shown beside Flux.1's at 28 steps.
 """
 
 from __future__ import annotations
@@ -55,6 +58,17 @@ REAL_WAN_RATIOS = {
 }  # fmt: skip
 
 
+# Real Qwen-Image, 50 steps: MagCache's calibrated ratio of the conditional call at these steps (published with
+# MagCache's Qwen-Image example, ``mag_ratios``, rounded): the residual grows fast over the first steps and falls
+# fast over the last ones.
+REAL_QWEN_RATIOS = {
+    1: 1.641, 2: 1.453, 3: 1.188, 5: 1.055, 10: 1.117, 15: 1.078, 20: 1.031, 25: 1.039, 30: 1.023, 35: 0.992,
+    40: 0.992, 45: 0.805, 47: 0.75, 48: 0.609, 49: 0.551,
+}  # fmt: skip
+# The published curve each reference is compared with, and its step count.
+REAL_CURVES = {"ref-wan": ("Wan 2.1 1.3B", 50), "ref-qwen": ("Qwen-Image", 50)}
+
+
 class ResidualRecorder:
     """Hooks on a ComfyUI Flux or Wan model: the stack's input at its first block, its output after its last,
     one residual per model call."""
@@ -62,8 +76,11 @@ class ResidualRecorder:
     def __init__(self, diffusion_model):
         self.residuals: list[torch.Tensor] = []
         self._input = None
+        self.image_only = hasattr(diffusion_model, "transformer_blocks")  # Qwen-Image: (txt, img) apart
         if hasattr(diffusion_model, "double_blocks"):
             first, last = diffusion_model.double_blocks[0], diffusion_model.single_blocks[-1]
+        elif self.image_only:
+            first, last = diffusion_model.transformer_blocks[0], diffusion_model.transformer_blocks[-1]
         else:  # Wan: one stream through ``blocks``
             first, last = diffusion_model.blocks[0], diffusion_model.blocks[-1]
         self.handles = [
@@ -72,10 +89,15 @@ class ResidualRecorder:
         ]
 
     def _on_input(self, module, args, kwargs):
-        joined = args[0] if args else torch.cat((kwargs["txt"], kwargs["img"]), 1)
+        if self.image_only:
+            joined = kwargs["hidden_states"]
+        else:
+            joined = args[0] if args else torch.cat((kwargs["txt"], kwargs["img"]), 1)
         self._input = joined.detach().clone()
 
     def _on_output(self, module, args, output):
+        if self.image_only:
+            output = output[1]  # (text, image)
         self.residuals.append((output.detach() - self._input).float())
 
     def remove(self):
@@ -144,11 +166,17 @@ def main(argv=None) -> dict:
         result["models"][name] = measure(name, args)
     if args.steps == 50:
         result["real_wan_norm_ratio"] = REAL_WAN_RATIOS
+        result["real_qwen_norm_ratio"] = REAL_QWEN_RATIOS
         for name, record in result["models"].items():
-            pairs = [(record["norm_ratio"][step], real) for step, real in REAL_WAN_RATIOS.items()]
-            record["mean_gap_to_real_wan"] = sum(abs(a - b) for a, b in pairs) / len(pairs)
-            gap = record["mean_gap_to_real_wan"]
-            print(f"{name}: mean |ratio - real Wan 2.1 1.3B's| at {len(pairs)} steps = {gap:.3f}")
+            real_name, _ = REAL_CURVES.get(name, REAL_CURVES["ref-wan"])
+            curve = REAL_QWEN_RATIOS if real_name == "Qwen-Image" else REAL_WAN_RATIOS
+            pairs = [(record["norm_ratio"][step], real) for step, real in curve.items()]
+            record["mean_gap_to_real"] = sum(abs(a - b) for a, b in pairs) / len(pairs)
+            record["real_curve"] = real_name
+            gap = record["mean_gap_to_real"]
+            print(f"{name}: mean |ratio - real {real_name}'s| at {len(pairs)} steps = {gap:.3f}")
+            cells = [f"{step}: {record['norm_ratio'][step]:.3f} ({real})" for step, real in curve.items()]
+            print("  at those steps (real in brackets): " + ", ".join(cells))
     real = result["real_flux_norm_ratio"] if args.steps == 28 else None
     names = list(result["models"])
     header = " | ".join(f"{n} ratio | {n} change" for n in names)
