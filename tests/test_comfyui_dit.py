@@ -41,27 +41,6 @@ def patch(node_classes, model, **values):
     return host.patch_with_node(node_classes, model, **values)
 
 
-class KeyCounter:
-    """Another node's attention override: records the (queries, keys) counts of each call and passes it on."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __deepcopy__(self, memo):  # shared by the clones of a model, as a function would be
-        return self
-
-    def __call__(self, func, *args, **kwargs):
-        dim = 2 if kwargs.get("skip_reshape") else 1
-        self.calls.append((args[0].shape[dim], args[1].shape[dim]))
-        return func(*args, **kwargs)
-
-
-def with_override(model, override):
-    clone = model.clone()
-    clone.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = override
-    return clone
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_clone_samples_the_right_shape_and_changes_the_output(node_classes, dits, unpatched, family):
     patched = patch(node_classes, dits[family])
@@ -106,8 +85,8 @@ def test_step_range_reduces_only_part_of_the_steps(node_classes, dits):
 def test_only_image_keys_are_downsampled(node_classes, dits, family):
     """Every query stays; text keys stay whole; the image keys of self- and joint attention become a quarter
     (ceil per side, per frame for video); Wan's cross-attention to the text is left as it is."""
-    counter = KeyCounter()
-    patched = patch(node_classes, with_override(dits[family], counter))
+    counter = host.KeyCounter()
+    patched = patch(node_classes, host.with_override(dits[family], counter))
     batch, *grid = SHAPES[family]
     host.sample_dit(patched, family, (batch, *grid), steps=1)
     frames = grid[0] if family == "wan" else 1
@@ -123,8 +102,8 @@ def test_only_image_keys_are_downsampled(node_classes, dits, family):
 
 def test_reference_latents_stay_whole(node_classes, dits):
     """Flux Kontext: the reference image's tokens follow the image and keep all their keys."""
-    counter = KeyCounter()
-    patched = patch(node_classes, with_override(dits["flux"], counter))
+    counter = host.KeyCounter()
+    patched = patch(node_classes, host.with_override(dits["flux"], counter))
     reference = torch.randn(1, 16, 6, 5, generator=torch.Generator().manual_seed(5))
     out = host.sample_dit(patched, "flux", (1, 9, 13), steps=1, reference_latents=[reference])
     assert out.shape == (1, 16, 9, 13) and torch.isfinite(out).all()
@@ -134,8 +113,8 @@ def test_reference_latents_stay_whole(node_classes, dits):
 
 def test_another_attention_override_is_wrapped_not_replaced(node_classes, dits):
     ours = host.sample_dit(patch(node_classes, dits["sd3"]), "sd3", SHAPES["sd3"])
-    counter = KeyCounter()
-    both = host.sample_dit(patch(node_classes, with_override(dits["sd3"], counter)), "sd3", SHAPES["sd3"])
+    counter = host.KeyCounter()
+    both = host.sample_dit(patch(node_classes, host.with_override(dits["sd3"], counter)), "sd3", SHAPES["sd3"])
     assert counter.calls and any(keys < queries for queries, keys in counter.calls)  # it got our reduced keys
     assert torch.equal(both, ours)
 
@@ -178,8 +157,8 @@ def test_video_downsampling_in_time_handles_uneven_frames(dits):
     model = dits["wan"]
     settings = PatchSettings.from_values(method="todo", skip_when_slower=False)
     sigma = model.get_model_object("model_sampling").percent_to_sigma
-    counter = KeyCounter()
-    clone = comfy_dit.patched_clone(with_override(model, counter), settings, sigma, time_factor=2.0)
+    counter = host.KeyCounter()
+    clone = comfy_dit.patched_clone(host.with_override(model, counter), settings, sigma, time_factor=2.0)
     out = host.sample_dit(clone, "wan", (1, 3, 9, 11), steps=1)
     assert torch.isfinite(out).all()
     assert (3 * 5 * 6, 2 * 3 * 3) in counter.calls

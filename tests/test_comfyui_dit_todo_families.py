@@ -78,27 +78,6 @@ def sample(model, family, steps=2, **extra):
     return host.sample_dit(model, family, SHAPES[family], steps=steps, cfg=1.0, **extra)
 
 
-class KeyCounter:
-    """Another node's attention override: records (queries, keys) of each call and passes it on."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __call__(self, func, *args, **kwargs):
-        dim = 2 if kwargs.get("skip_reshape") else 1
-        self.calls.append((args[0].shape[dim], args[1].shape[dim]))
-        return func(*args, **kwargs)
-
-
-def with_override(model, override):
-    clone = model.clone()
-    clone.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = override
-    return clone
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_door_knows_the_family(dits, family):
     found = comfy_dit.family_of(dits[family].model.diffusion_model)
@@ -108,11 +87,11 @@ def test_the_door_knows_the_family(dits, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_only_the_image_keys_of_self_and_joint_attention_are_reduced(node_classes, dits, family):
     plain, reduced = CALLS[family]
-    counter = KeyCounter()
-    sample(with_override(dits[family], counter), family, steps=1)
+    counter = host.KeyCounter()
+    sample(host.with_override(dits[family], counter), family, steps=1)
     assert set(counter.calls) == plain
-    counter = KeyCounter()
-    sample(patch(node_classes, with_override(dits[family], counter)), family, steps=1)
+    counter = host.KeyCounter()
+    sample(patch(node_classes, host.with_override(dits[family], counter)), family, steps=1)
     assert set(counter.calls) == reduced
 
 
@@ -149,8 +128,8 @@ def test_output_changes_and_every_off_is_bit_identical(node_classes, dits, unpat
 )
 def test_reference_latents_stay_whole(node_classes, dits, family, reference, image, kept, ref, text):
     """Qwen-Image Edit and Flux.2: the reference latent's tokens follow the image and keep all their keys."""
-    counter = KeyCounter()
-    patched = patch(node_classes, with_override(dits[family], counter))
+    counter = host.KeyCounter()
+    patched = patch(node_classes, host.with_override(dits[family], counter))
     latent = torch.randn(*reference, generator=torch.Generator().manual_seed(5))
     out = sample(patched, family, steps=1, reference_latents=[latent])
     assert torch.isfinite(out).all()
@@ -161,8 +140,8 @@ def test_hunyuan_video_reference_latent_and_text_mask(node_classes, dits):
     """HunyuanVideo: a reference latent's tokens (as wide as the model input) come before the video, kept whole;
     a padded text's mask (additive, over the joint sequence) is downsampled with the keys."""
     family = "hunyuan_video15"
-    counter = KeyCounter()
-    patched = patch(node_classes, with_override(dits[family], counter))
+    counter = host.KeyCounter()
+    patched = patch(node_classes, host.with_override(dits[family], counter))
     reference = torch.randn(1, 65, 1, 7, 9, generator=torch.Generator().manual_seed(5))
     mask = torch.ones(1, 9, dtype=torch.long)
     mask[:, 6:] = 0
@@ -222,8 +201,8 @@ def test_lumina_2_reduces_from_its_measured_threshold(node_classes, dits):
     }
     assert comfy_dit.MIN_IMAGE_TOKENS["Lumina 2"] == 2304
     for side, grid in ((96, 48 * 48), (94, 47 * 47)):  # 2304 image tokens, then 2209
-        counter = KeyCounter()
-        patched = patch(node_classes, with_override(dits["z_image"], counter), skip_when_slower=True)
+        counter = host.KeyCounter()
+        patched = patch(node_classes, host.with_override(dits["z_image"], counter), skip_when_slower=True)
         host.sample_dit(patched, "z_image", (1, side, side), steps=1, cfg=1.0)
         joint = [(queries, keys) for queries, keys in counter.calls if queries > grid]
         assert joint and all((keys < queries) == (grid >= 2304) for queries, keys in joint), (side, joint)
@@ -247,8 +226,8 @@ def test_todo_and_reuse_across_steps_together(node_classes, family):
     from reuse alone."""
     model = host.tiny_dit(family, **host.dit_blocks(family, 4))
     reuse = {"reuse_interval": 3, "skip_when_slower": False, "dit_settings": "as set"}
-    counter = KeyCounter()
-    both = host.patch_with_node(node_classes, with_override(model, counter), **reuse)
+    counter = host.KeyCounter()
+    both = host.patch_with_node(node_classes, host.with_override(model, counter), **reuse)
     out = host.sample_dit(both, family, SHAPES[family], 10, cfg=1.0)
     alone = host.sample_dit(
         host.patch_with_node(node_classes, model, **dict(reuse, downsample_factor=1.0)),

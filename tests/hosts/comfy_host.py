@@ -639,3 +639,25 @@ def patch_with_node(node_classes, model, advanced=False, **values):
         inputs[spec.id] = spec.default
     inputs.update(values)
     return run_node(node, **inputs)
+
+
+class KeyCounter:
+    """Another node's attention override: records the (queries, keys) counts of each call and passes it on."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __deepcopy__(self, memo):  # shared by the clones of a model, as a function would be
+        return self
+
+    def __call__(self, func, *args, **kwargs):
+        dim = 2 if kwargs.get("skip_reshape") else 1
+        self.calls.append((args[0].shape[dim], args[1].shape[dim]))
+        return func(*args, **kwargs)
+
+
+def with_override(model, override):
+    """A clone of ``model`` whose ComfyUI attention calls go through ``override`` (another node's)."""
+    clone = model.clone()
+    clone.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = override
+    return clone

@@ -65,8 +65,8 @@ REAL_QWEN_RATIOS = {
     1: 1.641, 2: 1.453, 3: 1.188, 5: 1.055, 10: 1.117, 15: 1.078, 20: 1.031, 25: 1.039, 30: 1.023, 35: 0.992,
     40: 0.992, 45: 0.805, 47: 0.75, 48: 0.609, 49: 0.551,
 }  # fmt: skip
-# The published curve each reference is compared with, and its step count.
-REAL_CURVES = {"ref-wan": ("Wan 2.1 1.3B", 50), "ref-qwen": ("Qwen-Image", 50)}
+# The published 50-step curve each reference is compared with at 50 steps (Wan's for any other).
+REAL_CURVES = {"ref-wan": ("Wan 2.1 1.3B", REAL_WAN_RATIOS), "ref-qwen": ("Qwen-Image", REAL_QWEN_RATIOS)}
 
 
 class ResidualRecorder:
@@ -168,8 +168,7 @@ def main(argv=None) -> dict:
         result["real_wan_norm_ratio"] = REAL_WAN_RATIOS
         result["real_qwen_norm_ratio"] = REAL_QWEN_RATIOS
         for name, record in result["models"].items():
-            real_name, _ = REAL_CURVES.get(name, REAL_CURVES["ref-wan"])
-            curve = REAL_QWEN_RATIOS if real_name == "Qwen-Image" else REAL_WAN_RATIOS
+            real_name, curve = REAL_CURVES.get(name, REAL_CURVES["ref-wan"])
             pairs = [(record["norm_ratio"][step], real) for step, real in curve.items()]
             record["mean_gap_to_real"] = sum(abs(a - b) for a, b in pairs) / len(pairs)
             record["real_curve"] = real_name
