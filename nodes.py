@@ -15,8 +15,8 @@ CATEGORY = "model_patches/unet"
 DESCRIPTION = (
     "Makes sampling faster by reducing the tokens that the transformer blocks work on: ToMe merges similar "
     "tokens (for self-attention only, or for the whole block), ToDo downsamples self-attention's keys and values; "
-    "reuse_interval reuses the UNet's inner layers across steps. Returns a patched copy; the input model is not "
-    "changed."
+    "reuse_interval reuses the UNet's inner layers across steps (at the steps reuse_plan says). Returns a patched "
+    "copy; the input model is not changed."
 )
 
 MODEL_TOOLTIP = (
@@ -34,7 +34,7 @@ _FIRST_INPUTS = (
     "end_percent",
     "skip_when_slower",
 )
-BASIC_INPUTS = _FIRST_INPUTS + ("scope", "reuse_interval", "dit_settings")
+BASIC_INPUTS = _FIRST_INPUTS + ("scope", "reuse_interval", "dit_settings", "reuse_plan")
 ADVANCED_INPUTS = _FIRST_INPUTS + (
     "sx",
     "sy",
@@ -46,11 +46,12 @@ ADVANCED_INPUTS = _FIRST_INPUTS + (
     "scope",
     "reuse_interval",
     "dit_settings",
+    "reuse_plan",
 )
 
 # Inputs added after the first release are optional: an API prompt or a saved workflow without them still
 # validates, and they take their default.
-OPTIONAL_INPUTS = frozenset({"scope", "reuse_interval", "dit_settings"})
+OPTIONAL_INPUTS = frozenset({"scope", "reuse_interval", "dit_settings", "reuse_plan"})
 
 # Integer inputs are settings that stay as the user set them: ComfyUI's front end would otherwise add its
 # "control after generate" widget to an input named "seed" and draw a new seed after every run (by default),

@@ -333,26 +333,28 @@ def test_values_out_of_range_are_clamped_by_the_page_or_stopped_with_the_node_er
 
 def test_a_workflow_saved_before_reuse_interval_was_the_default_opens_with_reuse_off(page, node_inputs):
     """The front end restores widget values by position and leaves the rest at today's defaults; a workflow saved
-    before scope or reuse_interval existed meant reuse off, and one saved before dit_settings existed ran a DiT as
-    set: each opens so (web/saved_defaults.js), while one saved with a value keeps it and a node added anew gets
-    the default (the search test)."""
+    before scope or reuse_interval existed meant reuse off, one saved before dit_settings existed ran a DiT as set,
+    and one saved before reuse_plan existed reused one step in N: each opens so (web/saved_defaults.js), while
+    one saved with a value keeps it and a node added anew gets the default (the search test)."""
     workflow = json.loads(next((host.REPO_ROOT / "example_workflows").glob("*SD1.5*.json")).read_text())
     (ours,) = [n for n in workflow["nodes"] if n["type"] == "ToMePatch"]
     complete = list(ours["widgets_values"])
     index = node_inputs["ToMePatch"].index("reuse_interval")
     cases = (
-        (complete[:7], 1, "as set"),
-        (complete[:8], 1, "as set"),
-        (complete[:index] + [2], 2, "as set"),  # saved before dit_settings existed
-        (complete[:index] + [2, "auto"], 2, "auto"),
-        (complete[:index] + [3, "as set"], 3, "as set"),
+        (complete[:7], 1, "as set", "every N"),
+        (complete[:8], 1, "as set", "every N"),
+        (complete[:index] + [2], 2, "as set", "every N"),  # saved before dit_settings existed
+        (complete[:index] + [3, "auto"], 3, "auto", "every N"),  # saved before reuse_plan existed
+        (complete[:index] + [3, "as set", "every N"], 3, "as set", "every N"),
+        (complete[:index] + [3, "auto", "auto"], 3, "auto", "auto"),
     )
-    for saved, expected, dit_settings in cases:
+    for saved, expected, dit_settings, reuse_plan in cases:
         ours["widgets_values"] = saved
         page.evaluate("w => window.app.loadGraphData(w)", workflow)
         page.wait_for_function("() => window.__tome.node('ToMePatch') !== undefined")
         values = widget_values(page, "ToMePatch")
-        assert (values["reuse_interval"], values["dit_settings"]) == (expected, dit_settings), saved
+        got = (values["reuse_interval"], values["dit_settings"], values["reuse_plan"])
+        assert got == (expected, dit_settings, reuse_plan), saved
         assert list(values.values())[: len(saved)] == saved
 
 

@@ -45,11 +45,12 @@ def test_package_registers_both_nodes(node_classes):
         "scope",
         "reuse_interval",
         "dit_settings",
+        "reuse_plan",
     ]
     assert all(i.tooltip for i in schema.inputs)
     # Saved workflows keep widget values by position: both nodes only ever append inputs.
     advanced = [i.id for i in node_classes["ToMePatchAdvanced"].GET_SCHEMA().inputs]
-    assert advanced == names[:-3] + [
+    assert advanced == names[:-4] + [
         "sx",
         "sy",
         "use_rand",
@@ -60,6 +61,7 @@ def test_package_registers_both_nodes(node_classes):
         "scope",
         "reuse_interval",
         "dit_settings",
+        "reuse_plan",
     ]
 
 
@@ -83,6 +85,7 @@ def test_each_input_says_which_method_it_belongs_to(node_classes):
         "downsample_method": "ToDo: ",
         "reuse_interval": "ToMe and ToDo: ",
         "dit_settings": "DiTs: ",
+        "reuse_plan": "ToMe and ToDo: ",
     }
     for node_id in ("ToMePatch", "ToMePatchAdvanced"):
         for spec in node_classes[node_id].GET_SCHEMA().inputs[1:]:
@@ -365,7 +368,7 @@ def test_classic_api_offers_the_same_inputs_and_result(node_classes, models):
         assert list(inputs) == [i.id for i in schema_inputs]
         # Inputs added after the first release are optional in both APIs, so older prompts still validate.
         optional = {i.id for i in schema_inputs if i.optional}
-        assert set(types.get("optional", {})) == optional == {"scope", "reuse_interval", "dit_settings"}
+        assert set(types.get("optional", {})) == optional == {"scope", "reuse_interval", "dit_settings", "reuse_plan"}
         for spec in schema_inputs[1:]:
             assert inputs[spec.id][1]["default"] == spec.default
             assert inputs[spec.id][1]["tooltip"] == spec.tooltip

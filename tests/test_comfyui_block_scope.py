@@ -43,8 +43,8 @@ def forwards_left(model) -> int:
 def test_scope_is_the_input_before_reuse_interval_in_both_nodes(node_classes):
     for node_id in ("ToMePatch", "ToMePatchAdvanced"):
         inputs = node_classes[node_id].GET_SCHEMA().inputs
-        assert [i.id for i in inputs[-3:]] == ["scope", "reuse_interval", "dit_settings"]
-        scope = inputs[-3]
+        assert [i.id for i in inputs[-4:]] == ["scope", "reuse_interval", "dit_settings", "reuse_plan"]
+        scope = inputs[-4]
         assert scope.id == "scope" and scope.default == "self-attention"
         assert list(scope.options) == ["self-attention", "block", "reuse"]
         assert "whole transformer block" in scope.tooltip

@@ -10,6 +10,8 @@ import pytest
 import torch
 from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
+from tome_core.settings import SPECS
+
 HW = (15, 23)
 # "ToMe Patch" as a workflow saved with the node before the change stores it: method, ratio, downsample_factor,
 # max_downsample, start_percent, end_percent, skip_when_slower, scope, reuse_interval (the defaults then).
@@ -47,11 +49,37 @@ def test_a_node_added_anew_gets_todo_2_with_reuse_every_third_step(node_classes,
 def test_a_workflow_saved_with_the_node_before_the_change_keeps_reuse_off(node_classes, model):
     node = node_classes["ToMePatch"]
     names = [spec.id for spec in node.GET_SCHEMA().inputs[1:]]
-    # Widget values are positional: the front end maps them like this (dit_settings came after the change).
-    assert names[len(SAVED_WIDGETS) :] == ["dit_settings"]
+    # Widget values are positional: the front end maps them like this (dit_settings and reuse_plan came after
+    # the change).
+    assert names[len(SAVED_WIDGETS) :] == ["dit_settings", "reuse_plan"]
     names = names[: len(SAVED_WIDGETS)]
     patched = host.run_node(node, model=model, **dict(zip(names, SAVED_WIDGETS, strict=True)))
     assert reuse_interval_of(patched) is None
+
+
+def full_steps_of(patched, steps: int = 25) -> int:
+    """How many of ``steps`` the layer reuse a patched clone carries runs in full."""
+    for wrapper in patched.wrappers.get("apply_model", {}).get("tome_patch_layer_reuse", []):
+        return wrapper.__self__.schedule.full_steps(steps)
+    raise AssertionError("no reuse across steps")
+
+
+def test_a_workflow_saved_before_reuse_plan_existed_keeps_one_step_in_n(node_classes, model):
+    """reuse_plan came after reuse every 3 was the default: a workflow saved then stores values up to
+    dit_settings, and a prompt saved then leaves reuse_plan out; both run 14 full steps of 25 (every N) as they
+    did, where a node added anew runs the SD1.x plan (12 of 25). The pictures differ, and the saved one is
+    bit-identical to every N set by hand."""
+    node = node_classes["ToMePatch"]
+    names = [spec.id for spec in node.GET_SCHEMA().inputs[1:]]
+    assert names[-1] == "reuse_plan" and SPECS["reuse_plan"].default == "auto"
+    saved = dict(zip(names[:-1], [*SAVED_WIDGETS[:-1], 3, "auto"], strict=True))
+    older = host.run_node(node, model=model, **saved)
+    fresh = host.patch_with_node(node_classes, model)
+    by_hand = host.patch_with_node(node_classes, model, reuse_plan="every N")
+    assert (full_steps_of(older), full_steps_of(by_hand), full_steps_of(fresh)) == (14, 14, 12)
+    assert full_steps_of(older, 20) == full_steps_of(fresh, 20)  # the plans differ from 25 steps only
+    assert torch.equal(run(older, 25), run(by_hand, 25))
+    assert not torch.equal(run(older, 25), run(fresh, 25))
 
 
 def test_api_prompts_saved_before_the_change_keep_reuse_off(node_classes, model):

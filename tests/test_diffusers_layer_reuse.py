@@ -187,6 +187,11 @@ def test_the_default_reuses_on_a_pipeline_and_leaves_reuse_out_on_a_bare_unet(pi
         assert schedule.full_steps(25) == 12 and schedule.for_run(25).extrapolate == 0.75
     finally:
         tome_core.remove_patch(pipe)
+    tome_core.apply_patch(pipe, reuse_plan="every N")  # one step in N: 14 of 25
+    try:
+        assert diffusers_layer_reuse.installed(pipe.unet).schedule.full_steps(25) == 14
+    finally:
+        tome_core.remove_patch(pipe)
     unet = H.sd1_unet()
     with caplog.at_level("INFO", logger="tome_patch"):
         tome_core.apply_patch(unet, skip_when_slower=False)

@@ -202,6 +202,11 @@ def test_the_default_interval_on_a_unet_plans_long_runs_per_family():
     for interval in (1, 2, 4):
         assert unet_schedule(interval, (1, 2, 4)) == unet_schedule(interval, (2, 4)) == IntervalSchedule(interval)
     assert unet_schedule(3, None) == unet_schedule(3, ()) == IntervalSchedule(3)
+    # reuse_plan "every N" (what a job saved before the plans existed ran): the general schedule, 14 of 25.
+    for levels in ((1, 2, 4), (2, 4)):
+        assert unet_schedule(3, levels, "every N") == IntervalSchedule(3)
+        assert unet_schedule(3, levels, "every N").full_steps(25) == 14
+        assert unet_schedule(3, levels, "auto") == unet_schedule(3, levels)
     # The reach of the line is the plan's in its runs, the owner's elsewhere.
     owner = LayerReuse(sd1, layers=2, extrapolate=0.5)
     assert owner.new_run(25).extrapolate == 0.75 and owner.new_run(20).extrapolate == 0.5
@@ -267,6 +272,21 @@ def test_the_dit_schedule_spaces_its_full_steps_by_the_noise():
         NoiseSpacedSchedule(0)
     with pytest.raises(ValueError, match="min_steps"):
         NoiseSpacedSchedule(3, min_steps=-1)
+
+
+def test_a_warm_up_runs_the_first_steps_in_full_within_the_same_count():
+    """``warm_up`` (measured, not shipped: docs/dit.md): the first share of the steps run in full, and the count
+    of full steps stays one in ``interval``, so the later ones lie further apart."""
+    from tome_core.layer_reuse import NoiseSpacedSchedule
+
+    levels = [1.0 - step / 28 for step in range(28)]
+    plain = NoiseSpacedSchedule(3).for_run(28, levels).full
+    for share, first in ((0.05, 2), (0.1, 3), (0.15, 5)):
+        warm = NoiseSpacedSchedule(3, warm_up=share).for_run(28, levels).full
+        assert set(range(first)) <= warm and first not in warm and len(warm) == len(plain), share
+    assert NoiseSpacedSchedule(3, warm_up=0.0).for_run(28, levels) == NoiseSpacedSchedule(3).for_run(28, levels)
+    with pytest.raises(ValueError, match="warm_up"):
+        NoiseSpacedSchedule(3, warm_up=1.5)
 
 
 def test_the_noise_schedule_can_keep_its_first_and_last_steps_full():

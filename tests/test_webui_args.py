@@ -99,8 +99,8 @@ def test_combination_errors_name_both_settings(capsys, host, sd1):
     args[9] = args[10] = 1  # sx, sy: each in range, together no source token
     run_job(host, sd1, args)
     assert "sx and sy" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="at most 20 arguments"):
-        webui_args.parse_args([True] * 21)
+    with pytest.raises(ValueError, match=f"at most {len(webui_args.ARGS)} arguments"):
+        webui_args.parse_args([True] * (len(webui_args.ARGS) + 1))
 
 
 def _infotext(params: dict) -> str:
@@ -171,9 +171,30 @@ def test_an_infotext_written_before_reuse_became_the_default_pastes_back_without
     assert webui_args.KEY_REUSE not in off and _paste(components, script.infotext_fields, off)[index] == 1
 
 
+def test_an_infotext_without_a_reuse_plan_pastes_back_one_step_in_n(host):
+    """reuse_plan came after reuse every 3 was the default: an infotext with a reuse interval and no plan was
+    made with one step in N and pastes back so; one written now names the plan where it acts, and the pasted
+    values give the same settings. Without reuse the plan does not act: not written, and pasted as the default."""
+    script = host.script()
+    components = host.ui(script)
+    index = webui_args.ARG_NAMES.index("reuse_plan")
+    older = _parse("Steps: 25, ToMe method: ToDo, ToMe downsample: 2.0, ToMe reuse interval: 3")
+    assert _paste(components, script.infotext_fields, older)[index] == "every N"
+    for plan in ("auto", "every N"):
+        args = webui_args.parse_args(script_args(reuse_interval=3, reuse_plan=plan))
+        params = webui_args.infotext_params(args)
+        assert params.get(webui_args.KEY_REUSE_PLAN) == ("auto" if plan == "auto" else None)
+        pasted = _paste(components, script.infotext_fields, _parse(_infotext(params)))
+        assert pasted[index] == plan
+        assert webui_args.parse_args(pasted).settings_for_pass(False, 0).reuse_plan == plan
+    off = webui_args.infotext_params(webui_args.parse_args(script_args(reuse_interval=1)))
+    assert webui_args.KEY_REUSE_PLAN not in off
+    assert _paste(components, script.infotext_fields, _parse(_infotext(off)))[index] == "auto"
+
+
 def test_api_args_left_out_take_the_new_defaults_and_saved_ones_keep_theirs():
     """An API call that leaves the trailing args out gets today's defaults (reuse every 3 with ToDo 2); one that
-    names all 20 as the script took them before keeps reuse off."""
+    names all 20 as the script took them before keeps reuse off (and the plan, the 21st, does not act then)."""
     assert webui_args.parse_args([True]).settings_for_pass(False, 0).reuse_interval == 3
     saved = webui_args.as_list(webui_args.parse_args([True]))
     saved[webui_args.ARG_NAMES.index("reuse_interval")] = 1

@@ -40,6 +40,7 @@ ALWAYS_SHOWN = {
     "end_percent",
     "skip_when_slower",
     "reuse_interval",
+    "reuse_plan",
 }
 
 # A valid value other than the default for each control that may be hidden.
@@ -100,6 +101,7 @@ def test_every_setting_says_which_method_reads_it():
         "downsample_method": "ToDo",
         "scope": "ToMe",
         "reuse_interval": "ToMe and ToDo",
+        "reuse_plan": "ToMe and ToDo",
     }
     # dit_settings is read on DiTs only (ComfyUI, diffusers): the WebUI's script patches UNets.
     assert set(expected) == set(SPECS) - {"method", "dit_settings"}

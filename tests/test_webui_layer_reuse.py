@@ -95,6 +95,11 @@ def test_a_job_of_25_steps_takes_its_familys_plan(host, layout, extrapolate):
     assert (run.steps, run.reused_calls, run.extrapolate) == (25, 25 - 12, extrapolate)
     assert torch.isfinite(out).all()
     assert_clean(sd_model)
+    # reuse_plan "every N" (a job saved before the plans existed): 14 full steps of 25, half the line.
+    _, p = job(host, sd_model, script_args(**REUSE, reuse_plan="every N"), steps=tuple(range(999, 0, -40)))
+    (run,) = runs_of(p)
+    assert (run.steps, run.reused_calls, run.extrapolate) == (25, 25 - 14, 0.5)
+    assert_clean(sd_model)
 
 
 @pytest.mark.parametrize(

@@ -160,12 +160,12 @@ class RunLengthSchedule:
         return self.for_run(steps).full_steps(steps)
 
 
-def unet_schedule(interval: int, attention_levels) -> IntervalSchedule | RunLengthSchedule:
+def unet_schedule(interval: int, attention_levels, plan: str = "auto") -> IntervalSchedule | RunLengthSchedule:
     """The schedule of ``reuse_interval`` ``interval`` on a UNet whose attention is at ``attention_levels`` (1, 2,
-    4, ...: downsampling factors; None where unknown): ``UNET_LONG_RUN_PLANS`` at the planned interval, else
-    ``IntervalSchedule``'s defaults."""
+    4, ...: downsampling factors; None where unknown): with ``reuse_plan`` (``plan``) "auto", ``UNET_LONG_RUN_PLANS``
+    at the planned interval, else (and with "every N") ``IntervalSchedule``'s defaults."""
     general = IntervalSchedule(interval)
-    if interval != UNET_PLANNED_INTERVAL or not attention_levels:
+    if plan != "auto" or interval != UNET_PLANNED_INTERVAL or not attention_levels:
         return general
     full_start, full_end, extrapolate = UNET_LONG_RUN_PLANS[1 in attention_levels]
     long = IntervalSchedule(interval, full_start=full_start, full_end=full_end, extrapolate=extrapolate)
@@ -201,6 +201,10 @@ class NoiseSpacedSchedule:
     # their noise falling by the largest fractions). The end's steps come on top of the one in ``interval``.
     full_first: int = 1
     full_end: int = 0
+    # The share of the run's first steps that run in full, counted against the one in ``interval`` (the later
+    # full steps lie further apart for it). 0: ``full_first`` alone. Measured, not shipped: it lost the
+    # references' picture (docs/dit.md, "How the references change from step to step").
+    warm_up: float = 0.0
 
     def __post_init__(self):
         _check_run_rules(self)
@@ -208,6 +212,8 @@ class NoiseSpacedSchedule:
             raise ValueError(
                 f"full_first must be from 1 up and full_end from 0 up, got {self.full_first!r}, {self.full_end!r}"
             )
+        if not 0.0 <= self.warm_up <= 1.0:
+            raise ValueError(f"warm_up must be a number from 0 to 1, got {self.warm_up!r}")
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
         """The full steps of a run of ``steps`` at ``noise_levels`` (one per step, falling; None or another count:
@@ -223,7 +229,8 @@ class NoiseSpacedSchedule:
         # One in ``interval`` of the steps the host lets reuse; the ones it runs in full come on top (counted
         # against them, they left Wan's first 23 of 30 steps one full step with UniPC at shift 3: SSIM 0.862).
         budget = math.ceil((steps - len(low_noise)) / interval) + len(low_noise)
-        forced = set(range(min(self.full_first, steps))) | low_noise
+        first = max(self.full_first, math.ceil(self.warm_up * steps - 1e-9))
+        forced = set(range(min(first, steps))) | low_noise
         tight, loose = 0.0, max(levels[0] - min(levels), 0.0) + 1.0  # loose: no step but the forced ones
         full = forced
         for _ in range(48):  # bisection: the fewest-noise spacing with at most ``budget`` full steps

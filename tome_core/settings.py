@@ -235,8 +235,8 @@ _SPEC_LIST += (
         step=1,
         tooltip="ToMe and ToDo: reuse across steps. 1 = off. N (default 3): between the first fifth of the steps "
         "and the last four, the UNet's inner layers run at one step in N only (one in 2 at most under 25 steps, "
-        "where the steps lie further apart; nothing is reused under 10 steps; at 3 from 25 steps a plan per "
-        "family: 12 full steps of 25); at the other steps only the outermost layers run and the inner layers' "
+        "where the steps lie further apart; nothing is reused under 10 steps; reuse_plan auto at 3 from 25 steps: a "
+        "plan per family, 12 full steps of 25); at the other steps only the outermost layers run and the inner layers' "
         "output is carried over (extrapolated) from the steps that ran them. SD1.x, SD2.x and SDXL. With ToDo 2 "
         "(the default), 1.7-2.6x as fast as off at 25 steps with nearly the same picture. On DiTs (Flux, SD3, "
         "Wan) one step in N runs every block, spaced by the noise "
@@ -261,13 +261,30 @@ _SPEC_LIST += (
     ),
 )
 
+# Which steps a UNet runs in full when it reuses: the plan measured per family, or one step in N.
+REUSE_PLANS = ("auto", "every N")
+_SPEC_LIST += (
+    Spec(
+        "reuse_plan",
+        "choice",
+        "auto",
+        choices=REUSE_PLANS,
+        tooltip="ToMe and ToDo: with reuse_interval above 1, which steps of a UNet run every layer. auto (the "
+        "default): at reuse_interval 3 from 25 steps, the plan measured for the UNet's family (SD1.x/SD2.x or "
+        "SDXL: 12 full steps of 25), otherwise as every N. every N: the first fifth of the steps, the last four "
+        "and one in N in between (14 of 25 at 3), as workflows saved before this input existed run. DiTs ignore "
+        "it (their full steps are spaced by the noise).",
+    ),
+)
+
 SPECS: dict[str, Spec] = {spec.name: spec for spec in _SPEC_LIST}
 
 # What a saved ComfyUI prompt or a WebUI infotext that does not name a setting meant: its default when it was
 # saved. A setting whose default changed keeps its old value here, so what was saved gives the same picture
 # (reuse_interval was 1, off, until reuse across steps became part of the default).
-# A prompt saved before ``dit_settings`` existed ran a DiT with its inputs as set.
-IMPLIED_WHEN_ABSENT = {"reuse_interval": 1, "dit_settings": "as set"}
+# A prompt saved before ``dit_settings`` existed ran a DiT with its inputs as set, and one saved before
+# ``reuse_plan`` existed reused one step in N.
+IMPLIED_WHEN_ABSENT = {"reuse_interval": 1, "dit_settings": "as set", "reuse_plan": "every N"}
 
 log = logging.getLogger("tome_patch")
 
@@ -324,6 +341,7 @@ class PatchSettings:
     scope: str = SPECS["scope"].default
     reuse_interval: int = SPECS["reuse_interval"].default
     dit_settings: str = SPECS["dit_settings"].default
+    reuse_plan: str = SPECS["reuse_plan"].default
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

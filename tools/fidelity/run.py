@@ -123,7 +123,8 @@ def load_our_nodes() -> dict:
 
 
 def ours(nodes: dict, name: str, **values) -> FidelityRow:
-    inputs = {"max_downsample": "auto", "skip_when_slower": False, **values}
+    # reuse_plan as a node added anew has it (a prompt that leaves it out means the plan before it existed).
+    inputs = {"max_downsample": "auto", "skip_when_slower": False, "reuse_plan": "auto", **values}
     inputs["max_downsample"] = str(inputs["max_downsample"])
     return FidelityRow(name, "ours", node_patch(nodes["ToMePatchAdvanced"], **inputs), settings=inputs)
 
@@ -431,6 +432,11 @@ def dit_rows(
             # The step along the line the other family takes (Flux a whole one, Wan and Qwen-Image half of one).
             *((interval, {"extrapolate": other_step or (1.0 if video else 0.5)}) for interval in (3, 4, 6, 8)),
             (6, {"full_below": 0.0}),
+            # The first steps in full, as every peer runs them (EasyCache 15%, MagCache 20%): the real models'
+            # residual grows fast there (Flux.1 1.21, 1.12, 1.08, 1.06 per step; Qwen-Image 1.64, 1.45, 1.19).
+            *((interval, {"warm_up": share}) for interval in (3, 4) for share in (0.05, 0.1, 0.15)),
+            # The same with a shorter step along the line (the first line is drawn through close early steps).
+            *((3, {"warm_up": 0.1, "extrapolate": step}) for step in (0.0, 0.5)),
         )
         for interval, changes in changed:
             name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
@@ -477,11 +483,14 @@ def dit_peer_rows() -> list[FidelityRow]:
     return rows
 
 
-def dit_reuse_variant(interval: int, outer=None, extrapolate=None, fixed_intervals=False, full_below=None) -> Callable:
+def dit_reuse_variant(
+    interval: int, outer=None, extrapolate=None, fixed_intervals=False, full_below=None, warm_up=0.0
+) -> Callable:
     """DiT reuse across steps with engine defaults overridden: ``outer`` (blocks run at every call: at the start,
     at the end), ``extrapolate`` (None: the family's), ``fixed_intervals`` (the UNets' schedule with a tenth of
     the steps full at the start, as shipped before the schedule by noise), ``full_below`` (the noise below which
-    every call runs in full, instead of the sampler's rule)."""
+    every call runs in full, instead of the sampler's rule), ``warm_up`` (the share of the first steps run in full,
+    within the interval's count)."""
     from tome_core.hosts.comfyui import dit_reuse
     from tome_core.layer_reuse import DIT_OUTER_BLOCKS, IntervalSchedule, NoiseSpacedSchedule
     from tome_core.schedule import NoiseRange
@@ -490,7 +499,10 @@ def dit_reuse_variant(interval: int, outer=None, extrapolate=None, fixed_interva
     def patch(model):
         clone = model.clone()
         settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=interval)
-        schedule = IntervalSchedule(interval, full_start=0.1) if fixed_intervals else NoiseSpacedSchedule(interval)
+        if fixed_intervals:
+            schedule = IntervalSchedule(interval, full_start=0.1)
+        else:
+            schedule = NoiseSpacedSchedule(interval, warm_up=warm_up)
         noise_range = NoiseRange(0.0, 1.0, lambda p: p)
         dit_reuse.install(clone, settings, noise_range, outer or DIT_OUTER_BLOCKS, schedule, extrapolate)
         return clone if full_below is None else dit_peers.with_full_below(clone, full_below)

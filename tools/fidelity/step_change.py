@@ -35,6 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--cfg", type=float, default=4.0)
+    parser.add_argument(
+        "--scale", type=int, default=1, help="image size as a multiple of the training size (more tokens per step)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's choice)")
     parser.add_argument("--out", default=str(ROOT / "results"))
     return parser.parse_args(argv)
@@ -129,7 +132,7 @@ def measure(name: str, args) -> dict:
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
     every = data.all_prompts().as_tensor()
     prompts = every[torch.randperm(len(every), generator=torch.Generator().manual_seed(PROMPT_SEED))[: args.prompts]]
-    size = models.train_size(name)
+    size = models.train_size(name) * args.scale
     positive = conditioning(name, base, encoder, prompts, size)
     negative = conditioning(name, base, encoder, models.PromptEncoder.empty(1), size)
     sampler, scheduler = ("uni_pc", "simple") if models.is_video(name) else ("euler", "normal")
@@ -161,7 +164,7 @@ def main(argv=None) -> dict:
     from tools.bench.host import setup_comfy
 
     setup_comfy("cpu")
-    result = {"steps": args.steps, "real_flux_norm_ratio": real_flux_ratios(), "models": {}}
+    result = {"steps": args.steps, "scale": args.scale, "real_flux_norm_ratio": real_flux_ratios(), "models": {}}
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         result["models"][name] = measure(name, args)
     if args.steps == 50:

@@ -182,7 +182,9 @@ def install(
     if not (hasattr(clone, "add_wrapper_with_key") and hasattr(clone, "set_injections")):
         return False  # a patcher without wrappers or injections (Forge): the WebUI script runs it there
     if schedule is None:
-        schedule = unet_schedule(settings.reuse_interval, attention_levels(clone.model.diffusion_model))
+        schedule = unet_schedule(
+            settings.reuse_interval, attention_levels(clone.model.diffusion_model), settings.reuse_plan
+        )
     hooks = LayerReuseHooks(schedule, len(layers), noise_range, extrapolate, by_sigma)
     hooks.order = order
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)

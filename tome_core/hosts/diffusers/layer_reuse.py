@@ -250,7 +250,7 @@ def install(unet, pipeline, settings, allowed: Callable[[float], bool]) -> bool:
         return False
     from .pipeline_patch import attention_levels  # that module imports this one
 
-    schedule = unet_schedule(settings.reuse_interval, attention_levels(unet))
+    schedule = unet_schedule(settings.reuse_interval, attention_levels(unet), settings.reuse_plan)
     owner = PipelineReuse(pipeline, schedule, layers, allowed)
     attach_forwards(owner, [layer for _, layer in layers])
     unet.__dict__[_STATE] = owner

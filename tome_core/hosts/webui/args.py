@@ -128,6 +128,7 @@ ARGS: tuple[Arg, ...] = (
     _from_spec("skip_when_slower", "Skip where slower"),
     _from_spec("scope", "Scope (ToMe)"),
     _from_spec("reuse_interval", "Reuse interval (across steps)"),
+    _from_spec("reuse_plan", "Reuse plan (across steps)"),
 )
 ARG_NAMES = tuple(arg.name for arg in ARGS)
 _BY_NAME = {arg.name: arg for arg in ARGS}
@@ -179,6 +180,7 @@ class ScriptArgs:
     skip_when_slower: bool
     scope: str
     reuse_interval: int
+    reuse_plan: str
 
     def settings_for_pass(self, is_hr_pass: bool, seed: int = 0) -> PatchSettings | None:
         """The engine settings for one sampling pass, or None where this pass must stay unpatched."""
@@ -202,6 +204,7 @@ class ScriptArgs:
             "downsample_method": self.downsample_method,
             "scope": self.scope,
             "reuse_interval": self.reuse_interval,
+            "reuse_plan": self.reuse_plan,
         }
         settings = PatchSettings.from_values(**values)
         return None if settings.is_noop else settings
@@ -326,6 +329,7 @@ KEY_STOP = "ToMe stop at"
 KEY_SKIP = "ToMe skip when slower"
 KEY_SCOPE = "ToMe scope"
 KEY_REUSE = "ToMe reuse interval"
+KEY_REUSE_PLAN = "ToMe reuse plan"
 INFOTEXT_KEYS = (
     KEY_METHOD,
     KEY_RATIO,
@@ -342,6 +346,7 @@ INFOTEXT_KEYS = (
     KEY_SKIP,
     KEY_SCOPE,
     KEY_REUSE,
+    KEY_REUSE_PLAN,
 )
 _MERGE_PARTS = (("attn", "merge_attn"), ("crossattn", "merge_crossattn"), ("mlp", "merge_mlp"))
 
@@ -382,6 +387,9 @@ def infotext_params(args: ScriptArgs) -> dict[str, Any]:
     # Written unless it is what an infotext without it means (the value before reuse became the default).
     if args.reuse_interval != IMPLIED_WHEN_ABSENT["reuse_interval"]:
         params[KEY_REUSE] = args.reuse_interval
+    # Written where it acts, unless it is what an infotext without it means (the plan before it existed).
+    if args.reuse_interval > 1 and args.reuse_plan != IMPLIED_WHEN_ABSENT["reuse_plan"]:
+        params[KEY_REUSE_PLAN] = args.reuse_plan
     return params
 
 
@@ -431,6 +439,10 @@ def ui_values_from_infotext(params: dict) -> dict[str, Any]:
     # Absent: the value it had when infotexts left it out (off), not today's default, so a pasted infotext
     # gives the picture it describes.
     values["reuse_interval"] = read(KEY_REUSE, "reuse_interval", IMPLIED_WHEN_ABSENT["reuse_interval"])
+    # Absent with reuse on: the plan of infotexts written before the key existed; with reuse off it does not
+    # act, and the control keeps today's default for the next reuse.
+    plan_absent = IMPLIED_WHEN_ABSENT["reuse_plan"] if KEY_REUSE in params else d.reuse_plan
+    values["reuse_plan"] = read(KEY_REUSE_PLAN, "reuse_plan", plan_absent)
     return values
 
 

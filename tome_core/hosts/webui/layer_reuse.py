@@ -153,7 +153,7 @@ def sampler_keeps_the_picture(p) -> bool:
 
 
 def _schedule(settings, unet):
-    return unet_schedule(settings.reuse_interval, attention_levels(unet))
+    return unet_schedule(settings.reuse_interval, attention_levels(unet), settings.reuse_plan)
 
 
 def _activate(owner: PassReuse) -> PassReuse:

@@ -28,6 +28,7 @@ ADVANCED = (
     "end_percent",
     "skip_when_slower",
     "reuse_interval",
+    "reuse_plan",
     "scope",
     "sx",
     "sy",

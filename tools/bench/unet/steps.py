@@ -190,7 +190,8 @@ def schedule_of(values: dict, patcher):
     from tome_core.hosts.shared.unet_layout import attention_levels
     from tome_core.layer_reuse import unet_schedule
 
-    return unet_schedule(values.get("reuse_interval", 1), attention_levels(patcher.model.diffusion_model))
+    levels = attention_levels(patcher.model.diffusion_model)
+    return unet_schedule(values.get("reuse_interval", 1), levels, values.get("reuse_plan", "auto"))
 
 
 def per_call(patcher, values: dict, family, latent_hw, seed: int, device: torch.device | None = None) -> dict:
