@@ -286,6 +286,12 @@ def add_xyz_axes() -> bool:
             choices=lambda: list(webui_args.ARGS[webui_args.ARG_NAMES.index("scope")].choices),
         ),
         xyz.AxisOption(f"[{TITLE}] Reuse interval", int, _xyz_apply("reuse_interval")),
+        xyz.AxisOption(
+            f"[{TITLE}] Reuse plan",
+            str,
+            _xyz_apply("reuse_plan"),
+            choices=lambda: list(webui_args.ARGS[webui_args.ARG_NAMES.index("reuse_plan")].choices),
+        ),
     ]
     xyz.axis_options.extend(axis for axis in new_axes if axis.label not in labels)
     return True

@@ -218,8 +218,10 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
         "[ToMe Patch] Downsample factor",
         "[ToMe Patch] Scope",
         "[ToMe Patch] Reuse interval",
+        "[ToMe Patch] Reuse plan",
     ]
-    method_axis, ratio_axis, _, scope_axis, reuse_axis = host.xyz.axis_options
+    method_axis, ratio_axis, _, scope_axis, reuse_axis, plan_axis = host.xyz.axis_options
+    assert plan_axis.choices() == ["auto", "every N"]
     assert method_axis.choices() == ["ToMe", "ToDo"]
     assert scope_axis.choices() == ["self-attention", "block"]
     from hosts.webui_host import Processing, process_images
@@ -242,6 +244,12 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
     with torch.no_grad():
         process_images(host, p)
     assert p.extra_generation_params["ToMe reuse interval"] == 3
+    for plan, written in (("auto", "auto"), ("every N", None)):  # every N is what an infotext without it means
+        p = Processing(sd1, script_args(enabled=False, reuse_interval=3))
+        plan_axis.apply(p, plan, ["auto", "every N"])
+        with torch.no_grad():
+            process_images(host, p)
+        assert p.extra_generation_params.get("ToMe reuse plan") == written
     # Without the X/Y/Z script (e.g. disabled), nothing is added and nothing fails.
     assert Host().script() is not None
 
