@@ -441,6 +441,11 @@ def dit_rows(
         for interval, changes in changed:
             name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
             rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
+        for interval in (3, 4):  # the first steps in full as EasyCache computes them (its start_percent 0.15)
+            for start in (0.1, 0.15):
+                name = f"ours reuse every {interval} from start_percent {start}"
+                settings = {"method": "todo", "downsample_factor": 1.0, "reuse_interval": interval}
+                rows.append(ours(nodes, name, start_percent=start, **settings))
         for interval in (3, 4, 6, 8):  # the slope in 4 bits, as large caches keep it, forced on the reference
             name = f"ours reuse every {interval} variant slope in 4 bits"
             row = ours(nodes, name, method="todo", downsample_factor=1.0, reuse_interval=interval)
