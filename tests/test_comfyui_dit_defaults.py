@@ -114,3 +114,24 @@ def test_auto_intervals_by_step_count():
         StepCountSchedule(((10, 3),))
     # Every family reuse runs on has its interval; the ones not measured say so in the table's comment.
     assert {layout.family for layout in dit_reuse.LAYOUTS} <= set(DIT_AUTO_INTERVALS)
+
+
+def test_start_percent_runs_the_first_steps_in_full_under_auto(node_classes, dits):
+    """``start_percent`` bounds reuse with ``auto`` too: the calls before it run every block, on top of the
+    interval's full steps (the way to run the first steps in full as EasyCache does; docs/dit.md). Counted as the
+    calls of the second double block, which runs only where a call is full."""
+    block = dits["flux"].model.diffusion_model.double_blocks[1]
+    calls = []
+    block.forward = lambda *args, original=block.forward, **kwargs: calls.append(1) or original(*args, **kwargs)
+    try:
+        full = {}
+        for start in (0.0, 0.15):
+            calls.clear()
+            out = run(fresh_node(node_classes, dits["flux"], start_percent=start), "flux", SHAPES["flux"], 28)
+            assert torch.isfinite(out).all()
+            full[start] = len(calls)
+    finally:
+        del block.forward
+    # The default's 10 of 28; from 0.15 the calls above that share of the noise range (ComfyUI's
+    # percent_to_sigma) come on top.
+    assert full[0.0] == 10 and 10 < full[0.15] <= 15, full
