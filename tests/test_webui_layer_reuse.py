@@ -305,3 +305,20 @@ def test_forge_exception_mid_sampling_leaves_nothing_for_the_next_job(host):
     out, _ = job(host, forge, script_args(enabled=False))
     assert torch.equal(out, never)
     assert_clean(forge)
+
+
+@pytest.mark.parametrize(("plan", "full"), [("auto", 12), ("every N", 14)])
+def test_forge_follows_the_reuse_plan_as_the_ldm_unet_does(host, plan, full):
+    """At 25 steps Forge runs the plan ``reuse_plan`` says, as the WebUI's own UNet does: 12 full steps of 25 with
+    ``auto`` (SD1.x's family plan), 14 with ``every N``, and the same output."""
+    forge, ldm = _forge_and_ldm()
+    args = script_args(**REUSE, reuse_plan=plan)
+    steps = tuple(range(999, 0, -40))
+    forge_out, forge_p = job(host, forge, args, steps=steps)
+    ldm_out, ldm_p = job(host, ldm, args, steps=steps)
+    torch.testing.assert_close(forge_out, ldm_out, rtol=0, atol=1e-6)
+    for p in (forge_p, ldm_p):
+        (run,) = runs_of(p)
+        assert (run.steps, run.reused_calls) == (25, 25 - full)
+    job(host, forge, script_args(enabled=False))  # the next job removes what this one set
+    assert_clean(forge)
