@@ -42,6 +42,7 @@ import torch
 from tome_core.settings import SPECS, PatchSettings
 from tools.bench.host import LdmHolder, build_ldm_unet, setup_comfy
 from tools.bench.report import machine, versions
+from tools.fidelity.variants import UNET_VARIANTS, dit_variants
 from tools.fidelity.work import count_work
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -254,66 +255,7 @@ def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
     rows.append(followed_by_easycache(ours(nodes, "ours ToDo 2", method="todo")))
     if not variants:
         return rows
-    changed = (
-        (3, {"extrapolate": 0.0}),
-        (3, {"extrapolate": 1.0}),
-        (3, {"by_sigma": False}),
-        (3, {"by_sigma": False, "extrapolate": 1.0}),
-        (3, {"outer": 2}),
-        (2, {"extrapolate": 0.0}),
-        (4, {"extrapolate": 0.0}),
-        (3, {"full_end": 2}),
-        (3, {"full_end": 2, "todo": 2.0}),
-        (3, {"full_start": 0.3, "todo": 2.0}),
-        (3, {"full_start": 0.3}),
-        (3, {"full_start": 0.4}),
-        (3, {"full_end": 3}),
-        (3, {"full_start": 0.16, "todo": 2.0}),
-        (3, {"full_start": 0.12, "todo": 2.0}),
-        (2, {"full_end": 3}),
-        (2, {"full_end": 3, "todo": 2.0}),
-        (3, {"full_end": 3, "full_start": 0.3}),
-        (3, {"full_end": 3, "todo": 2.0}),
-        (3, {"todo": 2.0}),
-        # Candidates for the default (issue: ToDo 2 + reuse every 3 keeps ref-sdxl's min SSIM at 0.842 < 0.85 at 25
-        # steps): today's schedule with one more full step at the end, or a longer full start, or a shorter line.
-        (3, {"full_end": 4, "short_run": 25, "todo": 2.0}),
-        (3, {"full_end": 3, "short_run": 25, "full_start": 0.24, "todo": 2.0}),
-        (3, {"full_end": 3, "short_run": 25, "extrapolate": 0.25, "todo": 2.0}),
-        # Issue #37: fewer full steps (about 10 of 25 for 2x on SD1.5, 12 on SDXL). The interval schedule with a
-        # shorter start and one in four between; the steps spaced by the logarithm of the noise (the DiTs'
-        # schedule) with the first two and the last few full; the line over log sigma.
-        (4, {"full_start": 0.12, "full_end": 3, "short_run": 25, "todo": 2.0}),
-        (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "todo": 2.0}),
-        (3.5, {"kind": "noise", "full_first": 2, "full_end": 3, "todo": 2.0}),
-        (3, {"kind": "noise", "full_first": 2, "full_end": 3, "todo": 2.0}),
-        (3, {"kind": "noise", "full_first": 2, "full_end": 4, "todo": 2.0}),
-        (4, {"full_start": 0.12, "full_end": 3, "short_run": 25, "by_sigma": "log", "todo": 2.0}),
-        (3.5, {"kind": "noise", "full_first": 2, "full_end": 3, "by_sigma": "log", "todo": 2.0}),
-        # The parabola through the last three full steps; other reaches of the line.
-        (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "order": 2, "todo": 2.0}),
-        (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "order": 2, "extrapolate": 1.0, "todo": 2.0}),
-        (4, {"full_start": 0.12, "full_end": 3, "short_run": 25, "order": 2, "todo": 2.0}),
-        (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "extrapolate": 0.75, "todo": 2.0}),
-        (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "extrapolate": 0.35, "todo": 2.0}),
-        (3, {"kind": "noise", "full_first": 2, "full_end": 4, "order": 2, "todo": 2.0}),
-        (3, {"kind": "noise", "full_first": 3, "full_end": 4, "todo": 2.0}),
-        # 12 full steps of 25 with the last four full (a start of two) and the line's reach per model: `ref-sdxl`
-        # kept more with a third of the line, `ref-sd1` with three quarters.
-        (3, {"full_start": 0.08, "full_end": 4, "short_run": 25, "todo": 2.0}),
-        (3, {"full_start": 0.08, "full_end": 4, "short_run": 25, "extrapolate": 0.35, "todo": 2.0}),
-        (3, {"full_start": 0.08, "full_end": 4, "short_run": 25, "extrapolate": 0.75, "todo": 2.0}),
-        (3, {"full_start": 0.12, "full_end": 3, "short_run": 25, "extrapolate": 0.6, "todo": 2.0}),
-        # Samplers the shipped rule stands reuse down for (DPM++ 2M, Karras sigmas): measured with
-        # ``--any-sampler --sampler dpmpp_2m --scheduler karras``; the shipped schedule, the low-noise calls in full
-        # (as with UniPC on the DiTs), the schedule by the noise.
-        (3, {"any_sigmas": True, "full_end": 4, "short_run": 25, "min_steps": 10, "todo": 2.0}),
-        (3, {"any_sigmas": True, "full_end": 4, "short_run": 25, "min_steps": 10, "full_below": 0.5, "todo": 2.0}),
-        (3, {"any_sigmas": True, "full_end": 4, "short_run": 25, "min_steps": 10, "full_below": 1.0, "todo": 2.0}),
-        (3, {"any_sigmas": True, "kind": "noise", "full_first": 2, "full_end": 4, "todo": 2.0}),
-        (3, {"any_sigmas": True, "kind": "noise", "full_first": 2, "full_end": 4, "full_below": 0.5, "todo": 2.0}),
-        (3, {"any_sigmas": True, "full_start": 0.3, "full_end": 4, "short_run": 25, "min_steps": 10, "todo": 2.0}),
-    )
+    changed = UNET_VARIANTS
     for interval, changes in changed:
         name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
         rows.append(FidelityRow(name, "ours", *layer_reuse_variant_hooks(interval, **changes), settings=changes))
@@ -422,22 +364,7 @@ def dit_rows(
     for interval in (3,):
         rows.append(ours(nodes, f"ours ToDo 2 + reuse every {interval}", method="todo", reuse_interval=interval))
     if variants:  # the choices behind the shipped DiT reuse: the schedule, the blocks that run, the prediction
-        changed = (
-            (4, {"fixed_intervals": True}),
-            (6, {"fixed_intervals": True}),
-            (8, {"fixed_intervals": True}),
-            (4, {"outer": (1, 1)}),
-            (6, {"outer": (1, 1)}),
-            (6, {"extrapolate": 0.0}),
-            # The step along the line the other family takes (Flux a whole one, Wan and Qwen-Image half of one).
-            *((interval, {"extrapolate": other_step or (1.0 if video else 0.5)}) for interval in (3, 4, 6, 8)),
-            (6, {"full_below": 0.0}),
-            # The first steps in full, as every peer runs them (EasyCache 15%, MagCache 20%): the real models'
-            # residual grows fast there (Flux.1 1.21, 1.12, 1.08, 1.06 per step; Qwen-Image 1.64, 1.45, 1.19).
-            *((interval, {"warm_up": share}) for interval in (3, 4) for share in (0.05, 0.1, 0.15)),
-            # The same with a shorter step along the line (the first line is drawn through close early steps).
-            *((3, {"warm_up": 0.1, "extrapolate": step}) for step in (0.0, 0.5)),
-        )
+        changed = dit_variants(video, other_step)
         for interval, changes in changed:
             name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
             rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
