@@ -255,6 +255,10 @@ def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
     rows.append(followed_by_easycache(ours(nodes, "ours ToDo 2", method="todo")))
     if not variants:
         return rows
+    # The plan before the family plans (what a job saved before ``reuse_plan`` existed runs).
+    rows.append(
+        ours(nodes, "ours ToDo 2 + reuse every 3 plan every N", method="todo", reuse_interval=3, reuse_plan="every N")
+    )
     changed = UNET_VARIANTS
     for interval, changes in changed:
         name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
