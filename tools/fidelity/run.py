@@ -289,7 +289,7 @@ def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
     if not variants:
         return rows
     # DPM++ 2M: a first-order step at the reusing steps (``first_order_at_reusing_steps``).
-    default = ours(nodes, "ours ToDo 2 + reuse every 3", method="todo", reuse_interval=3)
+    default = next(row for row in rows if row.name == "ours ToDo 2 + reuse every 3")
     rows.append(
         FidelityRow(
             "ours ToDo 2 + reuse every 3 variant first order at reusing steps",
