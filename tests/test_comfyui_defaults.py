@@ -129,7 +129,7 @@ def test_only_karras_sigmas_are_taken_for_karras(model):
     """The Karras check on the levels each of ComfyUI's schedulers gives (the model's sigma range, 12 steps)."""
     import comfy.samplers
 
-    from tome_core.layer_reuse import is_karras
+    from tome_core.reuse import is_karras
 
     sampling = model.get_model_object("model_sampling")
     low, high = float(sampling.sigma_min), float(sampling.sigma_max)

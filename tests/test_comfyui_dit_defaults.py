@@ -1,19 +1,22 @@
 """``dit_settings``: what a freshly added node runs on a DiT (``auto``: each family's measured setting, reuse across
-steps and no ToDo), and what a prompt or workflow saved before the input existed runs (its inputs as set).
+steps guarded by the real model's published step-to-step change, and no ToDo), and what a prompt or workflow saved
+before the input existed runs (its inputs as set).
 
-``auto`` is checked bit for bit against the same reuse set by hand (``as set``, ``downsample_factor`` 1): so the
-figures measured for those settings (docs/dit.md) are the figures of the defaults."""
+``auto``'s full steps are checked against the same reuse set by hand (``as set``, ``downsample_factor`` 1) and the
+family record's curve (``hosts.shared.dit_families``)."""
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
 from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
 from tome_core.hosts.comfyui import dit, dit_reuse
-from tome_core.layer_reuse import DIT_AUTO_INTERVALS, StepCountSchedule
+from tome_core.hosts.shared import dit_families
+from tome_core.reuse import StepCountSchedule
 from tome_core.settings import IMPLIED_WHEN_ABSENT, SPECS
 
 SHAPES = {"flux": (1, 9, 13), "wan": (1, 3, 9, 11)}
@@ -49,23 +52,49 @@ def test_the_default_is_auto_and_an_older_prompt_means_as_set():
     assert IMPLIED_WHEN_ABSENT["dit_settings"] == "as set"
 
 
+def recorded_plans(monkeypatch) -> list:
+    """The full steps of every sampling run made from now on (every loaded copy of the engine: ComfyUI loads the
+    node package under its folder's name)."""
+    plans = []
+    for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.cache")]:
+
+        def record(self, schedule, *args, _made=engine.LayerReuseRun.__init__, **kwargs):
+            _made(self, schedule, *args, **kwargs)
+            plans.append(schedule.full)
+
+        monkeypatch.setattr(engine.LayerReuseRun, "__init__", record)
+    return plans
+
+
 @pytest.mark.parametrize(
-    ("family", "steps", "interval"),
-    (("flux", 28, 3), ("flux", 40, 4), ("wan", 30, 5)),
-    ids=("flux-28", "flux-40", "wan-30"),
+    ("family", "name", "steps", "interval"),
+    (("flux", "Flux", 28, 3), ("flux", "Flux", 50, 4), ("wan", "Wan", 30, 5)),
+    ids=("flux-28", "flux-50", "wan-30"),
 )
-def test_auto_is_the_familys_measured_reuse_without_todo(node_classes, dits, family, steps, interval):
+def test_auto_is_the_familys_measured_reuse_guarded_by_its_curve(
+    node_classes, dits, family, name, steps, interval, monkeypatch
+):
     """A fresh node (ToDo 2 and reuse_interval 3 among its inputs, skip_when_slower off so that ToDo would act)
-    computes exactly what reuse every ``interval`` alone computes, as measured for the family and step count."""
+    runs no ToDo and reuse every ``interval`` (the family's for the step count) with, on top, the steps where
+    reuse would accumulate more error on the real model's published curve than its threshold allows."""
     model = dits[family]
+    plans = recorded_plans(monkeypatch)
     auto = fresh_node(node_classes, model, skip_when_slower=False, reuse_interval=2)
     assert auto.get_wrappers("apply_model", dit.WRAPPER_KEY) == []  # no ToDo
     by_hand = as_set(node_classes, model, skip_when_slower=False, downsample_factor=1.0, reuse_interval=interval)
-    other = as_set(node_classes, model, skip_when_slower=False, downsample_factor=1.0, reuse_interval=interval + 1)
     out = run(auto, family, SHAPES[family], steps)
-    assert torch.isfinite(out).all()
-    assert torch.equal(out, run(by_hand, family, SHAPES[family], steps))
-    assert not torch.equal(out, run(other, family, SHAPES[family], steps))
+    by_hand_out = run(by_hand, family, SHAPES[family], steps)
+    assert torch.isfinite(out).all() and len(plans) == 2
+    guarded, every_n = plans
+    record = dit_families.family(name)
+    assert guarded == record.curve.guard(every_n, steps)
+    assert max(record.curve.errors(guarded, steps)) <= record.curve.threshold
+    if family == "flux":  # real Flux moves fast over its first steps: the guard computes some of them
+        assert guarded > every_n and {1, 2, 3} & guarded
+        assert max(record.curve.errors(every_n, steps)) > record.curve.threshold
+        assert not torch.equal(out, by_hand_out)
+    else:  # real Wan stays flat at the start: at most a step more
+        assert every_n <= guarded and len(guarded - every_n) <= 1
 
 
 def test_a_prompt_saved_before_dit_settings_runs_its_inputs_as_set(node_classes, dits):
@@ -107,13 +136,13 @@ def test_auto_says_what_it_runs(node_classes, dits, caplog):
 
 
 def test_auto_intervals_by_step_count():
-    schedule = StepCountSchedule(DIT_AUTO_INTERVALS["Flux"])
+    schedule = dit_families.auto_schedule("Flux")
     assert [schedule.interval(steps) for steps in (10, 28, 39, 40, 50)] == [3, 3, 3, 4, 4]
-    assert StepCountSchedule(DIT_AUTO_INTERVALS["Wan"]).interval(30) == 5
+    assert dit_families.auto_schedule("Wan").interval(30) == 5
     with pytest.raises(ValueError, match="intervals"):
         StepCountSchedule(((10, 3),))
-    # Every family reuse runs on has its interval; the ones not measured say so in the table's comment.
-    assert {layout.family for layout in dit_reuse.LAYOUTS} <= set(DIT_AUTO_INTERVALS)
+    # Every family reuse runs on has its record in the registry.
+    assert {layout.family for layout in dit_reuse.LAYOUTS} <= {family.name for family in dit_families.FAMILIES}
 
 
 def test_start_percent_runs_the_first_steps_in_full_under_auto(node_classes, dits):
@@ -132,6 +161,6 @@ def test_start_percent_runs_the_first_steps_in_full_under_auto(node_classes, dit
             full[start] = len(calls)
     finally:
         del block.forward
-    # The default's 10 of 28; from 0.15 the calls above that share of the noise range (ComfyUI's
-    # percent_to_sigma) come on top.
-    assert full[0.0] == 10 and 10 < full[0.15] <= 15, full
+    # The default's 13 of 28 on this model's noise levels (every 3, and the first steps real Flux moves fast in);
+    # from 0.15 the calls above that share of the noise range (ComfyUI's percent_to_sigma) come on top.
+    assert full[0.0] == 13 and 13 < full[0.15] <= 17, full

@@ -14,7 +14,7 @@ import torch
 from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
 from tome_core.hosts.comfyui import dit_reuse
-from tome_core.layer_reuse import NoiseSpacedSchedule
+from tome_core.reuse import NoiseSpacedSchedule
 
 FAMILIES = ("flux2", "qwen_image", "hunyuan_video15", "ltxv", "chroma_radiance", "lumina2", "z_image")
 # Lumina 2 and Z-Image have no block hook: their span blocks get an instance forward (a patcher injection), so a

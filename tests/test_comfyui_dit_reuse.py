@@ -12,7 +12,7 @@ from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: 
 
 from tome_core.hosts.comfyui import dit_reuse
 from tome_core.hosts.comfyui.layer_reuse import RUN_KEY
-from tome_core.layer_reuse import IntervalSchedule, NoiseSpacedSchedule, full_below_noise
+from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule, full_below_noise
 
 FAMILIES = ("flux", "chroma", "sd3", "wan")
 # Four blocks each: Flux and Chroma two double and two single (the span crosses from one kind to the other).
@@ -135,7 +135,7 @@ def test_uni_pc_runs_the_low_noise_steps_in_full(node_classes, dits):
     import comfy.samplers
     from comfy_extras.nodes_model_advanced import ModelSamplingSD3
 
-    from tome_core.layer_reuse import FULL_BELOW_NOISE_WITH_A_CORRECTOR
+    from tome_core.reuse import FULL_BELOW_NOISE_WITH_A_CORRECTOR
 
     shifted = ModelSamplingSD3().patch(dits["wan"], 3.0)[0]
     patched = patch(node_classes, shifted, reuse_interval=2, downsample_factor=1.0)
@@ -204,7 +204,7 @@ def test_a_compact_slope_changes_the_prediction_by_its_rounding_only(node_classe
     """Large caches keep the line's slope in 4 bits (``COMPACT_SLOPE_BYTES``), forced here on the tiny models in
     every loaded copy of the engine: where the span changes nothing the picture stays bit for bit, and where it
     changes something reuse still reuses and the output stays close to the whole-record one."""
-    engines = [m for name, m in sys.modules.items() if name.endswith("tome_core.layer_reuse")]
+    engines = [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.cache")]
     whole = host.sample_dit(patch(node_classes, dits[family], **REUSE), family, SHAPES[family], steps=STEPS)
     foreign = dits[family].clone()
     for block_type, index in SPAN[family]:
@@ -373,9 +373,9 @@ def test_compiled_model_samples_the_same(node_classes, dits):
 def test_flux_predicts_a_whole_step_along_the_line_and_the_others_half_of_one(
     node_classes, dits, family, extrapolate, monkeypatch
 ):
-    """``layer_reuse.DIT_EXTRAPOLATE``: measured per family on the references (docs/dit.md)."""
+    """``dit_families``: the extrapolation: measured per family on the references (docs/dit.md)."""
     runs = []
-    for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.layer_reuse")]:
+    for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse")]:
 
         def record(self, *args, _made=engine.LayerReuseRun.__init__, **kwargs):
             _made(self, *args, **kwargs)

@@ -13,6 +13,7 @@ import torch
 from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
 from tome_core.hosts.comfyui import dit as comfy_dit
+from tome_core.hosts.shared import dit_families
 from tome_core.joint_attention import SequenceDownsample
 from tome_core.settings import PatchSettings
 
@@ -194,12 +195,13 @@ def test_qwen_image_of_several_frames_is_no_image(dits):
 def test_lumina_2_reduces_from_its_measured_threshold(node_classes, dits):
     """skip_when_slower on (the default): Z-Image / Lumina 2 from 2304 image tokens (768 px) on, LTX-Video from
     4096 (slower below on a GPU), as measured; Qwen-Image and HunyuanVideo keep the engine's ToDo threshold (1024)."""
-    assert {name: comfy_dit.MIN_IMAGE_TOKENS[name] for name in ("Qwen-Image", "HunyuanVideo", "LTX-Video")} == {
+    tokens = {family.name: family.todo_min_image_tokens for family in dit_families.FAMILIES}
+    assert {name: tokens[name] for name in ("Qwen-Image", "HunyuanVideo", "LTX-Video")} == {
         "Qwen-Image": None,
         "HunyuanVideo": None,
         "LTX-Video": 4096,
     }
-    assert comfy_dit.MIN_IMAGE_TOKENS["Lumina 2"] == 2304
+    assert tokens["Lumina 2"] == 2304
     for side, grid in ((96, 48 * 48), (94, 47 * 47)):  # 2304 image tokens, then 2209
         counter = host.KeyCounter()
         patched = patch(node_classes, host.with_override(dits["z_image"], counter), skip_when_slower=True)

@@ -16,7 +16,7 @@ from test_diffusers import module_snapshot
 
 import tome_core
 from tome_core.hosts.diffusers import dit_attention, dit_reuse, pipeline_patch
-from tome_core.layer_reuse import LayerReuseRun
+from tome_core.reuse import LayerReuseRun
 
 # The tiny grids are far below the break-even: reduce them anyway; and the settings as set (``dit_settings`` auto,
 # the default, has tests of its own at the end).
@@ -99,7 +99,7 @@ def test_reuse_skips_the_dit_schedules_steps(pipes, kind, calls_per_step, extrap
     patched_run(pipe, steps=12, downsample_factor=1, reuse_interval=3)
     (run,) = runs
     assert (run.calls, run.reused_calls) == (12 * calls_per_step, 6 * calls_per_step)  # under 25 steps: 1 in 2
-    assert run.extrapolate == extrapolate  # the family's step along the line (layer_reuse.DIT_EXTRAPOLATE)
+    assert run.extrapolate == extrapolate  # the family's step along the line (``dit_families``)
     assert not run.entries  # the cache is dropped after the last step
 
 
@@ -343,7 +343,7 @@ def test_unipc_runs_the_low_noise_steps_in_full(pipes, monkeypatch):
     over 30 steps, the steps below noise 0.5 run in full, on top of one in two of the others."""
     from diffusers import UniPCMultistepScheduler
 
-    from tome_core.layer_reuse import FULL_BELOW_NOISE_WITH_A_CORRECTOR
+    from tome_core.reuse import FULL_BELOW_NOISE_WITH_A_CORRECTOR
 
     pipe = D.wan_pipeline()
     pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
@@ -454,7 +454,7 @@ def test_model_cpu_offload_keeps_the_patchs_picture(monkeypatch):
 @pytest.mark.parametrize(("kind", "steps", "interval"), (("flux", 28, 3), ("wan", 30, 5)))
 def test_no_settings_run_the_familys_measured_reuse_without_todo(pipes, kind, steps, interval):
     """``apply_patch(pipe)`` (``dit_settings`` auto): reuse at the family's measured interval for the step count
-    (``layer_reuse.DIT_AUTO_INTERVALS``) and no ToDo, bit for bit what naming that setting computes."""
+    (``dit_families``) and no ToDo, bit for bit what naming that setting computes."""
     pipe = pipeline(pipes, kind)
     auto = patched_run(pipe, steps=steps)
     by_hand = patched_run(pipe, steps=steps, downsample_factor=1, reuse_interval=interval, dit_settings="as set")

@@ -18,15 +18,11 @@ from test_diffusers_dit import counting_runs
 
 import tome_core
 from tome_core.hosts.diffusers import dit_attention, dit_reuse, pipeline_patch
-from tome_core.layer_reuse import (
-    DIT_AUTO_INTERVALS,
-    DIT_AUTO_INTERVALS_OTHER,
-    NoiseSpacedSchedule,
-    dit_auto_schedule,
-)
+from tome_core.hosts.shared import dit_families
+from tome_core.reuse import NoiseSpacedSchedule
 
 KINDS = tuple(D.FAMILY_MAKERS)
-# (transformer class, family (DIT_AUTO_INTERVALS' key), family in messages, transformer calls per step)
+# (transformer class, family (the registry's name, ``dit_families``), family in messages, transformer calls per step)
 FAMILIES = {
     "flux2": ("Flux2Transformer2DModel", "Flux", "Flux.2", 1),  # guidance-distilled: one call
     "qwen-image": ("QwenImageTransformer2DModel", "Qwen-Image", "Qwen-Image", 2),  # true CFG: two calls
@@ -129,12 +125,12 @@ AUTO_INTERVAL = {"flux2": 3, "qwen-image": 3, "z-image": 3, "hunyuanvideo-1.5": 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_settings_run_the_familys_interval_and_no_todo(pipes, kind, monkeypatch, caplog):
-    """``apply_patch(pipe)`` (``dit_settings`` auto): the family's schedule (``DIT_AUTO_INTERVALS``; Z-Image every
+    """``apply_patch(pipe)`` (``dit_settings`` auto): the family's schedule (``dit_families``; Z-Image every
     3, as Lumina 2 in ComfyUI), no ToDo. At 28 steps the intervals 3, 4 and 5 reuse different steps (under 25
     steps, one in two whatever the interval)."""
     _, family, label, calls = FAMILIES[kind]
     interval = AUTO_INTERVAL[kind]
-    assert dict(DIT_AUTO_INTERVALS.get(family, DIT_AUTO_INTERVALS_OTHER))[0] == interval
+    assert dict(dit_families.family(family).auto_intervals)[0] == interval
     pipe = pipeline(pipes, kind)
     processors = snapshot(pipe)[-1]
     runs = counting_runs(monkeypatch)
@@ -143,7 +139,7 @@ def test_no_settings_run_the_familys_interval_and_no_todo(pipes, kind, monkeypat
     try:
         assert not dit_attention.installed(pipe.transformer) and snapshot(pipe)[-1] == processors
         schedule = dit_reuse.installed(pipe.transformer).schedule
-        assert schedule == dit_auto_schedule(family) and schedule.interval(28) == interval
+        assert schedule == dit_families.auto_schedule(family) and schedule.interval(28) == interval
         assert f"{label} with dit_settings 'auto': reuse across steps every {interval}" in caplog.text
         out = D.family_run(pipe, steps=28)
     finally:

@@ -57,11 +57,6 @@ def hooks_of(patched):
     return None
 
 
-def engine_of(hooks):
-    """The engine module as ComfyUI loaded it (a submodule of the custom node package)."""
-    return sys.modules[type(hooks).__module__.replace("hosts.comfyui.layer_reuse", "layer_reuse")]
-
-
 def inner_layers(model):
     from tome_core.hosts.shared.unet_layout import inner_layers as layers_of
 
@@ -162,7 +157,7 @@ def test_runs_back_to_back_with_other_sizes_step_counts_and_denoise_share_nothin
 def test_the_schedule_and_its_short_runs():
     """Full steps: the first fifth (two at least), the last four, one in N between; under 25 steps one in two at
     least (the steps lie further apart there); under 10 steps every step."""
-    from tome_core.layer_reuse import IntervalSchedule
+    from tome_core.reuse import IntervalSchedule
 
     def pattern(schedule, steps):
         return "".join("F" if schedule.is_full(step, steps) else "." for step in range(steps))
@@ -187,7 +182,7 @@ def test_the_default_interval_on_a_unet_plans_long_runs_per_family():
     """reuse_interval 3 over 25 steps or more: 12 full steps of 25, SD1.x's (attention at full resolution) with the
     first three full and three quarters of the line, SDXL's with the last four full and half the line; shorter
     runs, other intervals and a UNet of unknown layout take the general schedule, bit for bit as before."""
-    from tome_core.layer_reuse import IntervalSchedule, LayerReuse, unet_schedule
+    from tome_core.reuse import IntervalSchedule, LayerReuse, unet_schedule
 
     def pattern(schedule, steps):
         return "".join("F" if schedule.is_full(step, steps) else "." for step in range(steps))
@@ -242,7 +237,7 @@ def test_the_dit_schedule_spaces_its_full_steps_by_the_noise():
     the noise hardly moves (Wan's first half) the full steps lie far apart, where it falls fast (the last steps,
     where the details form) they follow each other. The steps a host runs in full (below ``full_below``) come on
     top; short runs as on the UNets."""
-    from tome_core.layer_reuse import NoiseSpacedSchedule
+    from tome_core.reuse import NoiseSpacedSchedule
 
     def pattern(interval, steps, levels, full_below=0.0, **rules):
         plan = NoiseSpacedSchedule(interval, **rules).for_run(steps, levels, full_below)
@@ -277,7 +272,7 @@ def test_the_dit_schedule_spaces_its_full_steps_by_the_noise():
 def test_a_warm_up_runs_the_first_steps_in_full_within_the_same_count():
     """``warm_up`` (measured, not shipped: docs/dit.md): the first share of the steps run in full, and the count
     of full steps stays one in ``interval``, so the later ones lie further apart."""
-    from tome_core.layer_reuse import NoiseSpacedSchedule
+    from tome_core.reuse import NoiseSpacedSchedule
 
     levels = [1.0 - step / 28 for step in range(28)]
     plain = NoiseSpacedSchedule(3).for_run(28, levels).full
@@ -293,7 +288,7 @@ def test_the_noise_schedule_can_keep_its_first_and_last_steps_full():
     """A UNet's schedule by the noise (measured for issue #37, not shipped): the first ``full_first`` and the last
     ``full_end`` steps run in full, the last ones on top of one in N of the others, as the steps below
     ``full_below``; the defaults keep the DiTs' plan."""
-    from tome_core.layer_reuse import NoiseSpacedSchedule
+    from tome_core.reuse import NoiseSpacedSchedule
 
     def pattern(steps, levels, **options):
         plan = NoiseSpacedSchedule(**options).for_run(steps, levels)
@@ -319,7 +314,7 @@ def test_the_parabola_through_three_full_steps():
     """``order`` 2 (measured for issue #37, not shipped): a reusing call follows the parabola through the last three
     full steps' features (exact on a feature quadratic in the position), moved ``extrapolate`` of the way from
     the last one."""
-    from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
+    from tome_core.reuse import IntervalSchedule, LayerReuseRun
 
     def feature_at(x):
         return torch.full((1, 2, 3, 3), 1.0 + 2.0 * x - 0.5 * x * x)
@@ -339,7 +334,7 @@ def test_the_parabola_through_three_full_steps():
 
 
 def test_step_order_schedule_and_layout_changes_compute_in_full():
-    from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
+    from tome_core.reuse import IntervalSchedule, LayerReuseRun
 
     schedule = IntervalSchedule(100, full_start=0.0, full_end=0, short_run=0, min_steps=0)
     run = LayerReuseRun(schedule, steps=6, layers=2)
@@ -380,7 +375,7 @@ def test_a_layout_that_missed_the_latest_full_step_computes_in_full():
     during a run: a layout that missed a full step (the other layout ran it) must not draw its line through the
     steps before it (found on ref-flux-deep: reuse every 3 kept 0.994 where the layouts changed, 0.999 where
     not). It computes in full and records afresh; a layout that is up to date goes on reusing."""
-    from tome_core.layer_reuse import FullSteps, LayerReuseRun
+    from tome_core.reuse import FullSteps, LayerReuseRun
 
     run = LayerReuseRun(FullSteps(8, frozenset({0, 1, 4})), steps=8, layers=1)
 
@@ -402,7 +397,7 @@ def test_a_layout_that_missed_the_latest_full_step_computes_in_full():
 
 def test_a_reusing_call_with_unchanged_inner_features_equals_the_full_call():
     """Where the math says so the reuse is exact: the prediction from two equal recorded features is the feature."""
-    from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
+    from tome_core.reuse import IntervalSchedule, LayerReuseRun
 
     schedule = IntervalSchedule(2, full_start=0.0, full_end=0, short_run=0, min_steps=0)
     run = LayerReuseRun(schedule, steps=4, layers=1, extrapolate=1.0)
@@ -548,7 +543,7 @@ def test_a_large_residual_keeps_its_slope_in_four_bits():
     bits with a scale per token: the prediction moves from the exact one by at most half a step of that scale
     times how far along the line it goes (the rounding), an unchanged residual predicts exactly, and the entry
     holds the last record plus half a byte per value."""
-    from tome_core.layer_reuse import _Entry
+    from tome_core.reuse.cache import _Entry
 
     generator = torch.Generator().manual_seed(0)
     first = torch.randn(2, 50, 96, generator=generator)
@@ -573,7 +568,7 @@ def test_a_large_residual_keeps_its_slope_in_four_bits():
     still.record(0.7, last.clone(), True)
     assert torch.equal(still.predict(0.5, 0.5), last)
 
-    from tome_core.layer_reuse import _PackedSlope
+    from tome_core.reuse.cache import _PackedSlope
 
     whole_rows = _PackedSlope.of(last - first, 0.9)
     rows = _PackedSlope.ROWS
@@ -592,8 +587,8 @@ def test_a_large_residual_keeps_its_slope_in_four_bits():
 
 
 def test_the_span_keeps_a_compact_slope_from_the_size_on(monkeypatch):
-    import tome_core.layer_reuse as engine
-    from tome_core.layer_reuse import LayerReuseRun, NoiseSpacedSchedule
+    import tome_core.reuse.cache as engine
+    from tome_core.reuse import LayerReuseRun, NoiseSpacedSchedule
 
     def recorded(threshold):
         monkeypatch.setattr(engine, "COMPACT_SLOPE_BYTES", threshold)

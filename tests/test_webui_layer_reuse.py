@@ -13,7 +13,7 @@ from hosts.webui_host import ForgeSDModel, Host, Processing, SDModel, make_unet,
 from tome_core import PatchSettings
 from tome_core.hosts.webui import layer_reuse as webui_layer_reuse
 from tome_core.hosts.webui import ldm_patch
-from tome_core.layer_reuse import IntervalSchedule, SkippableLayer
+from tome_core.reuse import IntervalSchedule, SkippableLayer
 
 STEPS = tuple(range(999, 0, -83))  # 13 DDPM timesteps, a short run: full steps 0-2, 4, 6, 8, 10-12
 HR_STEPS = (599, 499, 399, 299, 199, 99, 49)  # 7 steps
@@ -87,7 +87,7 @@ def test_interval_3_reuses_the_scheduled_calls_then_leaves_nothing(host, layout)
 
 @pytest.mark.parametrize(("layout", "extrapolate"), [("sd1", 0.75), ("sdxl", 0.5)])
 def test_a_job_of_25_steps_takes_its_familys_plan(host, layout, extrapolate):
-    """From 25 steps the default interval follows the UNet family's plan (``layer_reuse.UNET_LONG_RUN_PLANS``):
+    """From 25 steps the default interval follows the UNet family's plan (``reuse.plans.UNET_LONG_RUN_PLANS``):
     12 full steps of 25 on both layouts, three quarters of the line on SD1.x (attention at full resolution)."""
     sd_model = SDModel(make_unet(layout))
     out, p = job(host, sd_model, script_args(**REUSE), steps=tuple(range(999, 0, -40)))

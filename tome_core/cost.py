@@ -24,7 +24,7 @@ devices (MPS included, not measured) keep the CPU's. A smaller GPU, slower per k
 
 DiTs (``joint_attention.py``) weigh the image tokens of one attention call (frames x h x w for video) against
 this ToDo threshold, or against a family's own where it was measured higher (Flux, whose wide blocks spend
-little of their time in attention at small sizes: ``hosts/comfyui/dit.MIN_IMAGE_TOKENS``, docs/dit.md).
+little of their time in attention at small sizes: ``hosts/shared/dit_families``, docs/dit.md).
 """
 
 from __future__ import annotations

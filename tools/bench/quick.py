@@ -83,7 +83,7 @@ def reusing_share(args, bench) -> float:
 def whole_run(speed_report: dict, picture: dict, reusing: float, steps: int, attention_levels=(1, 2, 4)) -> dict:
     """Each row's speed-up over a run of ``steps`` (see the module docstring) and its picture figures; the default's
     full steps are those of the speed part's UNet (its ``attention_levels``: SD1.5's by default)."""
-    from tome_core.layer_reuse import unet_schedule
+    from tome_core.reuse import unet_schedule
     from tome_core.settings import SPECS
 
     call = {row["row"]: row for row in speed_report["resolutions"][0]["rows"]}

@@ -112,7 +112,7 @@ def taylorseer_style_patch(interval: int = 5, first: int = 3) -> Callable:
     """A fidelity row's patch: every ``interval``-th call and the first ``first`` computed, the others forecast
     whole (first order, one full step along the line)."""
     from tome_core.hosts.comfyui import dit_reuse
-    from tome_core.layer_reuse import IntervalSchedule
+    from tome_core.reuse import IntervalSchedule
     from tome_core.schedule import NoiseRange
     from tome_core.settings import PatchSettings
 

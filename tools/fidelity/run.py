@@ -337,7 +337,7 @@ def layer_reuse_variant(
     schedule; ``by_sigma`` "log": the line drawn over log sigma."""
     from tome_core.hosts.comfyui import layer_reuse as layer_reuse_hooks
     from tome_core.hosts.shared.model_patcher import patched_clone
-    from tome_core.layer_reuse import IntervalSchedule, NoiseSpacedSchedule
+    from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule
     from tome_core.schedule import NoiseRange
 
     def patch(model):
@@ -410,6 +410,8 @@ def dit_rows(
         )
     for interval in (3,):
         rows.append(ours(nodes, f"ours ToDo 2 + reuse every {interval}", method="todo", reuse_interval=interval))
+    # What a node added anew runs: the family's interval, guarded by the real model's published step-to-step change.
+    rows.append(ours(nodes, "ours default", dit_settings="auto"))
     if variants:  # the choices behind the shipped DiT reuse: the schedule, the blocks that run, the prediction
         changed = dit_variants(video, other_step)
         for interval, changes in changed:
@@ -435,7 +437,7 @@ def compact_slopes(threshold: int | None) -> None:
     """Every loaded copy of the engine (ComfyUI loads the node package under its folder's name) keeps a DiT
     residual's slope in 4 bits from ``threshold`` bytes on; None: the engine's own threshold again."""
     for name, module in list(sys.modules.items()):
-        if name.endswith("tome_core.layer_reuse"):
+        if name.endswith("tome_core.reuse.cache"):
             _COMPACT_DEFAULTS.setdefault(name, module.COMPACT_SLOPE_BYTES)
             module.COMPACT_SLOPE_BYTES = _COMPACT_DEFAULTS[name] if threshold is None else threshold
 
@@ -471,7 +473,7 @@ def dit_reuse_variant(
     every call runs in full, instead of the sampler's rule), ``warm_up`` (the share of the first steps run in full,
     within the interval's count)."""
     from tome_core.hosts.comfyui import dit_reuse
-    from tome_core.layer_reuse import DIT_OUTER_BLOCKS, IntervalSchedule, NoiseSpacedSchedule
+    from tome_core.reuse import DIT_OUTER_BLOCKS, IntervalSchedule, NoiseSpacedSchedule
     from tome_core.schedule import NoiseRange
     from tools.fidelity import dit_peers
 
@@ -524,7 +526,7 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
             rows.append(
                 ours(nodes, f"ours block {ratio}", method="tome", ratio=ratio, scope="block", max_downsample=finest * 2)
             )
-    if "reuse_interval" in SPECS:  # reuse across steps, layer by layer (tome_core/layer_reuse.py)
+    if "reuse_interval" in SPECS:  # reuse across steps, layer by layer (tome_core/reuse/)
         rows += layer_reuse_rows(nodes, args.variants)
     rows += [comfy_builtin(0.5), todo_reference(2.0, finest)]
     rows += step_cache_rows()
@@ -564,7 +566,7 @@ def sample_row(row: FidelityRow, patcher, positive, negative, shape: tuple, args
     row.enter()
     # Measuring reuse with a sampler the rule does not know yet: every loaded copy of the engine's rule (ComfyUI
     # loads the node package under its folder's name) lets it through for this row.
-    rules = [m for name, m in sys.modules.items() if name.endswith("tome_core.layer_reuse")]
+    rules = [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.samplers")]
     kept = [(rule.SAMPLERS_THAT_KEEP_THE_PICTURE, rule.SCHEDULES_THAT_LOSE_THE_PICTURE) for rule in rules]
     if getattr(args, "any_sampler", False):  # the sampler and its schedule (Karras sigmas) both let through
         for rule, (samplers, schedules) in zip(rules, kept, strict=True):

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from ...joint_attention import ImageTokens, SequenceDownsample
 from ...schedule import NoiseRange
+from ..shared import dit_families
 
 OVERRIDE_KEY = "optimized_attention_override"
 WRAPPER_TYPE = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
@@ -70,29 +71,6 @@ _FAMILY_CLASSES = (
     ("Lumina 2", _LUMINA_CLASSES),
 )
 _REFUSED_CLASSES = ("ChromaRadiance", "WanModel_S2V", "HumoWanModel", "AnimateWanModel")
-
-
-# skip_when_slower: image tokens per attention call from which ToDo pays off, per family (``python -m
-# tools.bench.dit --image-px``, docs/dit.md). Flux's blocks are wide (3072 channels, 4x MLP) and attention is a
-# small share of them at small sizes: at 512 px (1024 image tokens) ToDo 2 was 4% slower and even free keys
-# saved nothing, at 1024 px (4096) it was 1.15x faster. SD3.5 Medium gained 1.11x at 512 px already, so SD3 and
-# Wan keep the engine's ToDo threshold (1024, ``cost.MIN_TOKENS``); every Wan video size is far above it.
-# The later families, one block at full width, 1024 image tokens forced on (2026-11-26, 2-core AMD EPYC, CPU, fp32,
-# one thread; docs/dit.md): Qwen-Image gained 1.06x, HunyuanVideo 1.5 1.05x and LTX-Video 1.04x, so Qwen-Image and
-# HunyuanVideo keep the engine's threshold. LTX-Video's blocks are cheap (2B parameters): on an NVIDIA H100 (bf16, all
-# 28 blocks) ToDo 2 at 1024 tokens was 0.82x, even free keys 0.87x, so it waits for 4096 tokens (CPU 1.21x there; its
-# videos, 768 x 512 px and 97 frames, have 4992). Z-Image's layers are wider still (3840): at 1024 image tokens all of
-# its attention was 3% of a layer's time and ToDo 2's 1.03x within the noise, at 768 px (2304 tokens) 1.06x, at 1024
-# px 1.17x; Lumina 2 (not measured; narrower, so attention weighs more) shares the family's threshold.
-MIN_IMAGE_TOKENS = {
-    "Flux": 4096,
-    "SD3": None,
-    "Wan": None,
-    "Qwen-Image": None,
-    "HunyuanVideo": None,
-    "LTX-Video": 4096,
-    "Lumina 2": 2304,
-}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -327,7 +305,7 @@ def patched_clone(patcher, settings, percent_to_sigma, time_factor: float = 1.0)
         raise NotADitError(describe(model) if model is not None else type(patcher).__name__)
     if not hasattr(patcher, "add_wrapper_with_key"):
         raise NotADitError(f"{type(patcher).__name__} without model wrappers")
-    reducer = SequenceDownsample(settings, time_factor, MIN_IMAGE_TOKENS.get(family.name))
+    reducer = SequenceDownsample(settings, time_factor, dit_families.family(family.name).todo_min_image_tokens)
     clone = patcher.clone()
     remove_patch(clone)  # applying the patch again replaces the earlier one
     if reducer.does_nothing:

@@ -28,13 +28,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ...layer_reuse import (
+from ...reuse import (
     DIT_OUTER_BLOCKS,
     LayerReuseRun,
     NoiseSpacedSchedule,
     SkippableLayer,
-    dit_extrapolate,
 )
+from ..shared import dit_families
 from .dit import class_names
 from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerInjection, LayerReuseHooks
 
@@ -49,7 +49,7 @@ BLOCK_PATCHES = ("double_block", "single_block")  # transformer_options["patches
 class BlockLayout:
     """How one DiT family hands its blocks to ``patches_replace["dit"]``: a row of ``LAYOUTS``, not a class."""
 
-    family: str  # the words of messages and docs; the engine's per-family choices (``dit_extrapolate``)
+    family: str  # the words of messages and docs; the family registry's key (``dit_families``)
     classes: tuple[str, ...]  # class names (any class in the model's MRO)
     lists: tuple[tuple[str, str], ...]  # (block type, attribute of the block list), in call order
     # The streams each block passes on, in the order the model joins them where its single blocks take one joined
@@ -244,7 +244,7 @@ class SpanBlock:
 def install(clone, settings, noise_range, outer=DIT_OUTER_BLOCKS, schedule=None, extrapolate=None) -> bool:
     """Give ``clone`` (a DiT's patcher) reuse across steps at ``settings.reuse_interval`` (or ``schedule``); False
     where it cannot (left as it is). ``outer`` (blocks run at every call: at the start, at the end), ``schedule``
-    and ``extrapolate`` (default: the family's, ``layer_reuse.dit_extrapolate``) are for the benchmarks and the
+    and ``extrapolate`` (default: the family's, ``dit_families``) are for the benchmarks and the
     family defaults."""
     diffusion_model = clone.model.diffusion_model
     layout = layout_of(diffusion_model)
@@ -262,7 +262,7 @@ def install(clone, settings, noise_range, outer=DIT_OUTER_BLOCKS, schedule=None,
     span = keys[first : len(keys) - last]
     schedule = NoiseSpacedSchedule(settings.reuse_interval) if schedule is None else schedule
     if extrapolate is None:
-        extrapolate = dit_extrapolate(layout.family)
+        extrapolate = dit_families.family(layout.family).extrapolate
     hooks = DitReuseHooks(schedule, span, layout.streams, noise_range, extrapolate)
     if layout.hook == "dit":
         replaced = _replacements(clone)

@@ -1,4 +1,4 @@
-"""ComfyUI wiring of layer reuse (setting ``reuse_interval``; the engine is ``tome_core.layer_reuse``).
+"""ComfyUI wiring of layer reuse (setting ``reuse_interval``; the engine is ``tome_core.reuse``).
 
 Like scope block, it changes no module: every inner layer gets an instance attribute ``forward`` (a
 ``SkippableLayer``) through a patcher injection, set when the patcher loads the model and deleted when it
@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ...layer_reuse import (
+from ...reuse import (
     DEFAULT_EXTRAPOLATE,
     MIN_NOISE_LEVEL,
     OUTER_BLOCKS,

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import logging
 
-from ...layer_reuse import dit_auto_schedule
 from ...schedule import NoiseRange
 from ...settings import SPECS
-from ..shared import model_patcher
+from ..shared import dit_families, model_patcher
 from . import dit, dit_reuse, layer_reuse
 
 log = logging.getLogger("tome_patch")
@@ -66,7 +65,7 @@ def _patch_dit(model, settings, percent_to_sigma):
     name = layout.family if layout is not None else family.name
     schedule = None
     if settings.dit_settings == "auto":
-        schedule = dit_auto_schedule(name) if layout is not None else None
+        schedule = dit_families.auto_schedule(name) if layout is not None else None
         log.info(
             "ToMe Patch: %s (%s) with dit_settings auto: %s, no ToDo (set dit_settings to 'as set' to use the "
             "other inputs).",

@@ -30,14 +30,12 @@ from collections.abc import Callable
 import torch
 
 from ...joint_attention import ImageTokens, SequenceDownsample
+from ..shared import dit_families
 
 _STATE = "_tome_patch_dit_attention"  # on the transformer: its _CallState
 _HOOK = "_tome_patch_dit_attention_hook"
 # The attention backends that take an additive mask (the kept image keys' share of the softmax needs one).
 MASKED_BACKENDS = (None, "native", "_native_math", "_native_efficient", "_native_cudnn")
-# skip_when_slower's break-even, as in ComfyUI's door (``hosts.comfyui.dit.MIN_IMAGE_TOKENS``): Flux from 4096
-# image tokens (1024 px); SD3 and Wan the engine's ToDo threshold.
-MIN_IMAGE_TOKENS = {"Flux": 4096, "SD3": None, "Wan": None}
 
 
 class _CallState:
@@ -251,7 +249,7 @@ def install(transformer, settings, allowed: Callable[[float], bool], family: str
     diffusers 0.39.0 have attention processors of their own, which this module does not know)."""
     if family not in PROCESSORS:
         return False
-    reducer = SequenceDownsample(settings, min_tokens=MIN_IMAGE_TOKENS.get(family))
+    reducer = SequenceDownsample(settings, min_tokens=dit_families.family(family).todo_min_image_tokens)
     if reducer.does_nothing:
         return False
     names, ours = PROCESSORS[family]

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 
-from ...layer_reuse import dit_auto_schedule
 from ...settings import SPECS, PatchSettings
+from ..shared import dit_families
 from . import dit_attention, dit_reuse
 from .step_range import StepRange, flow_timestep_of_percent
 
@@ -55,14 +55,14 @@ def family_settings(
 ) -> tuple[PatchSettings, object]:
     """(settings, schedule or None) for ``family`` under ``dit_settings``: with "auto" (the default) the settings
     the user did not name take the family's measured ones: no ToDo unless ``method`` or ``downsample_factor`` is
-    named, and reuse across steps at the family's interval (``layer_reuse.DIT_AUTO_INTERVALS``) unless
+    named, and reuse across steps at the family's interval (``dit_families``) unless
     ``reuse_interval`` is named. With "as set", the settings as they are (their defaults where not named).
     ``label``: the family in the log line, where it is not ``family`` (Flux.2)."""
     if validated.dit_settings != "auto":
         return validated, None
     if not {"method", "downsample_factor"} & set(asked):
         validated = validated.replace(downsample_factor=1.0)
-    schedule = None if "reuse_interval" in asked else dit_auto_schedule(family)
+    schedule = None if "reuse_interval" in asked else dit_families.auto_schedule(family)
     if schedule is not None:
         log.info(
             "ToMe Patch: %s with dit_settings 'auto': reuse across steps %s%s.",

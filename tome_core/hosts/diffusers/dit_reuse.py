@@ -42,14 +42,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ...layer_reuse import (
+from ...reuse import (
     DIT_OUTER_BLOCKS,
     NoiseSpacedSchedule,
     SkippableLayer,
     attach_forwards,
     detach_forwards,
-    dit_extrapolate,
 )
+from ..shared import dit_families
 from .layer_reuse import PipelineReuse, _disabled
 
 log = logging.getLogger("tome_patch")
@@ -82,7 +82,7 @@ def output(streams: Streams, values: dict):
 class DitLayout:
     """How one transformer class calls its blocks."""
 
-    # The family: the key of the engine's per-family choices (``DIT_AUTO_INTERVALS``, ``DIT_EXTRAPOLATE``) and of
+    # The family: the family registry's key (``hosts.shared.dit_families``) and that of
     # ToDo's processors (``dit_attention.PROCESSORS``); in messages unless ``title`` says otherwise.
     name: str
     block_lists: tuple[str, ...]  # the attributes holding the blocks, in call order
@@ -206,7 +206,7 @@ class DitReuse(PipelineReuse):
 
     def __init__(self, pipeline, transformer, layout: DitLayout, schedule, span, allowed: Callable[[float], bool]):
         blocks = [(f"span.{i}", block) for i, (block, _) in enumerate(span)]
-        super().__init__(pipeline, schedule, blocks, allowed, dit_extrapolate(layout.name))
+        super().__init__(pipeline, schedule, blocks, allowed, dit_families.family(layout.name).extrapolate)
         self.layers = 1  # what is recorded: the span's residual, one tensor per batch layout
         self.layout = layout
         self.block_streams = [streams for _, streams in span]

@@ -1,4 +1,4 @@
-"""diffusers wiring of layer reuse (setting ``reuse_interval``; the engine is ``tome_core.layer_reuse``).
+"""diffusers wiring of layer reuse (setting ``reuse_interval``; the engine is ``tome_core.reuse``).
 
 Which layers: the split of ComfyUI's ldm UNet with one outer block on each side (``unet_layout.inner_layers``).
 ``UNet2DConditionModel.forward`` runs ``conv_in``, every down block, the mid block, every up block, then
@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...layer_reuse import (
+from ...reuse import (
     DEFAULT_EXTRAPOLATE,
     IntervalSchedule,
     LayerReuse,
@@ -42,6 +42,7 @@ from ...layer_reuse import (
     keeps_the_picture_with,
     unet_schedule,
 )
+from .unet_blocks import attention_levels
 
 log = logging.getLogger("tome_patch")
 
@@ -248,8 +249,6 @@ def install(unet, pipeline, settings, allowed: Callable[[float], bool]) -> bool:
     layers = inner_layers(unet)
     if settings.reuse_interval <= 1 or not layers:
         return False
-    from .pipeline_patch import attention_levels  # that module imports this one
-
     schedule = unet_schedule(settings.reuse_interval, attention_levels(unet), settings.reuse_plan)
     owner = PipelineReuse(pipeline, schedule, layers, allowed)
     attach_forwards(owner, [layer for _, layer in layers])

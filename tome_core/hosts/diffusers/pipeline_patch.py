@@ -41,8 +41,8 @@ from ..shared.class_swap import restore_classes
 from . import dit_patch
 from . import layer_reuse as diffusers_layer_reuse
 from .step_range import StepRange, unet_timestep_of_percent
+from .unet_blocks import attention_levels, class_names, transformer_blocks
 
-BLOCK_CLASS_NAME = "BasicTransformerBlock"
 UNET_CLASS_NAME = "UNet2DConditionModel"
 _STATE = "_tome_patch_diffusers_state"  # on each patched block and on the UNet
 _HOOK = "_tome_patch_diffusers_hook"  # the UNet's forward pre-hook handle
@@ -72,10 +72,6 @@ class PatchConflictError(ValueError):
     """Another patch on the UNet's blocks would make ours wrong or be bypassed by it."""
 
 
-def _class_names(obj) -> list[str]:
-    return [cls.__name__ for cls in type(obj).__mro__]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Finding the UNet and its layout
 
@@ -87,47 +83,16 @@ def _unwrap(module):
 
 def find_unet(pipe_or_unet) -> tuple[torch.nn.Module, object | None]:
     """Return (unet, pipeline or None) for what the user passed; raise UnsupportedModelError naming what is."""
-    if UNET_CLASS_NAME in _class_names(_unwrap(pipe_or_unet)):
+    if UNET_CLASS_NAME in class_names(_unwrap(pipe_or_unet)):
         return _unwrap(pipe_or_unet), None
     unet = getattr(pipe_or_unet, "unet", None)
-    if unet is not None and UNET_CLASS_NAME in _class_names(_unwrap(unet)):
+    if unet is not None and UNET_CLASS_NAME in class_names(_unwrap(unet)):
         return _unwrap(unet), pipe_or_unet
     what = type(pipe_or_unet).__name__
     denoiser = getattr(pipe_or_unet, "transformer", None) or getattr(pipe_or_unet, "prior", None) or unet
     if denoiser is not None:
         what += f" (its denoiser is {type(_unwrap(denoiser)).__name__})"
     raise UnsupportedModelError(f"tome_core.apply_patch supports {SUPPORTED}; got {what}")
-
-
-def _is_block(module) -> bool:
-    return BLOCK_CLASS_NAME in _class_names(module) and all(
-        hasattr(module, name) for name in ("attn1", "attn2", "ff", "norm1", "norm3", "norm_type")
-    )
-
-
-def transformer_blocks(unet) -> list[tuple[str, torch.nn.Module]]:
-    return [(name, module) for name, module in unet.named_modules() if _is_block(module)]
-
-
-def _has_blocks(module) -> bool:
-    return module is not None and any(_is_block(m) for m in module.modules())
-
-
-def attention_levels(unet) -> tuple[int, ...]:
-    """The downsampling levels (1, 2, 4, ...) whose blocks have transformer blocks.
-
-    ``down_blocks[i]`` works at the level reached after the downsamplers of the blocks before it; the mid block
-    at the coarsest level. (SD1.x: 1, 2, 4 and the mid block at 8; SDXL: 2 and 4.)
-    """
-    level, levels = 1, set()
-    for block in getattr(unet, "down_blocks", ()):
-        if _has_blocks(getattr(block, "attentions", None)):
-            levels.add(level)
-        if getattr(block, "downsamplers", None) is not None:
-            level *= 2
-    if _has_blocks(getattr(unet, "mid_block", None)):
-        levels.add(level)
-    return tuple(sorted(levels))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def basic_transformer_blocks(unet) -> list[tuple[str, object]]:
 
 
 def inner_layers(unet, outer: int = 1) -> list[tuple[str, object]]:
-    """(name, module) of the layers that layer reuse skips, in the order a call runs them (``layer_reuse.py``).
+    """(name, module) of the layers that layer reuse skips, in the order a call runs them (``tome_core.reuse``).
 
     Everything but the ``outer`` first input blocks and the ``outer`` last output blocks: the later input
     blocks, the middle block, the earlier output blocks. Each block is a sequence the host runs layer by layer,

@@ -1,4 +1,4 @@
-"""WebUI and Forge wiring of layer reuse (setting ``reuse_interval``; the engine is ``tome_core.layer_reuse``).
+"""WebUI and Forge wiring of layer reuse (setting ``reuse_interval``; the engine is ``tome_core.reuse``).
 
 One ``PassReuse`` per sampling pass (the first pass, the highres pass, each batch of a batch count), made by the
 script right before the pass and finished at the next pass, at the end of the job, at the next job's start (an
@@ -40,7 +40,7 @@ import weakref
 
 import torch
 
-from ...layer_reuse import (
+from ...reuse import (
     OUTER_BLOCKS,
     IntervalSchedule,
     LayerReuse,

@@ -50,7 +50,7 @@ def four_block_title(name: str) -> str:
 def reusing_model(name: str):
     """The four-block model and its clone with reuse on a schedule that alternates from step 2 on."""
     from tome_core.hosts.comfyui import dit_reuse
-    from tome_core.layer_reuse import DIT_OUTER_BLOCKS, IntervalSchedule
+    from tome_core.reuse import DIT_OUTER_BLOCKS, IntervalSchedule
     from tome_core.schedule import NoiseRange
     from tome_core.settings import PatchSettings
 
@@ -103,7 +103,7 @@ def full_steps(clone, name: str, steps: int, interval: int) -> int:
     """How many of a run's ``steps`` the DiT schedule runs in full on the model's own sigmas."""
     import comfy.samplers
 
-    from tome_core.layer_reuse import NoiseSpacedSchedule, full_below_noise
+    from tome_core.reuse import NoiseSpacedSchedule, full_below_noise
 
     sampler = SAMPLERS.get(name, "euler")
     sampling = clone.get_model_object("model_sampling")

@@ -126,7 +126,7 @@ MODELS = {
         "pooled": None,
     },
     # The families whose ToDo came after Flux, SD3 and Wan: one block each at the real width, a still image (one
-    # latent frame) at 1024 px; ``--image-px`` sets the size (their break-even, ``dit.MIN_IMAGE_TOKENS``).
+    # latent frame) at 1024 px; ``--image-px`` sets the size (their break-even, ``dit_families``).
     "qwen-image": {
         "title": "Qwen-Image (width 3072, 1 of 60 blocks), 1024 px",
         "config": {

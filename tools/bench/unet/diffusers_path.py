@@ -84,7 +84,7 @@ class DiffusersBench:
 
     def __init__(self, args, device: torch.device, dtype: torch.dtype):
         from tome_core import reduced_levels
-        from tome_core.hosts.diffusers.pipeline_patch import attention_levels
+        from tome_core.hosts.diffusers.unet_blocks import attention_levels
 
         self.args, self.device, self.dtype = args, device, dtype
         self.family = bench_host.FAMILIES[args.model]

@@ -188,7 +188,7 @@ def sample(
 def schedule_of(values: dict, patcher):
     """The layer reuse schedule a row's settings run on ``patcher``'s UNet (its family's plan)."""
     from tome_core.hosts.shared.unet_layout import attention_levels
-    from tome_core.layer_reuse import unet_schedule
+    from tome_core.reuse import unet_schedule
 
     levels = attention_levels(patcher.model.diffusion_model)
     return unet_schedule(values.get("reuse_interval", 1), levels, values.get("reuse_plan", "auto"))
@@ -199,7 +199,7 @@ def per_call(patcher, values: dict, family, latent_hw, seed: int, device: torch.
     each a direct model call (batch 2, sigma of a mid step), for sizes where whole runs take too long. On a CUDA
     device the seconds of CUDA events instead, each call made once untimed first."""
     from tome_core.hosts.comfyui.patch import patched_unet
-    from tome_core.layer_reuse import IntervalSchedule, LayerReuseRun
+    from tome_core.reuse import IntervalSchedule, LayerReuseRun
     from tome_core.settings import PatchSettings
 
     percent_to_sigma = patcher.get_model_object("model_sampling").percent_to_sigma

@@ -1,0 +1,337 @@
+"""The state of one sampling run of reuse across steps: what the full steps recorded and the prediction from it.
+
+One ``LayerReuseRun`` per sampling run, made when the run starts and dropped when it ends. It holds per batch
+layout and input shape the boundary's last two outputs (a UNet's last inner layer; a DiT's inner span's residual)
+and every inner layer's output shape. A call reuses only when that entry is complete and was made in this run;
+otherwise it runs in full (and records).
+
+The prediction is the record of the last full step, moved along the line through the last two full steps (a damped
+first-order extrapolation over the noise level), which follows the feature's drift over the skipped steps without
+overshooting it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .plans import DEFAULT_EXTRAPOLATE
+from .schedules import IntervalSchedule
+
+# A DiT's residual of this size or more keeps the line's slope (the difference of its last two records) in 4
+# bits per value, with a scale per token, instead of the record before the last: Wan 2.1 1.3B at 480x832, 81
+# frames, with CFG then holds 251 MB (8.9% of its weights) where two records held 403 MB (14%). Smaller caches
+# (Flux at 1024 px: 28 MB per record) keep both records whole. The slope moves the prediction by a fraction of
+# itself, so its rounding (a fourteenth of a token's largest change at most) is a small part of a small part.
+COMPACT_SLOPE_BYTES = 64 * 2**20
+
+
+class _Entry:
+    """One batch layout's record: the boundary's outputs at the last two full steps (or the last one and the
+    slope between them, packed), every layer's output shape."""
+
+    __slots__ = ("outputs", "shapes", "slope", "step")
+
+    def __init__(self):
+        self.outputs: list[tuple[int, torch.Tensor]] = []  # (step, boundary output), oldest first, at most two
+        self.shapes: dict[int, object] = {}
+        self.slope: _PackedSlope | None = None  # with one output: the line from the record before it
+        self.step = -1  # the run's step of the last record
+
+    # Both kept out of a compiled graph (torch.compile of the UNet): they compare and weigh the noise levels, which
+    # a graph would take as constants and compile again at every step.
+    @torch.compiler.disable
+    def record(self, position: float, output: torch.Tensor, compact: bool = False, keep: int = 2) -> None:
+        if self.outputs and self.outputs[-1][0] == position:  # the same step again (another call of this layout)
+            self.outputs.pop()
+            self.slope = None
+        if compact and self.outputs and output.shape[-1] % 2 == 0:
+            last_position, last = self.outputs[-1]
+            self.slope = _PackedSlope.of(output - last, last_position)
+            self.outputs = [(position, output)]
+            return
+        self.slope = None
+        self.outputs = (self.outputs + [(position, output)])[-keep:]
+
+    @torch.compiler.disable
+    def predict(self, position: float, extrapolate: float, order: int = 1) -> torch.Tensor:
+        last_position, last = self.outputs[-1]
+        if order == 2 and extrapolate and len(self.outputs) >= 3 and self.slope is None:
+            # The parabola through the last three records, moved ``extrapolate`` of the way from the last one.
+            (xa, a), (xb, b), (xc, c) = self.outputs[-3:]
+            x = position
+            la = (x - xb) * (x - xc) / ((xa - xb) * (xa - xc))
+            lb = (x - xa) * (x - xc) / ((xb - xa) * (xb - xc))
+            lc = (x - xa) * (x - xb) / ((xc - xa) * (xc - xb))
+            curve = a * la + b * lb + c * lc
+            return torch.lerp(c, curve, extrapolate)
+        if self.slope is not None:
+            if not extrapolate:
+                return last
+            ahead = (position - last_position) / (last_position - self.slope.position)
+            return last + self.slope.unpacked(last.dtype) * (extrapolate * ahead)
+        if not extrapolate or len(self.outputs) < 2:
+            return last
+        first_position, first = self.outputs[-2]
+        ahead = (position - last_position) / (last_position - first_position)
+        return torch.lerp(first, last, 1.0 + extrapolate * ahead)
+
+    def nbytes(self) -> int:
+        held = sum(t.numel() * t.element_size() for _, t in self.outputs)
+        return held + (self.slope.nbytes() if self.slope is not None else 0)
+
+
+class _PackedSlope:
+    """The difference of two records in 4 bits per value (two to a byte), with a float32 scale per token (the
+    last axis), and the position of the earlier record."""
+
+    __slots__ = ("packed", "scale", "position")
+    ROWS = 4096  # tokens packed at a time: the float32 working copies stay small beside the cache itself
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, position: float):
+        self.packed, self.scale, self.position = packed, scale, position
+
+    @classmethod
+    def of(cls, slope: torch.Tensor, position: float) -> _PackedSlope:
+        rows = slope.reshape(-1, slope.shape[-1])
+        packed = torch.empty(rows.shape[0], rows.shape[1] // 2, dtype=torch.uint8, device=slope.device)
+        scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=slope.device)
+        for start in range(0, rows.shape[0], cls.ROWS):
+            wide = rows[start : start + cls.ROWS].float()
+            step = wide.abs().amax(dim=-1, keepdim=True) / 7
+            levels = torch.round(wide / step.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-7, 7)
+            codes = (levels + 8).to(torch.uint8)  # 1 to 15
+            packed[start : start + cls.ROWS] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+            scale[start : start + cls.ROWS] = step
+        shape = slope.shape[:-1]
+        return cls(packed.reshape(*shape, -1), scale.reshape(*shape, 1), position)
+
+    def unpacked(self, dtype: torch.dtype) -> torch.Tensor:
+        """The slope in ``dtype`` (the codes are small integers, exact in any float type)."""
+        codes = torch.stack((self.packed & 15, self.packed >> 4), dim=-1).flatten(-2)
+        return (codes.to(dtype) - 8) * self.scale.to(dtype)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scale.numel() * self.scale.element_size()
+
+
+@dataclass
+class _Call:
+    """The current model call: its step, whether it reuses, and its batch layout's entry."""
+
+    step: int
+    position: float
+    reuse: bool
+    entry: _Entry
+    span_input: torch.Tensor | None = None  # a DiT's full call: the inner span's input (see ``start_span``)
+
+
+class LayerReuseRun:
+    """The cache of one sampling run (see the module docstring); also counts what it did, for the log."""
+
+    def __init__(self, schedule: IntervalSchedule, steps: int, layers: int, extrapolate: float = DEFAULT_EXTRAPOLATE):
+        self.schedule = schedule
+        self.steps = steps
+        self.layers = layers  # how many inner layers there are; the last one is the boundary
+        self.extrapolate = extrapolate
+        self.order = 1  # 2: the prediction follows the parabola through the last three full steps
+        self.entries: dict[object, _Entry] = {}
+        self.current: _Call | None = None
+        self.last_step = -1
+        # The latest step the schedule (or the user's step range) ran in full. A batch layout that missed it (the
+        # host split or joined cond and uncond differently since, as ComfyUI does by its memory estimate) would
+        # draw its line through the steps before: its call runs in full and records afresh instead.
+        self.latest_full_step = -1
+        self.calls = 0
+        self.reused_calls = 0
+        # The noise level below which the host runs every call in full (``full_below_noise``; 0: none).
+        self.full_below = 0.0
+        # What the log calls the layers that always run and the prediction (a DiT door says "blocks").
+        self.outer_words = "the outer layers (the first input block and the last output block)"
+        self.inner_words = "layers' output"
+
+    def drop(self) -> None:
+        self.entries.clear()
+        self.current = None
+        self.latest_full_step = -1
+
+    def begin_call(self, step: int | None, key: object, allowed: bool = True, position: float | None = None) -> bool:
+        """Start a model call at ``step`` (None: not on this run's schedule) for the batch layout ``key``;
+        ``allowed`` False runs it in full whatever the schedule says (outside the user's step range).
+        ``position`` is where the call lies on the line the prediction follows (default: the step).
+
+        Returns True when the call reuses (its inner layers will not run)."""
+        self.calls += 1
+        if step is None:  # off the schedule: nothing cached may belong to it, and it records nothing
+            self.drop()
+            return False
+        if step < self.last_step:  # going back: not the run the cache was made in; it starts anew here
+            self.drop()
+        self.last_step = step
+        entry = self.entries.setdefault(key, _Entry())
+        scheduled = allowed and not self.schedule.is_full(step, self.steps)
+        if not scheduled:
+            self.latest_full_step = step
+        reuse = (
+            scheduled
+            and len(entry.shapes) == self.layers
+            and bool(entry.outputs)
+            and entry.step >= self.latest_full_step
+        )
+        self.current = _Call(step, float(step if position is None else position), reuse, entry)
+        self.reused_calls += reuse
+        return reuse
+
+    def end_call(self) -> None:
+        self.current = None
+
+    def run_layer(self, index: int, forward: Callable, args: tuple, kwargs: dict):
+        """The forward of inner layer ``index``: run and record (full call), or stand in for it (reusing call).
+
+        The boundary's output is a tensor, or a tuple whose first item is the tensor (diffusers' blocks)."""
+        call = self.current
+        if call is None:
+            return forward(*args, **kwargs)
+        boundary = index == self.layers - 1
+        if call.reuse:
+            spec = call.entry.shapes[index]
+            if not boundary:
+                return _zeros_like_spec(spec)
+            predicted = call.entry.predict(call.position, self.extrapolate, self.order)
+            return predicted if isinstance(spec[0], tuple) else spec[0]((predicted,))
+        out = forward(*args, **kwargs)
+        call.entry.shapes[index] = _spec_of(out)
+        if boundary:
+            feature = out if isinstance(out, torch.Tensor) else _first_tensor(out)
+            if feature is None:  # a boundary without a tensor to predict: this layout never reuses
+                call.entry.shapes.pop(index)
+            else:
+                # A copy: the host may add to its output in place (ControlNet).
+                call.entry.record(call.position, feature.detach().clone(), keep=self.order + 1)
+                call.entry.step = call.step
+        return out
+
+    # A DiT's blocks run one after the other, with no skip connection around them: there the inner blocks are one
+    # *span*, and what is predicted is the span's residual (its output minus its input), added at a reusing call
+    # to the input the outer blocks give the span at that call. The host door calls ``start_span`` at the span's
+    # first block and ``end_span`` / ``predicted_span_output`` at its last, with the streams joined into one tensor.
+
+    def start_span(self, joined_input: torch.Tensor) -> bool:
+        """The inner span's first block is about to run, on ``joined_input``. Returns True when the call reuses
+        (the span's blocks are to be skipped). A reusing call whose input does not have the recorded residual's
+        shape (another token layout) is turned into a full one here, before anything was skipped."""
+        call = self.current
+        if call is None:
+            return False
+        if call.reuse and tuple(joined_input.shape) != call.entry.shapes[0][0]:
+            self.reused_calls -= 1
+            call.reuse = False
+            call.entry.outputs.clear()
+            call.entry.shapes.clear()
+        if not call.reuse:
+            # A copy: the host may change its tensors in place later in the call (ControlNet residuals).
+            call.span_input = joined_input.detach().clone()
+        return call.reuse
+
+    def compute_in_full(self) -> None:
+        """The call in progress runs every block after all (asked before anything was skipped)."""
+        call = self.current
+        if call is not None and call.reuse:
+            self.reused_calls -= 1
+            call.reuse = False
+
+    def end_span(self, joined_output: torch.Tensor) -> None:
+        """A full call's span ended with ``joined_output``: record its residual."""
+        call = self.current
+        if call is None or call.span_input is None or joined_output.shape != call.span_input.shape:
+            return
+        residual = joined_output.detach() - call.span_input
+        call.span_input = None
+        call.entry.shapes[0] = _spec_of(residual)
+        compact = residual.numel() * residual.element_size() >= COMPACT_SLOPE_BYTES
+        call.entry.record(call.position, residual, compact)
+        call.entry.step = call.step
+
+    def predicted_span_output(self, joined_input: torch.Tensor) -> torch.Tensor:
+        """A reusing call: the span's output, its input plus the residual predicted from the last full calls."""
+        call = self.current
+        return joined_input + call.entry.predict(call.position, self.extrapolate).to(joined_input.dtype)
+
+    def span_block(
+        self, first: bool, last: bool, streams: dict, run_block: Callable, streams_of: Callable, in_full=None, pack=None
+    ):
+        """One block of a DiT's inner span, at the call in progress (``current`` must be set).
+
+        ``streams``: the block's input streams by name, in token order (None where absent); ``run_block()`` runs
+        the block and returns what the host's block returns, ``streams_of(out)`` its output streams.
+        ``in_full()`` (the span's first block only): True where this call must run every block after all.
+        Returns the block's own output (it ran) or, where the span is skipped, the streams it passes on: its
+        input, or at the span's last block the input plus the predicted residual (as ``pack(streams)`` where
+        given: in the form the host's block returns)."""
+        if first:
+            if in_full is not None and in_full():
+                self.compute_in_full()
+            reuse = self.start_span(join_streams(streams))
+        else:
+            reuse = self.current.reuse
+        if not reuse:
+            out = run_block()
+            if last:
+                self.end_span(join_streams(streams_of(out)))
+            return out
+        passed = streams if not last else split_streams(self.predicted_span_output(join_streams(streams)), streams)
+        return passed if pack is None else pack(passed)
+
+    def cache_bytes(self) -> int:
+        """What the cache holds now: the recorded boundary outputs of every batch layout."""
+        return sum(entry.nbytes() for entry in self.entries.values())
+
+    def summary(self) -> str:
+        return (
+            f"{self.calls - self.reused_calls} of {self.calls} model calls computed in full; {self.reused_calls} ran "
+            f"only {self.outer_words}, with the inner {self.inner_words} predicted from earlier steps"
+        )
+
+
+def join_streams(streams: dict) -> torch.Tensor:
+    """A DiT block's streams (e.g. text and image tokens) as one tensor, tokens after tokens in the dict's order;
+    None entries are left out."""
+    present = [t for t in streams.values() if t is not None]
+    return present[0] if len(present) == 1 else torch.cat(present, 1)
+
+
+def split_streams(joined: torch.Tensor, like: dict) -> dict:
+    """The inverse of ``join_streams``, with the token counts of ``like`` (None entries stay None)."""
+    names = [name for name, t in like.items() if t is not None]
+    parts = [joined] if len(names) == 1 else torch.split(joined, [like[name].shape[1] for name in names], 1)
+    out = dict.fromkeys(like)
+    out.update(zip(names, parts, strict=True))
+    return out
+
+
+def _spec_of(out):
+    """What a stand-in for ``out`` needs: shape, dtype and device of each tensor, the container's type."""
+    if isinstance(out, torch.Tensor):
+        return (tuple(out.shape), out.dtype, out.device)
+    if isinstance(out, (tuple, list)):
+        return (type(out), [_spec_of(item) for item in out])
+    return ("value", out)
+
+
+def _first_tensor(out):
+    """The feature of a boundary that returns a one-item tuple (diffusers' ``return_dict=False``), else None."""
+    if isinstance(out, tuple) and len(out) == 1 and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _zeros_like_spec(spec):
+    if isinstance(spec[0], tuple):
+        shape, dtype, device = spec
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if spec[0] == "value":
+        return spec[1]
+    kind, items = spec
+    return kind(_zeros_like_spec(item) for item in items)

@@ -1,0 +1,37 @@
+"""The measured defaults of reuse across steps that hold for every model: what the hosts run unless told otherwise.
+
+Each constant is chosen by measurement on the reference models; the figures are in docs/step-reuse.md (UNets) and
+docs/dit.md (DiTs). What differs per DiT family lives in the family registry (``hosts.shared.dit_families``).
+"""
+
+from __future__ import annotations
+
+from .schedules import IntervalSchedule, RunLengthSchedule
+
+# How far along the line through the last two full steps the prediction moves (1: all the way). Half way, over the
+# noise levels, kept the picture best on both UNet references (docs/step-reuse.md).
+DEFAULT_EXTRAPOLATE = 0.5
+OUTER_BLOCKS = 1  # the first input block and the last output block run at every step of a UNet
+# A DiT's blocks that run at every call: (at the start, at the end). The first block makes the span's input; running
+# the last one too kept no more of the picture and costs a block per reusing call (docs/dit.md).
+DIT_OUTER_BLOCKS = (1, 0)
+
+# ``reuse_interval`` 3 (the default) on a UNet, in a run of ``UNET_LONG_RUN`` steps or more: 12 full steps of 25
+# instead of 14, planned per family on its reference model, as (full_start, full_end, extrapolate), keyed by
+# whether the UNet has attention at full resolution (SD1.x, SD2.x) or not (SDXL) (docs/step-reuse.md, "The
+# default"). Shorter runs and the other intervals keep ``IntervalSchedule``'s defaults.
+UNET_LONG_RUN = 25
+UNET_LONG_RUN_PLANS = {True: (0.12, 3, 0.75), False: (0.08, 4, 0.5)}
+UNET_PLANNED_INTERVAL = 3
+
+
+def unet_schedule(interval: int, attention_levels, plan: str = "auto") -> IntervalSchedule | RunLengthSchedule:
+    """The schedule of ``reuse_interval`` ``interval`` on a UNet whose attention is at ``attention_levels`` (1, 2,
+    4, ...: downsampling factors; None where unknown): with ``reuse_plan`` (``plan``) "auto", ``UNET_LONG_RUN_PLANS``
+    at the planned interval, else (and with "every N") ``IntervalSchedule``'s defaults."""
+    general = IntervalSchedule(interval)
+    if plan != "auto" or interval != UNET_PLANNED_INTERVAL or not attention_levels:
+        return general
+    full_start, full_end, extrapolate = UNET_LONG_RUN_PLANS[1 in attention_levels]
+    long = IntervalSchedule(interval, full_start=full_start, full_end=full_end, extrapolate=extrapolate)
+    return RunLengthSchedule(general, long, UNET_LONG_RUN)

@@ -1,0 +1,266 @@
+"""Which steps of a sampling run run in full: the plans of reuse across steps.
+
+A *full* step runs every layer and records what the reusing steps predict from; the others *reuse*. Each schedule
+answers ``is_full(step, steps)``; ``for_run`` gives the schedule of one run (a DiT's depends on its noise levels).
+The measured settings each host runs by default are in ``plans``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FullSteps:
+    """A run's full steps, planned when the run starts (``NoiseSpacedSchedule.for_run``)."""
+
+    steps: int
+    full: frozenset
+
+    def is_full(self, step: int, steps: int) -> bool:
+        return steps != self.steps or step in self.full
+
+    def full_steps(self, steps: int) -> int:
+        return sum(self.is_full(step, steps) for step in range(steps))
+
+
+def _check_run_rules(schedule) -> None:
+    """The rules both schedules share: ``interval`` from 1 up, ``short_run`` and ``min_steps`` from 0 up."""
+    for name, lowest in (("interval", 1), ("short_run", 0), ("min_steps", 0)):
+        if getattr(schedule, name) < lowest:
+            raise ValueError(f"{name} must be an integer from {lowest} up, got {getattr(schedule, name)!r}")
+
+
+@dataclass(frozen=True)
+class IntervalSchedule:
+    """Which steps run every layer: the first ones, the last ones and every ``interval``-th one in between."""
+
+    interval: int  # between the start and the end, one step in ``interval`` is full (1: every step)
+    full_start: float = 0.2  # the steps up to this share of the schedule are full (the picture's layout)
+    # The last steps are full (the finest detail). Four: a reusing step right before the last two cost ref-sdxl's
+    # SSIM 0.926 -> 0.866 at 20 steps and 0.916 -> 0.816 at 12 (ToDo 2, interval 3), and one right before the last
+    # three its lowest image's SSIM 0.938 -> 0.842 at 25 steps (docs/step-reuse.md).
+    full_end: int = 4
+    # A run of fewer steps takes bigger steps, which the prediction misses more: there one step in two at most
+    # reuses. On ref-sdxl with ToDo 2 at 20 steps that keeps SSIM at 0.970 where interval 3 gives 0.926, and at 12
+    # steps 0.963 against 0.916 (docs/step-reuse.md). 0: no such rule.
+    short_run: int = 25
+    # A run of fewer steps (distilled models, Lightning/LCM LoRAs, Turbo) reuses nothing: each of its steps changes
+    # the picture a lot, and there is little to gain. 0: no such rule.
+    min_steps: int = 10
+    # How far along the line this schedule's runs move (None: the owner's ``extrapolate``).
+    extrapolate: float | None = None
+
+    def __post_init__(self):
+        _check_run_rules(self)
+        if not 0.0 <= self.full_start <= 1.0:
+            raise ValueError(f"full_start must be a number from 0 to 1, got {self.full_start!r}")
+        if self.full_end < 0:
+            raise ValueError(f"full_end must be an integer from 0 up, got {self.full_end!r}")
+
+    def is_full(self, step: int, steps: int) -> bool:
+        if steps < self.min_steps:
+            return True
+        interval = min(self.interval, 2) if steps < self.short_run else self.interval
+        start = max(math.ceil(self.full_start * steps), 2)  # two full steps at least: a line to extrapolate on
+        if interval == 1 or step < start or step >= steps - self.full_end:
+            return True
+        return (step - start) % interval == interval - 1
+
+    def full_steps(self, steps: int) -> int:
+        return sum(self.is_full(step, steps) for step in range(steps))
+
+    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> IntervalSchedule:
+        """The schedule of a run of ``steps`` (the same at any noise levels)."""
+        return self
+
+
+@dataclass(frozen=True)
+class RunLengthSchedule:
+    """One schedule for runs of fewer than ``long_run`` steps (``short``), another from there on (``long``)."""
+
+    short: IntervalSchedule
+    long: IntervalSchedule
+    long_run: int
+
+    @property
+    def interval(self) -> int:
+        return self.short.interval
+
+    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> IntervalSchedule:
+        return self.long if steps >= self.long_run else self.short
+
+    def is_full(self, step: int, steps: int) -> bool:
+        return self.for_run(steps).is_full(step, steps)
+
+    def full_steps(self, steps: int) -> int:
+        return self.for_run(steps).full_steps(steps)
+
+
+@dataclass(frozen=True)
+class NoiseSpacedSchedule:
+    """A DiT's full steps: one step in ``interval`` runs in full, spaced evenly in the logarithm of the noise.
+
+    The first step is full, then a step each time the noise level has fallen by the same fraction since the last
+    full one, the fraction chosen as the smallest that keeps the full steps at one in ``interval`` (the steps a
+    host runs in full, below ``full_below``, come on top). A flow model's noise falls slowly over most of a run
+    and fast over its last steps (Wan's shift 8 at 30 steps: from 1 to 0.90 over the first half, from 0.55 to 0
+    over the last three), and its output changes with it: spaced by the noise, the full steps go where the
+    output changes, few over the first steps and all of the last ones, where the details form. Spaced by the
+    fraction (not by the noise itself), the last steps stay full whatever the model's shift, and only ratios
+    count, whatever scale a model's noise levels have. On ref-wan (``uni_pc``, 30 steps) reuse every 8 then
+    keeps SSIM 0.993 at 4.4x where fixed intervals kept 0.972 at 3.1x, and on ref-flux-deep (Euler, 28 steps)
+    every 3 keeps 0.996 at 2.7x where fixed intervals kept 0.988 at the same speed (docs/dit.md). Spaced by
+    the noise itself, the last steps of a weakly shifted run were reused and the picture lost (ref-flux-deep in
+    diffusers, shift 1.65: 0.850 at every 3). The plan is made when the run starts, so its speed is known: no
+    threshold on the features to tune per model or step count, as the caches that measure the change need. As
+    on the UNets, a run of fewer than ``short_run`` steps runs one step in two at least and a run of fewer than
+    ``min_steps`` every step."""
+
+    interval: int
+    short_run: int = 25
+    min_steps: int = 10
+    # Steps at the start and at the end that are always full, whatever the noise says. A DiT's first step alone
+    # (its flow noise falls slowly at first); a UNet's first two (a line to extrapolate on from the first reusing
+    # step) and its last ones (the finest detail: the steps whose error the sampler carries into the picture most,
+    # their noise falling by the largest fractions). The end's steps come on top of the one in ``interval``.
+    full_first: int = 1
+    full_end: int = 0
+    # The share of the run's first steps that run in full, counted against the one in ``interval`` (the later
+    # full steps lie further apart for it). 0: ``full_first`` alone. Measured, not shipped: it lost the
+    # references' picture (docs/dit.md, "How the references change from step to step").
+    warm_up: float = 0.0
+
+    def __post_init__(self):
+        _check_run_rules(self)
+        if self.full_first < 1 or self.full_end < 0:
+            raise ValueError(
+                f"full_first must be from 1 up and full_end from 0 up, got {self.full_first!r}, {self.full_end!r}"
+            )
+        if not 0.0 <= self.warm_up <= 1.0:
+            raise ValueError(f"warm_up must be a number from 0 to 1, got {self.warm_up!r}")
+
+    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
+        """The full steps of a run of ``steps`` at ``noise_levels`` (one per step, falling; None or another count:
+        evenly spaced)."""
+        if steps < self.min_steps:
+            return FullSteps(steps, frozenset(range(steps)))
+        if noise_levels is None or len(noise_levels) != steps:
+            noise_levels = [1.0 - step / steps for step in range(steps)]
+        levels = [math.log(max(float(v), MIN_NOISE_LEVEL)) for v in noise_levels]
+        interval = min(self.interval, 2) if steps < self.short_run else self.interval
+        low_noise = {step for step, level in enumerate(noise_levels) if level < full_below}
+        low_noise |= set(range(max(steps - self.full_end, 0), steps))
+        # One in ``interval`` of the steps the host lets reuse; the ones it runs in full come on top (counted
+        # against them, they left Wan's first 23 of 30 steps one full step with UniPC at shift 3: SSIM 0.862).
+        budget = math.ceil((steps - len(low_noise)) / interval) + len(low_noise)
+        first = max(self.full_first, math.ceil(self.warm_up * steps - 1e-9))
+        forced = set(range(min(first, steps))) | low_noise
+        tight, loose = 0.0, max(levels[0] - min(levels), 0.0) + 1.0  # loose: no step but the forced ones
+        full = forced
+        for _ in range(48):  # bisection: the fewest-noise spacing with at most ``budget`` full steps
+            middle = (tight + loose) / 2
+            spaced = spaced_by_noise(levels, middle, forced)
+            if len(spaced) <= budget:
+                loose, full = middle, spaced
+            else:
+                tight = middle
+        return FullSteps(steps, frozenset(full))
+
+
+@dataclass(frozen=True)
+class StepChangeCurve:
+    """How fast a real model's output changes from step to step, and how much of that change a run may leave to
+    prediction: the guard that keeps a schedule's reused stretches where the model moves slowly.
+
+    ``ratios``: MagCache's calibration of the model (one per step of the calibrated run, the first 1.0): the mean
+    over image tokens of the norm of the blocks' residual (the last block's output minus the first one's input)
+    divided by the last step's. ``threshold``: the error a reused stretch may accumulate, counted as MagCache counts
+    it: from the last full step, ``acc *= ratio``, ``err += |1 - acc|``. A run of another step count reads the
+    ratios at the nearest calibrated step (``round(step * (L - 1) / (steps - 1))``, as MagCache does)."""
+
+    ratios: tuple[float, ...]
+    threshold: float
+
+    def __post_init__(self):
+        if len(self.ratios) < 2 or min(self.ratios) <= 0:
+            raise ValueError(f"ratios must be two or more positive numbers, got {self.ratios!r}")
+        if self.threshold <= 0:
+            raise ValueError(f"threshold must be a positive number, got {self.threshold!r}")
+
+    def at(self, steps: int) -> list[float]:
+        """The ratios of a run of ``steps``."""
+        last = len(self.ratios) - 1
+        if steps < 2:
+            return [1.0] * steps
+        return [self.ratios[round(step * last / (steps - 1))] for step in range(steps)]
+
+    def errors(self, full, steps: int) -> list[float]:
+        """Each step's accumulated error where the steps ``full`` run in full (0 at a full step)."""
+        acc, err, out = 1.0, 0.0, []
+        for step, ratio in enumerate(self.at(steps)):
+            if step in full:
+                acc, err = 1.0, 0.0
+            else:
+                acc *= ratio
+                err += abs(1.0 - acc)
+            out.append(err)
+        return out
+
+    def guard(self, full, steps: int) -> frozenset:
+        """``full`` and, from the start, every step that would take its stretch's error past the threshold."""
+        guarded, acc, err = set(full), 1.0, 0.0
+        for step, ratio in enumerate(self.at(steps)):
+            if step not in guarded:
+                acc *= ratio
+                if err + abs(1.0 - acc) > self.threshold:
+                    guarded.add(step)
+                else:
+                    err += abs(1.0 - acc)
+                    continue
+            acc, err = 1.0, 0.0
+        return frozenset(guarded)
+
+
+@dataclass(frozen=True)
+class StepCountSchedule:
+    """``NoiseSpacedSchedule`` at an interval chosen by the run's step count: ``intervals`` is ((from this many
+    steps, interval), ...), from the fewest steps up; with a ``curve``, guarded by the model's step-to-step
+    change (a DiT family's default: ``hosts.shared.dit_families``)."""
+
+    intervals: tuple[tuple[int, int], ...]
+    # The model's published step-to-step change: the steps where a reused stretch would accumulate more error
+    # than it allows run in full too (None: the noise-spaced plan alone).
+    curve: StepChangeCurve | None = None
+
+    def __post_init__(self):
+        if not self.intervals or self.intervals[0][0] != 0:
+            raise ValueError(f"intervals must start at 0 steps, got {self.intervals!r}")
+
+    def interval(self, steps: int) -> int:
+        return [interval for start, interval in self.intervals if start <= steps][-1]
+
+    def describe(self) -> str:
+        """For the log: ``((0, 3), (40, 4))`` as "every 3 (every 4 from 40 steps)"."""
+        later = [f"every {interval} from {start} steps" for start, interval in self.intervals[1:]]
+        return f"every {self.intervals[0][1]}" + (f" ({', '.join(later)})" if later else "")
+
+    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
+        planned = NoiseSpacedSchedule(self.interval(steps)).for_run(steps, noise_levels, full_below)
+        if self.curve is None:
+            return planned
+        return FullSteps(steps, self.curve.guard(planned.full, steps))
+
+
+MIN_NOISE_LEVEL = 1e-4  # a last call at noise 0 (none of the hosts' schedules has one) counts as this
+
+
+def spaced_by_noise(levels: list[float], spacing: float, forced: set[int]) -> set[int]:
+    """The steps ``forced`` and, after each full step, the first step whose noise lies ``spacing`` below it."""
+    full, last = set(), None
+    for step, level in enumerate(levels):
+        if step in forced or last is None or last - level >= spacing:
+            full.add(step)
+            last = level
+    return full
