@@ -16,7 +16,8 @@ from test_diffusers import module_snapshot
 
 import tome_core
 from tome_core.hosts.diffusers import dit_attention, dit_reuse, pipeline_patch
-from tome_core.reuse import LayerReuseRun
+from tome_core.hosts.shared import dit_families
+from tome_core.reuse import LayerReuseRun, StepCountSchedule
 
 # The tiny grids are far below the break-even: reduce them anyway; and the settings as set (``dit_settings`` auto,
 # the default, has tests of its own at the end).
@@ -452,15 +453,27 @@ def test_model_cpu_offload_keeps_the_patchs_picture(monkeypatch):
 
 
 @pytest.mark.parametrize(("kind", "steps", "interval"), (("flux", 28, 3), ("wan", 30, 5)))
-def test_no_settings_run_the_familys_measured_reuse_without_todo(pipes, kind, steps, interval):
+def test_no_settings_run_the_familys_measured_reuse_without_todo(pipes, kind, steps, interval, monkeypatch):
     """``apply_patch(pipe)`` (``dit_settings`` auto): reuse at the family's measured interval for the step count
-    (``dit_families``) and no ToDo, bit for bit what naming that setting computes."""
+    (``dit_families``) and no ToDo; without the curve guard, bit for bit what naming that setting computes, and
+    with it (the default) more steps in full where the real model moves fast (Flux's first steps)."""
     pipe = pipeline(pipes, kind)
+    runs = counting_runs(monkeypatch)
     auto = patched_run(pipe, steps=steps)
     by_hand = patched_run(pipe, steps=steps, downsample_factor=1, reuse_interval=interval, dit_settings="as set")
-    assert torch.isfinite(auto).all() and torch.equal(auto, by_hand)
+    assert torch.isfinite(auto).all()
+    record = dit_families.family(kind.capitalize())
+    guarded, every_n = runs[0].schedule.full, runs[-1].schedule.full
+    assert guarded == record.curve.guard(every_n, steps)
+    # Flux's first steps move fast: several more in full; Wan's curve is flat: a step more at most.
+    assert every_n < guarded and len(guarded - every_n) >= (2 if kind == "flux" else 1)
+    assert kind == "flux" or len(guarded - every_n) == 1
+    assert not torch.equal(auto, by_hand)
+    unguarded = StepCountSchedule(record.auto_intervals)
+    monkeypatch.setattr(dit_families, "auto_schedule", lambda name: unguarded)
+    assert torch.equal(patched_run(pipe, steps=steps), by_hand)
     other = patched_run(pipe, steps=steps, downsample_factor=1, reuse_interval=interval + 1, dit_settings="as set")
-    assert not torch.equal(auto, other)
+    assert not torch.equal(by_hand, other)
 
 
 def test_auto_keeps_what_the_user_names(pipes, monkeypatch):

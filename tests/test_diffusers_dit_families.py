@@ -126,8 +126,8 @@ AUTO_INTERVAL = {"flux2": 3, "qwen-image": 3, "z-image": 3, "hunyuanvideo-1.5": 
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_settings_run_the_familys_interval_and_no_todo(pipes, kind, monkeypatch, caplog):
     """``apply_patch(pipe)`` (``dit_settings`` auto): the family's schedule (``dit_families``; Z-Image every
-    3, as Lumina 2 in ComfyUI), no ToDo. At 28 steps the intervals 3, 4 and 5 reuse different steps (under 25
-    steps, one in two whatever the interval)."""
+    3, as Lumina 2 in ComfyUI, guarded by the family's published curve), no ToDo. At 28 steps the intervals 3, 4
+    and 5 reuse different steps (under 25 steps, one in two whatever the interval)."""
     _, family, label, calls = FAMILIES[kind]
     interval = AUTO_INTERVAL[kind]
     assert dict(dit_families.family(family).auto_intervals)[0] == interval
@@ -146,9 +146,13 @@ def test_no_settings_run_the_familys_interval_and_no_todo(pipes, kind, monkeypat
         tome_core.remove_patch(pipe)
     (run,) = runs
     levels = [float(sigma) for sigma in pipe.scheduler.sigmas[:28]]
-    full = NoiseSpacedSchedule(interval).for_run(28, levels, run.full_below).full
-    assert full != NoiseSpacedSchedule(interval + 1).for_run(28, levels, run.full_below).full
-    assert run.schedule.full == full
+    every_n = NoiseSpacedSchedule(interval).for_run(28, levels, run.full_below).full
+    assert every_n != NoiseSpacedSchedule(interval + 1).for_run(28, levels, run.full_below).full
+    # On top of every N, the steps the real model's published curve needs in full (``dit_families``).
+    curve = dit_families.family(family).curve
+    full = curve.guard(every_n, 28)
+    assert run.schedule.full == full and every_n <= full
+    assert max(curve.errors(full, 28)) <= curve.threshold
     assert (run.calls, run.reused_calls) == (28 * calls, (28 - len(full)) * calls)
     assert torch.isfinite(out).all()
 

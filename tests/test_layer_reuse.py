@@ -604,3 +604,38 @@ def test_the_span_keeps_a_compact_slope_from_the_size_on(monkeypatch):
     assert recorded(0).slope is not None
     whole = recorded(4 * 8 * 4 + 1)  # one byte more than a residual: kept whole
     assert whole.slope is None and len(whole.outputs) == 2
+
+
+def test_a_step_change_curve_counts_as_magcache_and_guards_the_fast_steps():
+    """``StepChangeCurve``: MagCache's accumulated error (``acc *= ratio``, ``err += |1 - acc|``, reset at a full
+    step), its nearest-step reading for another step count, and the guard that runs a step in full where a
+    stretch would pass the threshold."""
+    import math
+
+    from tome_core.hosts.shared import dit_families
+    from tome_core.reuse import NoiseSpacedSchedule, StepChangeCurve
+
+    curve = StepChangeCurve((1.0, 1.1, 1.1, 1.0), threshold=0.4)
+    assert curve.errors({0}, 4) == pytest.approx([0.0, 0.1, 0.31, 0.52])
+    assert curve.errors({0, 2}, 4) == pytest.approx([0.0, 0.1, 0.0, 0.0])
+    assert curve.guard({0}, 4) == {0, 3}  # step 3 would take the stretch to 0.52
+    assert StepChangeCurve((1.0, 1.0, 1.0), 0.01).guard({0}, 3) == {0}  # flat: nothing added
+    # Another step count reads the nearest calibrated step: round(step * (L - 1) / (steps - 1)).
+    ratios = tuple(1.0 + step / 100 for step in range(28))
+    assert StepChangeCurve(ratios, 0.24).at(28) == list(ratios)
+    assert StepChangeCurve(ratios, 0.24).at(50)[:4] == [1.0, 1.01, 1.01, 1.02]
+    for bad in (
+        dict(ratios=(1.0,), threshold=0.1),
+        dict(ratios=(1.0, 0.0), threshold=0.1),
+        dict(ratios=(1.0, 1.1), threshold=0),
+    ):
+        with pytest.raises(ValueError):
+            StepChangeCurve(**bad)
+    # Real FLUX.1-dev at 28 steps on Flux's noise levels in ComfyUI (shift 1.15): every 3 computes step 0 and
+    # then reuses steps 1-8 (error 4.3 on the real curve); the guard computes steps 2 and 5 too.
+    levels = [math.exp(1.15) / (math.exp(1.15) + (1 / (1 - step / 28) - 1)) for step in range(28)]
+    every_3 = NoiseSpacedSchedule(3).for_run(28, levels).full
+    flux = dit_families.family("Flux").curve
+    assert sorted(every_3)[:2] == [0, 9] and max(flux.errors(every_3, 28)) > 4
+    assert flux.guard(every_3, 28) - every_3 == {2, 5}
+    assert max(flux.errors(flux.guard(every_3, 28), 28)) <= flux.threshold

@@ -104,7 +104,7 @@ def main(argv=None) -> list[dict]:
 
     setup_comfy("cpu")
     table = rows([int(s) for s in args.steps.split(",")])
-    print("| family (model, sampler) | steps | curve (threshold) | every N alone | error | work | default, work | error |")
+    print("| family | steps | curve (threshold) | every N alone | error | work | default, work | error |")
     print("|---|---|---|---|---|---|---|---|")
     for r in table:
         print(
