@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tools.bench import host, measure, report
+from tools.common import host, measure
+from tools.common import machine as machine_info
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12  # reuse_interval reuses nothing in runs of fewer than 10 steps
@@ -105,8 +106,8 @@ def test_gpu_table_rows_have_time_memory_and_calls(gpu_table):
 def test_gpu_table_machine_block_and_reliability_line(gpu_table):
     out, done, result = gpu_table
     machine = result["machine"]
-    assert set(report.GPU_FIELDS) | {"clock", "attention", "torch", "cpu", "device"} <= set(machine)
-    assert all(machine[key] is None for key in report.GPU_FIELDS)  # no GPU here: every GPU field None
+    assert set(machine_info.GPU_FIELDS) | {"clock", "attention", "torch", "cpu", "device"} <= set(machine)
+    assert all(machine[key] is None for key in machine_info.GPU_FIELDS)  # no GPU here: every GPU field None
     assert machine["clock"] == measure.PERF_COUNTER and machine["device"] == "cpu"
     assert machine["attention"] == "PyTorch SDPA (attention_pytorch)"
     assert result["versions"]["comfyui"] == "0.3.75" and result["versions"]["tomesd"] == "0.1.3"
@@ -223,20 +224,20 @@ def test_driver_version_sources(monkeypatch, tmp_path):
     smi.write_text("#!/bin/sh\necho 580.159.04\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert report.driver_version() == "580.159.04"
+    assert machine_info.driver_version() == "580.159.04"
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
-    assert report.driver_version() is None
+    assert machine_info.driver_version() is None
     monkeypatch.setattr(torch.cuda, "driver_version", lambda: 13000, raising=False)
-    assert report.driver_version() == "13000"
+    assert machine_info.driver_version() == "13000"
 
 
 def test_gpu_fields_and_header_line():
-    assert report.gpu_info(torch.device("cpu")) == dict.fromkeys(report.GPU_FIELDS)
+    assert machine_info.gpu_info(torch.device("cpu")) == dict.fromkeys(machine_info.GPU_FIELDS)
     machine = {"gpu": "NVIDIA H100 80GB HBM3", "gpu_memory_mib": 81559, "gpu_driver": None, "cuda": "13.0"}
     machine["attention"] = "PyTorch SDPA (attention_pytorch)"
-    line = report.gpu_line(machine)
+    line = machine_info.gpu_line(machine)
     assert line.startswith("NVIDIA H100 80GB HBM3 (81559 MiB, driver unknown, CUDA 13.0, attention PyTorch SDPA")
-    assert report.gpu_line({"gpu": None}) == ""
+    assert machine_info.gpu_line({"gpu": None}) == ""
 
 
 def test_av_stand_in(monkeypatch):
@@ -278,7 +279,7 @@ def test_ldm_unet_runs_in_half_precision_as_the_webui_runs_it():
     attention class for the whole process."""
     code = (
         "import torch\n"
-        "from tools.bench import host\n"
+        "from tools.common import host\n"
         "family = host.FAMILIES['tiny']\n"
         "unet = host.build_ldm_unet(family, None, torch.bfloat16, 'cpu')\n"
         "x = torch.randn(2, 4, 8, 8, dtype=torch.bfloat16)\n"

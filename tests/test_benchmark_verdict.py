@@ -12,7 +12,7 @@ import pytest
 
 from tools.bench import load as bench_load
 from tools.bench import verdict as bench_verdict
-from tools.bench.measure import median_interval, spread_pct
+from tools.common.measure import median_interval, spread_pct
 
 LIMIT, BUSY = 5.0, 0.2
 

@@ -24,7 +24,7 @@ def test_pack_and_unpack_are_inverse():
 
 
 def test_the_converted_reference_computes_what_comfyuis_model_does():
-    from tools.bench.host import setup_comfy
+    from tools.common.host import setup_comfy
 
     setup_comfy("cpu")
     # Both run the same float32 operations in another order (fused against split projections): rounding only.
@@ -56,7 +56,7 @@ wan_weights = pytest.mark.skipif(
 
 @wan_weights
 def test_the_converted_video_reference_computes_what_comfyuis_model_does():
-    from tools.bench.host import setup_comfy
+    from tools.common.host import setup_comfy
     from tools.fidelity.diffusers import wan as diffusers_wan
 
     setup_comfy("cpu")

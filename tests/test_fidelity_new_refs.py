@@ -25,7 +25,7 @@ def _weights(name: str) -> None:
     [("ref-qwen", "QwenImage", "QwenImageTransformer2DModel"), ("ref-flux2", "Flux2", "Flux")],
 )
 def test_reference_is_built_as_its_family_and_samples_one_step(name, config_class, model_class):
-    from tools.bench.host import setup_comfy
+    from tools.common.host import setup_comfy
 
     _weights(name)
     setup_comfy("cpu")  # ComfyUI first on the path: its ``nodes``, not this repository's

@@ -41,7 +41,7 @@ import comfy.samplers  # noqa: E402
 import comfy.supported_models  # noqa: E402
 import nodes as comfy_nodes  # noqa: E402  (ComfyUI's own nodes.py, first on sys.path)
 
-from tools.bench.host import initialise  # noqa: E402  (seeded weights: ComfyUI skips init)
+from tools.common.host import initialise  # noqa: E402  (seeded weights: ComfyUI skips init)
 
 CPU = torch.device("cpu")
 

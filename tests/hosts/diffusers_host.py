@@ -31,7 +31,7 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from tools.bench.host import initialise
+from tools.common.host import initialise
 
 IMAGE_PX = 32
 TEXT_DIM = 32

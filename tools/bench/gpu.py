@@ -55,12 +55,14 @@ from pathlib import Path
 
 import torch
 
-from . import host as bench_host
+from tools.common import host as bench_host
+from tools.common import machine as bench_machine
+from tools.common.measure import relative_l2
+
 from . import load as bench_load
 from . import pairs as bench_pairs
 from . import report as bench_report
 from . import verdict as bench_verdict
-from .measure import relative_l2
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = "sd15:512,sd15:768,sd15:1024,sdxl:1024"
@@ -459,7 +461,7 @@ def breakeven_table(model: str, results: dict, device_type: str) -> str:
 
 def markdown(report: dict) -> str:
     m, v, s = report["machine"], report["versions"], report["settings"]
-    where = bench_report.gpu_line(m) or f"{m['cpu']} ({m['cpu_cores']} cores, {m['torch_threads']} threads)"
+    where = bench_machine.gpu_line(m) or f"{m['cpu']} ({m['cpu_cores']} cores, {m['torch_threads']} threads)"
     parts = [bench_report.reliability_line(report), "# ToMe Patch on a GPU"]
     rounds = {block["resolution"]: block["rounds"] for block in report["resolutions"]}
     parts.append(
@@ -495,7 +497,7 @@ def markdown(report: dict) -> str:
 
 
 def write(report: dict, out: Path) -> Path:
-    report["versions"] = bench_report.versions()
+    report["versions"] = bench_machine.versions()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "gpu-table.md"
     path.write_text(markdown(report))
@@ -520,7 +522,9 @@ def run_breakeven(model: str, args, device: torch.device, log) -> dict:
 
 
 def main(argv=None) -> dict:
-    from .speed import Bench, choose_device, choose_dtype
+    from tools.common.device import choose_device, choose_dtype
+
+    from .speed import Bench
 
     args = parse_args(argv)
     started = time.perf_counter()
@@ -544,8 +548,8 @@ def main(argv=None) -> dict:
     report = {
         "reliable": None,
         "unreliable_reasons": [],
-        "machine": bench_report.machine(device),
-        "versions": bench_report.versions(),
+        "machine": bench_machine.machine(device),
+        "versions": bench_machine.versions(),
         "settings": {**vars(args), "dtype": str(dtype).replace("torch.", ""), "device": str(device)},
         "resolutions": [],
         "machine_load": {
@@ -581,7 +585,7 @@ def main(argv=None) -> dict:
         entry, load = measure_config(Config(built[model], size, args, device), now + share, log)
         report["resolutions"].append(entry)
         loads.append(load)
-        report["machine"] = bench_report.machine(device)  # ComfyUI's attention is known by now
+        report["machine"] = bench_machine.machine(device)  # ComfyUI's attention is known by now
         report["machine_load"]["during"] = combined_load(loads)
         report["minutes_total"] = round((time.perf_counter() - started) / 60.0, 2)
         judge(report, args)

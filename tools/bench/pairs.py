@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from tools.common.measure import clocked, spread_pct
+
 from . import load as bench_load
-from .measure import clocked, spread_pct
 
 
 @dataclass

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 
-from . import (
-    host as bench_host,
-)
+from tools.common import host as bench_host
+from tools.common import machine as bench_machine
+from tools.common.device import choose_device, choose_dtype
+from tools.common.measure import PeakMemory, clocked, relative_l2
+
 from . import (
     load as bench_load,
 )
@@ -37,7 +39,6 @@ from . import (
 from . import (
     verdict as bench_verdict,
 )
-from .measure import PeakMemory, clocked, relative_l2
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,18 +103,6 @@ def size_label(size: tuple[int, int]) -> str:
     return str(size[0]) if size[0] == size[1] else f"{size[1]}x{size[0]}"
 
 
-def choose_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def choose_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-
-
 class Bench:
     """The model, its baselines and peers, and the inputs of one resolution."""
 
@@ -157,7 +146,7 @@ class Bench:
         }
 
     def rows(self, size: tuple[int, int]) -> list:
-        from . import rows as R
+        from .unet import rows as R
 
         args, patcher, sigma_of = self.args, self.patcher, self.sigma_of
         unpatched = R.comfy_runner(patcher, sigma_of)
@@ -327,8 +316,8 @@ def main(argv=None, keep: dict | None = None) -> dict:
     report = {
         "reliable": None,  # filled by the verdict; first in the JSON, where a reader looks
         "unreliable_reasons": [],
-        "machine": bench_report.machine(device),
-        "versions": bench_report.versions(),
+        "machine": bench_machine.machine(device),
+        "versions": bench_machine.versions(),
         "config": {**vars(args), "dtype": str(dtype).replace("torch.", ""), "device": str(device)},
         "levels": sorted(bench.levels),
         "resolutions": [],

@@ -100,7 +100,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", default="20,28,50", help="comma-separated step counts")
     parser.add_argument("--out", default=str(ROOT / "results"))
     args = parser.parse_args(argv)
-    from tools.bench.host import setup_comfy
+    from tools.common.host import setup_comfy
 
     setup_comfy("cpu")
     table = rows([int(s) for s in args.steps.split(",")])

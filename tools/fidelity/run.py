@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from tome_core.settings import SPECS, PatchSettings
-from tools.bench.host import LdmHolder, build_ldm_unet, setup_comfy
-from tools.bench.report import machine, versions
+from tools.common.host import LdmHolder, build_ldm_unet, setup_comfy
+from tools.common.machine import machine, versions
 from tools.fidelity.variants import UNET_VARIANTS, dit_variants
 from tools.fidelity.work import count_work
 
@@ -142,7 +142,7 @@ def comfy_builtin(ratio: float) -> FidelityRow:
 
 
 def todo_reference(factor: float, level: int) -> FidelityRow:
-    from tools.bench.rows import todo_reference_patch
+    from tools.common.todo_reference import todo_reference_patch
 
     def patch(model):
         clone = model.clone()

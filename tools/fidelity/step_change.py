@@ -161,7 +161,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from tools.bench.host import setup_comfy
+    from tools.common.host import setup_comfy
 
     setup_comfy("cpu")
     result = {"steps": args.steps, "scale": args.scale, "real_flux_norm_ratio": real_flux_ratios(), "models": {}}

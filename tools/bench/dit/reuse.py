@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from ..host import setup_comfy
-from ..measure import clocked
+from tools.common.host import setup_comfy
+from tools.common.measure import clocked
+
 from .todo import MODELS, build, cpu_name
 
 RESULTS = Path(__file__).resolve().parents[3] / "results"

@@ -49,8 +49,8 @@ from pathlib import Path
 
 import torch
 
-from ..host import initialise, setup_comfy
-from ..measure import PeakMemory, clock_for, clocked
+from tools.common.host import initialise, setup_comfy
+from tools.common.measure import PeakMemory, clock_for, clocked
 
 RESULTS = Path(__file__).resolve().parents[3] / "results"
 
@@ -527,7 +527,7 @@ def main(argv=None) -> dict:
                 spec["latent"] = (*spec["latent"][:-2], side, side)
                 spec["title"] = spec["title"].replace("1024 px", f"{args.image_px} px")
     setup_comfy(device.type)
-    from ..report import gpu_line, machine
+    from tools.common.machine import gpu_line, machine
 
     meta = {
         "cpu": cpu_name(),

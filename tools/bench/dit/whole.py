@@ -164,7 +164,7 @@ def build(name: str, device: torch.device, dtype: torch.dtype):
     import comfy.model_detection
     import comfy.model_patcher
 
-    from ..host import initialise
+    from tools.common.host import initialise
 
     config = comfy.model_detection.model_config_from_unet_config(dict(MODELS[name]["config"]))
     if config is None:
@@ -254,7 +254,7 @@ class Sampler:
 
     def measure(self, model) -> dict:
         """One whole run, after a 2-step run: its seconds, peak memory, calls and final latent."""
-        from ..measure import PeakMemory, clocked
+        from tools.common.measure import PeakMemory, clocked
 
         self.run(model, 2)
         self.counts.update(calls=0, full=0)
@@ -280,7 +280,7 @@ UNPATCHED_RUNS_PER_MODEL = 4.0
 
 
 def measure_model(name: str, device, dtype, seed: int, steps: int | None, deadline: float, log) -> dict:
-    from ..measure import clocked, relative_l2
+    from tools.common.measure import clocked, relative_l2
 
     started = time.perf_counter()
     patcher = build(name, device, dtype)
@@ -388,8 +388,8 @@ def main(argv=None) -> dict:
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(MODELS)})")
 
-    from ..host import setup_comfy
-    from ..speed import choose_device
+    from tools.common.device import choose_device
+    from tools.common.host import setup_comfy
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -415,13 +415,13 @@ def main(argv=None) -> dict:
 def _measure_all(args, names: list[str], device, dtype, started: float, log) -> dict:
     import comfy.model_management
 
-    from .. import report as bench_report
+    from tools.common import machine as bench_machine
 
     deadline = started + 60.0 * args.max_minutes
-    machine = bench_report.machine(device)
-    versions = bench_report.versions()
+    machine = bench_machine.machine(device)
+    versions = bench_machine.versions()
     report = {
-        "machine": bench_report.gpu_line(machine) or machine["cpu"],
+        "machine": bench_machine.gpu_line(machine) or machine["cpu"],
         "torch": versions["torch"],
         "comfyui": versions["comfyui"],
         "dtype": args.dtype,

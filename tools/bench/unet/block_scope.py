@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from .. import host as bench_host
+from tools.common import host as bench_host
 
 
 class PlanTimer:
@@ -107,7 +107,7 @@ def main(argv=None) -> list[dict]:
     bench_host.setup_comfy("cpu")
     from tome_core.hosts.shared.unet_layout import attention_levels
 
-    from .. import rows as R
+    from . import rows as R
 
     def log(message):
         print(message, file=sys.stderr, flush=True)

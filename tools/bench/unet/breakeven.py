@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from .. import host as bench_host
-from ..measure import timed
+from tools.common import host as bench_host
+from tools.common.measure import timed
 
 SHAPES = {
     "sd15": (320, 8, 40, 768, 1),  # channels, heads, head width, context, level

@@ -8,7 +8,7 @@ unpatched against this project and tomesd 0.1.3, each through its public entry p
 Every patched row gets its own copy of the UNet's module tree that shares the very same weight tensors (a deep copy
 with the parameters and buffers pre-seeded in the memo), patched once when the row is made: no weights are
 duplicated, and nothing is patched or unpatched inside the timed calls. Rows look like those of
-``tools.bench.rows`` (``run(x, timesteps, context, y)``), so ``tools.bench.speed`` measures them the same way.
+``tools.bench.unet.rows`` (``run(x, timesteps, context, y)``), so ``tools.bench.speed`` measures them the same way.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import copy
 
 import torch
 
-from .. import host as bench_host
-from ..measure import relative_l2
-from ..rows import Row
+from tools.common import host as bench_host
+from tools.common.measure import relative_l2
+
+from .rows import Row
 
 HOST = "diffusers"
 

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from tome_core import matching
 from tome_core.downsample import NearestIndexCache, downsample_tokens
 from tome_core.patterns import PatternCache
-
-from ..measure import timed
+from tools.common.measure import timed
 
 
 def _median_time(call, device: torch.device, repeats: int) -> float:

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from .. import host as bench_host
-from ..measure import PeakMemory, clocked, timed
+from tools.common import host as bench_host
+from tools.common.measure import PeakMemory, clocked, timed
 
 ROOT = Path(__file__).resolve().parents[3]
 ROWS = {
@@ -161,7 +161,7 @@ def sample(
     ``peak_total_mib``) and, after it, the run's output (``latent``, on the CPU)."""
     import nodes as comfy_nodes
 
-    from ..measure import EventClock, clock_for
+    from tools.common.measure import EventClock, clock_for
 
     device = device or torch.device("cpu")
     events = EventClock(device) if clock_for(device) == "cuda events" else None
@@ -278,7 +278,7 @@ def peer_rows(fidelity_json: Path, results: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    from ..speed import choose_device, choose_dtype
+    from tools.common.device import choose_device, choose_dtype
 
     args = parse_args(argv)
     if args.threads:
@@ -368,7 +368,7 @@ def main(argv=None) -> dict:
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
     }
-    from ..report import gpu_line, machine, versions
+    from tools.common.machine import gpu_line, machine, versions
 
     meta.update(machine=machine(device), versions=versions())
     out = Path(args.out)

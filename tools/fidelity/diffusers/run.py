@@ -311,8 +311,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    from tools.bench.host import setup_comfy
-    from tools.bench.report import machine, versions
+    from tools.common.host import setup_comfy
+    from tools.common.machine import machine, versions
 
     args = parse_args(argv)
     from tools.fidelity.reference import models

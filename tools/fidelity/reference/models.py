@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tools.bench.host import Family, comfy_unet_config
+from tools.common.host import Family, comfy_unet_config
 
 from . import data
 

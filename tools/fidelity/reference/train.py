@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from tools.bench.host import initialise, setup_comfy
+from tools.common.host import initialise, setup_comfy
 
 from . import data, models
 

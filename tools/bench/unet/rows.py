@@ -13,15 +13,14 @@ returns zeros, so no method that only shrinks self-attention can be faster.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from tome_core import PatchSettings, find_level, grid_at_level
 from tome_core.hosts.comfyui.patch import patched_unet
+from tools.common.todo_reference import todo_reference_patch
 
 
 def _nothing() -> None:
@@ -127,29 +126,6 @@ def ldm_unpatched(holder) -> Row:
     return Row(
         "unpatched (ldm UNet)", "unpatched", "ldm", lambda x, timesteps, context, y=None: unet(x, timesteps, context)
     )
-
-
-def todo_reference_patch(factor: float, max_level: int) -> Callable:
-    """ToDo as the paper describes it: keys/values of self-attention resized by ``interpolate``.
-
-    The level is guessed as the reference code does, from the token-count ratio to the latent
-    (ceil(sqrt(latent tokens // tokens))), the grid size from the latent divided by that level, and the new
-    size rounded down; blocks at ``max_level`` or finer are downsampled by ``factor``.
-    """
-
-    def attn1_patch(n, context, value, extra_options):
-        _, _, height, width = extra_options["original_shape"]
-        level = math.ceil(math.sqrt(height * width // n.shape[1]))
-        if level > max_level:
-            return n, context, value
-        h, w = math.ceil(height / level), math.ceil(width / level)
-        batch, _, channels = n.shape
-        grid = n.reshape(batch, h, w, channels).permute(0, 3, 1, 2)
-        small = F.interpolate(grid, size=(int(h / factor), int(w / factor)), mode="nearest-exact")
-        kv = small.permute(0, 2, 3, 1).reshape(batch, -1, channels)
-        return n, kv, kv
-
-    return attn1_patch
 
 
 def todo_reference(patcher, sigma_of, factor: float, max_level: int) -> Callable:
