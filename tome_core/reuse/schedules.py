@@ -244,7 +244,10 @@ class StepCountSchedule:
     def describe(self) -> str:
         """For the log: ``((0, 3), (40, 4))`` as "every 3 (every 4 from 40 steps)"."""
         later = [f"every {interval} from {start} steps" for start, interval in self.intervals[1:]]
-        return f"every {self.intervals[0][1]}" + (f" ({', '.join(later)})" if later else "")
+        described = f"every {self.intervals[0][1]}" + (f" ({', '.join(later)})" if later else "")
+        if self.curve is not None:
+            described += " and wherever the real model's published step-to-step change asks for a full step"
+        return described
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
         planned = NoiseSpacedSchedule(self.interval(steps)).for_run(steps, noise_levels, full_below)
