@@ -20,11 +20,10 @@ import torch
 from .plans import DEFAULT_EXTRAPOLATE
 from .schedules import IntervalSchedule
 
-# A DiT's residual of this size or more keeps the line's slope (the difference of its last two records) in 4
-# bits per value, with a scale per token, instead of the record before the last: Wan 2.1 1.3B at 480x832, 81
-# frames, with CFG then holds 251 MB (8.9% of its weights) where two records held 403 MB (14%). Smaller caches
-# (Flux at 1024 px: 28 MB per record) keep both records whole. The slope moves the prediction by a fraction of
-# itself, so its rounding (a fourteenth of a token's largest change at most) is a small part of a small part.
+# A DiT's residual of this size or more keeps the line's slope (the difference of its last two records) in 4 bits
+# per value, with a scale per token, instead of the record before the last: a long video's cache then holds little
+# more than one record (docs/dit.md, the 4-bit slope); the slope only moves the prediction, so its rounding is a
+# small part of a small part.
 COMPACT_SLOPE_BYTES = 64 * 2**20
 
 

@@ -38,13 +38,11 @@ class IntervalSchedule:
 
     interval: int  # between the start and the end, one step in ``interval`` is full (1: every step)
     full_start: float = 0.2  # the steps up to this share of the schedule are full (the picture's layout)
-    # The last steps are full (the finest detail). Four: a reusing step right before the last two cost ref-sdxl's
-    # SSIM 0.926 -> 0.866 at 20 steps and 0.916 -> 0.816 at 12 (ToDo 2, interval 3), and one right before the last
-    # three its lowest image's SSIM 0.938 -> 0.842 at 25 steps (docs/step-reuse.md).
+    # The last steps are full (the finest detail): four, since a reusing step just before the last two or three
+    # lost ref-sdxl's picture (docs/step-reuse.md).
     full_end: int = 4
     # A run of fewer steps takes bigger steps, which the prediction misses more: there one step in two at most
-    # reuses. On ref-sdxl with ToDo 2 at 20 steps that keeps SSIM at 0.970 where interval 3 gives 0.926, and at 12
-    # steps 0.963 against 0.916 (docs/step-reuse.md). 0: no such rule.
+    # reuses (docs/step-reuse.md). 0: no such rule.
     short_run: int = 25
     # A run of fewer steps (distilled models, Lightning/LCM LoRAs, Turbo) reuses nothing: each of its steps changes
     # the picture a lot, and there is little to gain. 0: no such rule.
@@ -105,18 +103,11 @@ class NoiseSpacedSchedule:
     The first step is full, then a step each time the noise level has fallen by the same fraction since the last
     full one, the fraction chosen as the smallest that keeps the full steps at one in ``interval`` (the steps a
     host runs in full, below ``full_below``, come on top). A flow model's noise falls slowly over most of a run
-    and fast over its last steps (Wan's shift 8 at 30 steps: from 1 to 0.90 over the first half, from 0.55 to 0
-    over the last three), and its output changes with it: spaced by the noise, the full steps go where the
-    output changes, few over the first steps and all of the last ones, where the details form. Spaced by the
-    fraction (not by the noise itself), the last steps stay full whatever the model's shift, and only ratios
-    count, whatever scale a model's noise levels have. On ref-wan (``uni_pc``, 30 steps) reuse every 8 then
-    keeps SSIM 0.993 at 4.4x where fixed intervals kept 0.972 at 3.1x, and on ref-flux-deep (Euler, 28 steps)
-    every 3 keeps 0.996 at 2.7x where fixed intervals kept 0.988 at the same speed (docs/dit.md). Spaced by
-    the noise itself, the last steps of a weakly shifted run were reused and the picture lost (ref-flux-deep in
-    diffusers, shift 1.65: 0.850 at every 3). The plan is made when the run starts, so its speed is known: no
-    threshold on the features to tune per model or step count, as the caches that measure the change need. As
-    on the UNets, a run of fewer than ``short_run`` steps runs one step in two at least and a run of fewer than
-    ``min_steps`` every step."""
+    and fast over its last steps, and its output changes with it: spaced by the noise, the full steps go where the
+    output changes, all of the last ones among them, whatever the model's shift or the scale of its noise levels.
+    It kept the DiT references' picture better than fixed intervals at the same speed (docs/dit.md). The plan is
+    made when the run starts, so its speed is known. As on the UNets, a run of fewer than ``short_run`` steps runs
+    one step in two at least and a run of fewer than ``min_steps`` every step."""
 
     interval: int
     short_run: int = 25

@@ -338,6 +338,7 @@ def layer_reuse_variant(
     from tome_core.hosts.comfyui import layer_reuse as layer_reuse_hooks
     from tome_core.hosts.shared.model_patcher import patched_clone
     from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule
+    from tome_core.reuse.options import ReuseOptions
     from tome_core.schedule import NoiseRange
 
     def patch(model):
@@ -351,7 +352,8 @@ def layer_reuse_variant(
             schedule_ = NoiseSpacedSchedule(interval, **schedule)
         else:
             schedule_ = IntervalSchedule(interval, **{"short_run": 0, "full_end": 2, "min_steps": 0, **schedule})
-        layer_reuse_hooks.install(clone, settings, everywhere, extrapolate, outer, schedule_, by_sigma, order)
+        options = ReuseOptions(schedule_, extrapolate, outer, by_sigma, order)
+        layer_reuse_hooks.install(clone, settings, everywhere, options)
         if full_below is not None:  # every call below this sigma in full, in place of the sampler's rule
             hooks = clone.injections[layer_reuse_hooks.INJECTION_KEY][0].hooks
             new_run = hooks.new_run
@@ -473,7 +475,8 @@ def dit_reuse_variant(
     every call runs in full, instead of the sampler's rule), ``warm_up`` (the share of the first steps run in full,
     within the interval's count)."""
     from tome_core.hosts.comfyui import dit_reuse
-    from tome_core.reuse import DIT_OUTER_BLOCKS, IntervalSchedule, NoiseSpacedSchedule
+    from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule
+    from tome_core.reuse.options import ReuseOptions
     from tome_core.schedule import NoiseRange
     from tools.fidelity import dit_peers
 
@@ -485,7 +488,7 @@ def dit_reuse_variant(
         else:
             schedule = NoiseSpacedSchedule(interval, warm_up=warm_up)
         noise_range = NoiseRange(0.0, 1.0, lambda p: p)
-        dit_reuse.install(clone, settings, noise_range, outer or DIT_OUTER_BLOCKS, schedule, extrapolate)
+        dit_reuse.install(clone, settings, noise_range, options=ReuseOptions(schedule, extrapolate, outer))
         return clone if full_below is None else dit_peers.with_full_below(clone, full_below)
 
     return patch

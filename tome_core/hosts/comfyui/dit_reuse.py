@@ -34,6 +34,7 @@ from ...reuse import (
     NoiseSpacedSchedule,
     SkippableLayer,
 )
+from ...reuse.options import SHIPPED, ReuseOptions
 from ..shared import dit_families
 from .dit import class_names
 from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerInjection, LayerReuseHooks
@@ -241,11 +242,13 @@ class SpanBlock:
         )
 
 
-def install(clone, settings, noise_range, outer=DIT_OUTER_BLOCKS, schedule=None, extrapolate=None) -> bool:
-    """Give ``clone`` (a DiT's patcher) reuse across steps at ``settings.reuse_interval`` (or ``schedule``); False
-    where it cannot (left as it is). ``outer`` (blocks run at every call: at the start, at the end), ``schedule``
-    and ``extrapolate`` (default: the family's, ``dit_families``) are for the benchmarks and the
-    family defaults."""
+def install(clone, settings, noise_range, schedule=None, options: ReuseOptions = SHIPPED) -> bool:
+    """Give ``clone`` (a DiT's patcher) reuse across steps at ``settings.reuse_interval`` (or ``schedule``: the
+    family's under ``dit_settings`` auto); False where it cannot (left as it is). ``options``: the benchmarks'
+    variants (the product runs ``SHIPPED``: the family's step along the line, ``DIT_OUTER_BLOCKS``)."""
+    outer = DIT_OUTER_BLOCKS if options.outer is None else options.outer
+    schedule = options.schedule if options.schedule is not None else schedule
+    extrapolate = options.extrapolate
     diffusion_model = clone.model.diffusion_model
     layout = layout_of(diffusion_model)
     keys = block_keys(diffusion_model)

@@ -32,6 +32,7 @@ from ...reuse import (
     keeps_the_picture_with,
     unet_schedule,
 )
+from ...reuse.options import SHIPPED, ReuseOptions
 from ...schedule import call_sigmas, step_of
 from ..shared.unet_layout import attention_levels, inner_layers
 from .sampling_run import sample_with_run
@@ -162,31 +163,23 @@ class LayerInjection:
         detach_forwards(self.layers, lambda owner: owner is self.hooks)
 
 
-def install(
-    clone,
-    settings,
-    noise_range,
-    extrapolate=DEFAULT_EXTRAPOLATE,
-    outer=OUTER_BLOCKS,
-    schedule=None,
-    by_sigma=True,
-    order=1,
-) -> bool:
+def install(clone, settings, noise_range, options: ReuseOptions = SHIPPED) -> bool:
     """Give ``clone`` layer reuse at ``settings.reuse_interval``; False where it cannot (left as it is).
-
-    ``extrapolate``, ``by_sigma``, ``outer`` (how many outer blocks run at every step) and ``schedule`` (an
-    ``IntervalSchedule``) override the engine's defaults (a schedule's own ``extrapolate`` wins), for the benchmarks."""
+    ``options``: the benchmarks' variants (the product runs ``SHIPPED``; a schedule's own ``extrapolate`` wins)."""
+    outer = OUTER_BLOCKS if options.outer is None else options.outer
     layers = [layer for _, layer in inner_layers(clone.model.diffusion_model, outer)]
     if settings.reuse_interval <= 1 or not layers:
         return False
     if not (hasattr(clone, "add_wrapper_with_key") and hasattr(clone, "set_injections")):
         return False  # a patcher without wrappers or injections (Forge): the WebUI script runs it there
+    schedule = options.schedule
     if schedule is None:
         schedule = unet_schedule(
             settings.reuse_interval, attention_levels(clone.model.diffusion_model), settings.reuse_plan
         )
-    hooks = LayerReuseHooks(schedule, len(layers), noise_range, extrapolate, by_sigma)
-    hooks.order = order
+    extrapolate = DEFAULT_EXTRAPOLATE if options.extrapolate is None else options.extrapolate
+    hooks = LayerReuseHooks(schedule, len(layers), noise_range, extrapolate, options.by_sigma)
+    hooks.order = options.order
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)
     clone.set_injections(INJECTION_KEY, [LayerInjection(hooks, layers)])

@@ -51,7 +51,7 @@ def four_block_title(name: str) -> str:
 def reusing_model(name: str):
     """The four-block model and its clone with reuse on a schedule that alternates from step 2 on."""
     from tome_core.hosts.comfyui import dit_reuse
-    from tome_core.reuse import DIT_OUTER_BLOCKS, IntervalSchedule
+    from tome_core.reuse import IntervalSchedule
     from tome_core.schedule import NoiseRange
     from tome_core.settings import PatchSettings
 
@@ -63,7 +63,7 @@ def reusing_model(name: str):
     clone = base.clone()
     settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=2)
     schedule = IntervalSchedule(2, full_start=0.0, full_end=0, short_run=0, min_steps=0)
-    if not dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), DIT_OUTER_BLOCKS, schedule):
+    if not dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), schedule):
         raise RuntimeError(f"reuse does not install on {name}")
     return base, clone
 

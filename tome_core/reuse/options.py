@@ -1,0 +1,28 @@
+"""What the benchmarks vary around the shipped choices of reuse across steps, in one object.
+
+The product's entry points never pass one: every host runs ``SHIPPED``, the measured defaults. The fidelity and
+speed benchmarks hand a ``ReuseOptions`` to a host door's ``install`` to measure the variants a default was chosen
+from (docs/step-reuse.md, docs/dit.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReuseOptions:
+    # A schedule in place of the one the settings give (None: the settings').
+    schedule: object | None = None
+    # How far along the line the prediction moves (None: the schedule's own, else the model's measured one).
+    extrapolate: float | None = None
+    # The blocks that run at every call (None: the shipped ones): a UNet's outer blocks (an int), a DiT's
+    # (at the start, at the end).
+    outer: int | tuple[int, int] | None = None
+    # Where the line is drawn: over the noise level (True), over its logarithm ("log") or over the step (False).
+    by_sigma: bool | str = True
+    # 2: the prediction follows the parabola through the last three full steps.
+    order: int = 1
+
+
+SHIPPED = ReuseOptions()
