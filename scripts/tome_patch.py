@@ -26,6 +26,7 @@ from modules import script_callbacks, scripts
 
 from tome_core.hosts.shared.model_patcher import NotAUNetError, patched_clone
 from tome_core.hosts.webui import args as webui_args
+from tome_core.hosts.webui import dit_reuse as webui_dit_reuse
 from tome_core.hosts.webui import layer_reuse as webui_layer_reuse
 from tome_core.hosts.webui import ldm_patch
 
@@ -195,12 +196,33 @@ def _patch_forge(p, forge_objects, settings, job: _Job) -> bool:
     try:
         clone = patched_clone(unet, settings, percent_to_sigma)
     except NotAUNetError as err:
-        job.warn_once(f"this model ({err}) is not a UNet with attention blocks (DiT models are not supported).")
-        return False
+        return _patch_neo_dit(p, forge_objects, settings, percent_to_sigma, job, str(err))
     # The step of each call comes from the WebUI's callbacks here, not from a ComfyUI-style sampler wrapper (which
     # a reForge patcher may take but the WebUI's samplers never run).
     _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
     webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma)
+    forge_objects.unet = clone
+    return True
+
+
+def _patch_neo_dit(p, forge_objects, settings, percent_to_sigma, job: _Job, model_name: str) -> bool:
+    """A DiT in Forge Neo: the family's default (as ComfyUI's ``dit_settings`` auto), or one line saying why not."""
+    unet = forge_objects.unet
+    why = webui_dit_reuse.why_not(unet, p)
+    if why is None and settings.reuse_interval <= 1:
+        why = "reuse across steps is off (reuse interval 1)"
+    if why is not None:
+        job.warn_once(f"this model ({model_name}) is generated unchanged: {why}.")
+        return False
+    clone = unet.clone()
+    owner = webui_dit_reuse.install_neo(clone, settings, p, percent_to_sigma)
+    if owner is None:
+        job.warn_once(f"this model ({model_name}) is generated unchanged: too few blocks to reuse.")
+        return False
+    job.warn_once(
+        f"{owner.family} ({model_name}): the family's measured default, reuse across steps "
+        f"{owner.schedule.describe()}, no ToDo; the other controls act on SD1.x, SD2.x and SDXL."
+    )
     forge_objects.unet = clone
     return True
 

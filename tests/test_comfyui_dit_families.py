@@ -1,5 +1,5 @@
 """The DiTs added since Flux.1 and Wan 2.1, in real ComfyUI with tiny random-weight models of each family's own
-class (``hosts/comfy_host.py``, ``DIT_TINY``): reuse across steps through the one door (``dit_reuse.LAYOUTS``, a
+class (``hosts/comfy_host.py``, ``DIT_TINY``): reuse across steps through the one door (``dit_block_hook.LAYOUTS``, a
 row per family) on Flux.2, Qwen-Image, HunyuanVideo 1.5, LTX-Video and Chroma Radiance; the families that hand no
 block to ComfyUI's block hook get it through an instance forward of each span block (Lumina 2, Z-Image) or pass
 through unchanged, with the reason in the log (HiDream, Cosmos, OmniGen2)."""

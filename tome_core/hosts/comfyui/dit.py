@@ -52,24 +52,9 @@ OVERRIDE_KEY = "optimized_attention_override"
 WRAPPER_TYPE = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
 WRAPPER_KEY = "tome_patch_dit"
 
-# Class names (any class in the MRO) of the supported families. Other DiTs (HiDream, Cosmos, OmniGen2, ...) and
-# the Wan variants that add tokens of their own (speech-to-video, HuMo, Animate) are refused.
-_FLUX_CLASSES = ("Flux", "Chroma")
-_SD3_CLASSES = ("MMDiT",)
-_WAN_CLASSES = ("WanModel", "VaceWanModel", "CameraWanModel")
-_QWEN_CLASSES = ("QwenImageTransformer2DModel",)
-_HUNYUAN_CLASSES = ("HunyuanVideo",)
-_LTXV_CLASSES = ("LTXVModel",)
-_LUMINA_CLASSES = ("NextDiT",)
-_FAMILY_CLASSES = (
-    ("Flux", _FLUX_CLASSES),
-    ("SD3", _SD3_CLASSES),
-    ("Wan", _WAN_CLASSES),
-    ("Qwen-Image", _QWEN_CLASSES),
-    ("HunyuanVideo", _HUNYUAN_CLASSES),
-    ("LTX-Video", _LTXV_CLASSES),
-    ("Lumina 2", _LUMINA_CLASSES),
-)
+# The supported families' classes are the family registry's (``dit_families``, ComfyUI's names). Other DiTs
+# (HiDream, Cosmos, OmniGen2, ...) and the Wan variants that add tokens of their own (speech-to-video, HuMo,
+# Animate) are refused.
 _REFUSED_CLASSES = ("ChromaRadiance", "WanModel_S2V", "HumoWanModel", "AnimateWanModel")
 
 
@@ -176,11 +161,8 @@ def class_names(module) -> set[str]:
 def family_name(diffusion_model) -> str | None:
     """The family ("Flux", Chroma too, "SD3", "Wan", "Qwen-Image", "HunyuanVideo", "LTX-Video", "Lumina 2") by
     the model's classes, or None for any other model."""
-    names = class_names(diffusion_model)
-    for name, classes in _FAMILY_CLASSES:
-        if names & set(classes):
-            return name
-    return None
+    record = dit_families.of_model("comfyui", diffusion_model)
+    return record.name if record is not None else None
 
 
 def family_of(diffusion_model) -> DitFamily | None:

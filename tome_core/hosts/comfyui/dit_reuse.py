@@ -26,7 +26,6 @@ where its tokens are laid out otherwise than at the last full call, and at the s
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from ...reuse import (
     DIT_OUTER_BLOCKS,
@@ -36,67 +35,16 @@ from ...reuse import (
 )
 from ...reuse.options import SHIPPED, ReuseOptions
 from ..shared import dit_families
+from ..shared.dit_block_hook import PATCH_NAME, BlockLayout, SpanBlock, layout_named, why_every_block_runs
+from ..shared.dit_block_hook import block_keys as hook_block_keys
+from ..shared.dit_block_hook import replacements as _replacements
 from .dit import class_names
 from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerInjection, LayerReuseHooks
 
 log = logging.getLogger("tome_patch")
 
-PATCH_NAME = "dit"  # transformer_options["patches_replace"]["dit"]
 INJECTION_KEY = "tome_patch_dit_reuse"  # the span's forwards of a family without a block hook
-BLOCK_PATCHES = ("double_block", "single_block")  # transformer_options["patches"]: run after each block
 
-
-@dataclass(frozen=True)
-class BlockLayout:
-    """How one DiT family hands its blocks to ``patches_replace["dit"]``: a row of ``LAYOUTS``, not a class."""
-
-    family: str  # the words of messages and docs; the family registry's key (``dit_families``)
-    classes: tuple[str, ...]  # class names (any class in the model's MRO)
-    lists: tuple[tuple[str, str], ...]  # (block type, attribute of the block list), in call order
-    # The streams each block passes on, in the order the model joins them where its single blocks take one joined
-    # stream (Flux ``cat((txt, img))``, HunyuanVideo ``cat((img, txt))``). Not a stream: the text a block only
-    # reads (Wan's and LTX-Video's ``txt``).
-    streams: tuple[str, ...]
-    last_block_runs: bool = False  # the last block runs at every call (SD3's returns no text stream)
-    # How the door reaches the blocks: "dit", the block hook (``patches_replace["dit"]``); "forward", for a family
-    # whose loop hands no block to the hook: each span block gets an instance ``forward`` while the patcher has the
-    # model loaded (a patcher injection, as the UNets' layer reuse), whose first positional argument is the one
-    # stream and whose return value the stream after the block.
-    hook: str = "dit"
-
-
-# Every family whose blocks reuse can skip (checked in ComfyUI 0.3.75, the same in 0.8.0; REFERENCE.md section 10).
-# Order matters where one family's class derives from another's: the first row that matches wins.
-LAYOUTS = (
-    # Flux.1, Flux.2 (the same class with global modulation: its ``vec`` is a tuple, which passes through),
-    # Kontext (reference tokens after the image, in the same stream), Chroma and Chroma Radiance (Flux's blocks;
-    # Radiance's pixel-space head runs after them, at every call).
-    BlockLayout(
-        "Flux",
-        ("Flux", "Chroma"),
-        (("double_block", "double_blocks"), ("single_block", "single_blocks")),
-        ("txt", "img"),
-    ),
-    BlockLayout("SD3", ("MMDiT",), (("double_block", "joint_blocks"),), ("txt", "img"), last_block_runs=True),
-    BlockLayout("Wan", ("WanModel",), (("double_block", "blocks"),), ("img",)),
-    # Qwen-Image and Qwen-Image Edit (its reference latents are tokens of the image stream); blocks return
-    # ``(txt, img)``, which the hook's ``block_wrap`` turns into the dict.
-    BlockLayout(
-        "Qwen-Image", ("QwenImageTransformer2DModel",), (("double_block", "transformer_blocks"),), ("txt", "img")
-    ),
-    # HunyuanVideo 1.0 and 1.5, HunyuanImage 2.1: image before text in the joined stream of the single blocks.
-    BlockLayout(
-        "HunyuanVideo",
-        ("HunyuanVideo",),
-        (("double_block", "double_blocks"), ("single_block", "single_blocks")),
-        ("img", "txt"),
-    ),
-    BlockLayout("LTX-Video", ("LTXVModel",), (("double_block", "transformer_blocks"),), ("img",)),
-    # Lumina 2 and Z-Image (``NextDiT``): no block hook, one joined stream of caption and image tokens through
-    # ``layers`` (called as ``layer(x, mask, freqs_cis, adaln_input, transformer_options=...)``); the context and
-    # noise refiners before them run at every call.
-    BlockLayout("Lumina 2", ("NextDiT",), (("layer", "layers"),), ("img",), hook="forward"),
-)
 
 # Families that run every block, and why (the log says it). Checked before ``LAYOUTS``: most derive from a class
 # there.
@@ -114,13 +62,10 @@ NO_REUSE = {
 
 def layout_of(diffusion_model) -> BlockLayout | None:
     """The block layout of a DiT whose blocks reuse can skip, or None (``why_not`` says why)."""
-    names = class_names(diffusion_model)
-    if names & set(NO_REUSE):
+    if class_names(diffusion_model) & set(NO_REUSE):
         return None
-    for layout in LAYOUTS:
-        if names & set(layout.classes):
-            return layout
-    return None
+    record = dit_families.of_model("comfyui", diffusion_model)
+    return layout_named(record.name) if record is not None else None
 
 
 SUPPORTED_WORDS = (
@@ -147,15 +92,7 @@ def block_keys(diffusion_model) -> list[tuple[str, int]] | None:
     """Every block of a supported DiT in call order, as its ``patches_replace["dit"]`` key; None if reuse does not
     run on this model."""
     layout = layout_of(diffusion_model)
-    if layout is None:
-        return None
-    keys = []
-    for block_type, attribute in layout.lists:
-        blocks = getattr(diffusion_model, attribute, None)
-        if blocks is None:
-            return None
-        keys += [(block_type, i) for i in range(len(blocks))]
-    return keys
+    return None if layout is None else hook_block_keys(diffusion_model, layout)
 
 
 def block_streams(diffusion_model) -> tuple[str, ...]:
@@ -192,54 +129,14 @@ class DitReuseHooks(LayerReuseHooks):
         )
 
     def runs_in_full(self, transformer_options) -> bool:
-        """Whether this call must run every block: another node replaced one of the span's blocks after ours, or
-        patches after each block (``patches["double_block"]``, Qwen-Image's block-wise ControlNets) add to the
-        streams between blocks, which a predicted residual already holds."""
-        options = transformer_options or {}
-        replaced = (options.get("patches_replace") or {}).get(PATCH_NAME) or {}
-        if not all(replaced.get(key) is self.blocks.get(key) for key in self.keys):
-            why = "another node replaces one of the DiT's inner blocks"
-        elif any((options.get("patches") or {}).get(kind) for kind in BLOCK_PATCHES):
-            why = "another node patches the DiT's blocks' outputs"
-        else:
+        """Whether this call must run every block (``dit_block_hook.why_every_block_runs``); warns once."""
+        why = why_every_block_runs(transformer_options, self.keys, self.blocks)
+        if why is None:
             return False
         if not self.warned:
             self.warned = True
             log.warning("ToMe reuse across steps: %s; every block runs in full (ToDo still applies).", why)
         return True
-
-
-class SpanBlock:
-    """The ``patches_replace["dit"]`` entry of one block of the span: run it (a full call), or pass its inputs on
-    untouched (a reusing call); the last one adds the predicted residual."""
-
-    def __init__(self, hooks: DitReuseHooks, position: int, previous=None):
-        self.hooks = hooks
-        self.position = position  # 0: the span's first block; len(keys) - 1: its last
-        self.previous = previous  # another node's replacement that was there before ours
-
-    def __deepcopy__(self, memo):
-        return self  # shared by copies of the options, like a function
-
-    def run_block(self, args: dict, extra: dict) -> dict:
-        if self.previous is not None:
-            return self.previous(args, extra)
-        return extra["original_block"](args)
-
-    def __call__(self, args: dict, extra: dict) -> dict:
-        hooks = self.hooks
-        run = hooks.layer_run()
-        if run is None or run.current is None:
-            return self.run_block(args, extra)
-        streams = {name: args.get(name) for name in hooks.streams}
-        return run.span_block(
-            first=self.position == 0,
-            last=self.position == len(hooks.keys) - 1,
-            streams=streams,
-            run_block=lambda: self.run_block(args, extra),
-            streams_of=lambda out: {name: out.get(name) for name in streams},
-            in_full=lambda: hooks.runs_in_full(args.get("transformer_options")),
-        )
 
 
 def install(clone, settings, noise_range, schedule=None, options: ReuseOptions = SHIPPED) -> bool:
@@ -302,11 +199,6 @@ class SpanForward(SkippableLayer):
             in_full=lambda: hooks.runs_in_full(kwargs.get("transformer_options")),
             pack=lambda streams: streams[name],
         )
-
-
-def _replacements(patcher) -> dict:
-    options = getattr(patcher, "model_options", None) or {}
-    return ((options.get("transformer_options") or {}).get("patches_replace") or {}).get(PATCH_NAME) or {}
 
 
 def remove(patcher) -> None:

@@ -16,11 +16,19 @@ from ...reuse.plans import DEFAULT_EXTRAPOLATE
 from ...reuse.schedules import StepChangeCurve, StepCountSchedule
 from . import step_change_curves as published
 
+HOSTS = ("comfyui", "diffusers", "neo", "forge")
+
 
 @dataclass(frozen=True)
 class DitFamily:
     name: str  # the family's name in messages and docs
     aliases: tuple[str, ...] = ()  # other hosts' names for it
+    # The model classes of the family in each host, by name (any class of the model's MRO matches): ComfyUI's
+    # ``comfy.ldm`` classes, diffusers' transformers, Forge Neo's and lllyasviel's Forge's ``backend.nn`` classes.
+    comfyui: tuple[str, ...] = ()
+    diffusers: tuple[str, ...] = ()
+    neo: tuple[str, ...] = ()
+    forge: tuple[str, ...] = ()
     # ``dit_settings`` "auto": reuse across steps at this interval, as ((from this many steps, interval), ...).
     auto_intervals: tuple[tuple[int, int], ...] = ((0, 3),)
     # How far along the line through the last two full steps the prediction moves (1: a whole step).
@@ -31,6 +39,11 @@ class DitFamily:
     # full wherever reuse would accumulate more error on it (None: the noise-spaced plan alone).
     curve: StepChangeCurve | None = None
     curve_of: str = ""  # whose curve it is, for the log and the docs
+
+    def classes(self, host: str) -> tuple[str, ...]:
+        if host not in HOSTS:
+            raise ValueError(f"host must be one of {', '.join(HOSTS)}, got {host!r}")
+        return getattr(self, host)
 
     def auto_schedule(self) -> StepCountSchedule:
         """The schedule ``dit_settings`` "auto" runs on this family."""
@@ -47,25 +60,41 @@ WAN_CURVE = StepChangeCurve(published.WAN21_T2V_14B, 0.24)
 # Lumina 2 / Z-Image (one joint stream, as Flux's single blocks) take Flux's, the video families without a reference
 # one step more often than Wan's. A family without a published curve takes the nearest family's (docs/dit.md).
 # Flux and Qwen-Image predict a whole step along the line (it kept more of their references' picture); the others
-# half a step.
+# half a step. Order matters where one family's class derives from another's: the first record that matches wins.
+# Class names as read in ComfyUI 0.3.75 / 0.8.0, diffusers 0.39.0, Forge Neo neo-2.26 and Forge dfdcbab6; Flux
+# covers Flux.1, Flux.2 (the same classes), Kontext and Chroma.
 FAMILIES = (
     DitFamily(
         "Flux", auto_intervals=((0, 3), (40, 4)), extrapolate=1.0, todo_min_image_tokens=4096,
         curve=FLUX_CURVE, curve_of="FLUX.1-dev",
+        comfyui=("Flux", "Chroma"), diffusers=("FluxTransformer2DModel", "Flux2Transformer2DModel"),
+        neo=("IntegratedFluxTransformer2DModel",), forge=("IntegratedFluxTransformer2DModel",),
     ),
-    DitFamily("SD3", auto_intervals=((0, 3), (40, 4)), curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)"),
     DitFamily(
-        "Qwen-Image", auto_intervals=((0, 3), (40, 4)), extrapolate=1.0, curve=QWEN_IMAGE_CURVE, curve_of="Qwen-Image"
+        "SD3", auto_intervals=((0, 3), (40, 4)), curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)",
+        comfyui=("MMDiT",), diffusers=("SD3Transformer2DModel",),
+    ),
+    DitFamily(
+        "Qwen-Image", auto_intervals=((0, 3), (40, 4)), extrapolate=1.0, curve=QWEN_IMAGE_CURVE, curve_of="Qwen-Image",
+        comfyui=("QwenImageTransformer2DModel",), diffusers=("QwenImageTransformer2DModel",),
     ),
     DitFamily(
         "Lumina 2", aliases=("Z-Image",), auto_intervals=((0, 3), (40, 4)), todo_min_image_tokens=2304,
         curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)",
+        comfyui=("NextDiT",), diffusers=("ZImageTransformer2DModel",), neo=("NextDiT",),
     ),
-    DitFamily("Wan", auto_intervals=((0, 5),), curve=WAN_CURVE, curve_of="Wan 2.1 T2V 14B"),
-    DitFamily("HunyuanVideo", auto_intervals=((0, 4),), curve=HUNYUAN_VIDEO_CURVE, curve_of="HunyuanVideo"),
+    DitFamily(
+        "Wan", auto_intervals=((0, 5),), curve=WAN_CURVE, curve_of="Wan 2.1 T2V 14B",
+        comfyui=("WanModel",), diffusers=("WanTransformer3DModel",), neo=("WanModel",),
+    ),
+    DitFamily(
+        "HunyuanVideo", auto_intervals=((0, 4),), curve=HUNYUAN_VIDEO_CURVE, curve_of="HunyuanVideo",
+        comfyui=("HunyuanVideo",), diffusers=("HunyuanVideo15Transformer3DModel",),
+    ),
     DitFamily(
         "LTX-Video", auto_intervals=((0, 4),), todo_min_image_tokens=4096,
         curve=HUNYUAN_VIDEO_CURVE, curve_of="HunyuanVideo (nearest family)",
+        comfyui=("LTXVModel",), diffusers=("LTXVideoTransformer3DModel",),
     ),
 )  # fmt: skip
 # A DiT no record names (a family a host door knows before it has a record): Flux's interval and curve.
@@ -77,6 +106,13 @@ _BY_NAME = {name: family for family in FAMILIES for name in (family.name, *famil
 def family(name: str) -> DitFamily:
     """The record of the family a host door calls ``name`` (``OTHER`` for a name no record has)."""
     return _BY_NAME.get(name, OTHER)
+
+
+def of_model(host: str, model) -> DitFamily | None:
+    """The record of the family ``model`` (a host's diffusion model) belongs to in ``host``, by the names of its
+    classes, or None for a model no record names."""
+    names = {cls.__name__ for cls in type(model).__mro__}
+    return next((family for family in FAMILIES if names & set(family.classes(host))), None)
 
 
 def auto_schedule(name: str) -> StepCountSchedule:

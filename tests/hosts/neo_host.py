@@ -1,0 +1,139 @@
+"""A stand-in for Forge Neo (Haoming02/sd-webui-forge-classic, branch ``neo``, neo-2.26) sampling a DiT, with
+ComfyUI's classes where Neo's are ComfyUI's (REFERENCE section 12 names the files).
+
+What is reproduced:
+- The job order and the script hooks: ``webui_host`` (Neo keeps the WebUI's ``modules/processing.py`` order;
+  ``forge_objects`` is rebuilt from the loaded model before every sampling pass, ``process_before_every_sampling``
+  then runs, and the scripts assign their clone back to ``p.sd_model.forge_objects.unet``).
+- Neo's patcher (``backend/patcher/base.py``): ComfyUI's ``ModelPatcher`` interface: ``clone``,
+  ``set_model_patch_replace(fn, "dit", block_type, i)``, ``add_object_patch`` (applied when the clone is loaded
+  for sampling and undone when it is unloaded: ComfyUI's ``patch_model`` / ``unpatch_model`` here),
+  ``model_options["model_function_wrapper"]`` (``set_model_unet_function_wrapper``: Spectrum's hook).
+- Neo's Flux (``backend/nn/flux.py`` ``IntegratedFluxTransformer2DModel.forward_orig``): a port of ComfyUI's Flux
+  loop with the same block hook and the same dicts; here ComfyUI's ``Flux`` under Neo's class name. Neo's
+  ``NextDiT`` (``backend/nn/lumina.py``, Z-Image / Lumina 2) loops over its layers with no hook: ComfyUI's NextDiT,
+  whose class has the same name.
+- The sampler: ``modules/sd_samplers_kdiffusion.py`` puts the pass's sigmas into ``transformer_options
+  ["sampling_sigmas"]``; ``backend/sampling/sampling_function.py`` calls the model with ``cond_or_uncond`` and the
+  call's ``sigmas`` in ``transformer_options`` (at CFG 1, Flux's distilled guidance, one call with the cond alone;
+  else cond and uncond batched), through a ``model_function_wrapper`` where one is set; the ``cfg_denoiser`` and
+  ``cfg_after_cfg`` callbacks around each denoiser call (``modules/sd_samplers_cfg_denoiser.py``); k-diffusion's
+  Euler over ComfyUI's ``normal`` schedule, from the empty latent as ComfyUI's KSampler prepares it, so that a pass
+  here computes what ComfyUI's KSampler computes for the same model, seed and steps.
+"""
+
+from __future__ import annotations
+
+import types
+
+import comfy.ldm.flux.model
+import comfy.sample
+import comfy.samplers
+import torch
+
+from hosts import (
+    comfy_host,  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+    webui_host,
+)
+
+
+class IntegratedFluxTransformer2DModel(comfy.ldm.flux.model.Flux):
+    """Neo's Flux class (its loop is ComfyUI's, ported)."""
+
+
+def neo_model(family: str = "flux", **config):
+    """A Neo-like patcher over a small random DiT: ComfyUI's ModelPatcher, Flux under Neo's class name."""
+    patcher = comfy_host.tiny_dit(family, **config)
+    if family == "flux":
+        patcher.model.diffusion_model.__class__ = IntegratedFluxTransformer2DModel
+    return patcher
+
+
+class NeoSDModel:
+    """``p.sd_model`` of a Neo job: ``forge_objects`` rebuilt from the loaded model before every pass."""
+
+    def __init__(self, patcher):
+        self.forge_unet_original = patcher
+        self.forge_objects = types.SimpleNamespace(unet=patcher)
+
+
+def processing(patcher, script_args, steps: int = 28, sampler: str = "Euler", cfg: float = 1.0):
+    p = webui_host.Processing(NeoSDModel(patcher), script_args)
+    p.sampler = sampler
+    p.scheduler = "Simple"
+    p.neo_steps = steps
+    p.neo_cfg = cfg
+    return p
+
+
+def process_images(host, p, family: str = "flux", shape=(1, 9, 13), seed: int = 42):
+    """A Neo txt2img job of one pass: the script hooks around ``sample``."""
+    host.run_hook(p, "before_process")
+    host.run_hook(p, "process")
+    p.sd_model.forge_objects = types.SimpleNamespace(unet=p.sd_model.forge_unet_original)
+    host.run_hook(p, "process_before_every_sampling")
+    samples = sample(host, p, p.sd_model.forge_objects.unet, family, shape, seed)
+    host.run_hook(p, "postprocess", samples)  # not in a finally, as in the WebUI
+    return samples
+
+
+def sample(host, p, patcher, family: str, shape, seed: int) -> torch.Tensor:
+    """One sampling pass on ``patcher``, as Neo's sampler drives the model (see the module docstring)."""
+    steps, cfg = p.neo_steps, p.neo_cfg
+    sampling = patcher.get_model_object("model_sampling")
+    sigmas = comfy.samplers.calculate_sigmas(sampling, "normal", steps)
+    batch, *rest = shape
+    empty = torch.zeros(batch, comfy_host.DIT_LATENT_CHANNELS.get(family, 16), *rest)
+    latent = patcher.model.process_latent_in(empty)
+    noise = comfy.sample.prepare_noise(empty, seed)
+    x = sampling.noise_scaling(sigmas[0], noise, latent)
+    (positive,) = comfy_host.dit_conditioning(family, 1)
+    (negative,) = comfy_host.dit_conditioning(family, 2, tokens=9)
+    denoiser = webui_host.CFGDenoiser(p)
+    denoiser.steps = denoiser.total_steps = steps
+    host.state.sampling_steps, host.state.sampling_step = steps, 0
+    patcher.patch_model()  # Neo loads the clone for the pass: its object patches applied
+    try:
+        for i in range(steps):
+            sigma, sigma_next = sigmas[i], sigmas[i + 1]
+            params = webui_host.CFGDenoiserParams(x, None, sigma.expand(batch), i, steps, positive, negative, denoiser)
+            host.fire("cfg_denoiser", params)
+            denoised = _denoise(patcher, family, x, sigma, sigmas, positive, negative, cfg)
+            host.fire("cfg_after_cfg", webui_host.AfterCFGCallbackParams(denoised, i, steps))
+            denoiser.step += 1
+            x = x + (x - denoised) / sigma * (sigma_next - sigma)  # k-diffusion's sample_euler
+            host.state.sampling_step = i
+    finally:
+        patcher.unpatch_model()  # unloaded: the object patches undone
+    return patcher.model.process_latent_out(sampling.inverse_noise_scaling(sigmas[-1], x))
+
+
+def _denoise(patcher, family, x, sigma, sigmas, positive, negative, cfg: float) -> torch.Tensor:
+    conds = [positive] if cfg == 1.0 else [positive, negative]
+    if len(conds) == 2 and positive[0].shape != negative[0].shape:
+        raise ValueError("the stand-in batches cond and uncond: give them the same token count")
+    context = torch.cat([c[0] for c in conds])
+    extra = {}
+    for name, value in conds[0][1].items():
+        if name == "pooled_output":
+            extra["y"] = torch.cat([c[1][name] for c in conds])
+        elif name == "guidance":
+            extra["guidance"] = torch.full((len(conds),), float(value))
+    if family in ("lumina2", "z_image"):  # NextDiT's forward takes the caption's token count
+        extra["num_tokens"] = context.shape[1]
+    xs = torch.cat([x] * len(conds))
+    timestep = sigma.expand(len(conds))
+    options = dict(patcher.model_options.get("transformer_options", {}))
+    options.update(cond_or_uncond=list(range(len(conds))), sigmas=timestep, sampling_sigmas=sigmas)
+
+    def apply(model_function, call):
+        return model_function(call["input"], call["timestep"], **call["c"])
+
+    c = {"c_crossattn": context, "transformer_options": options, **extra}
+    wrapper = patcher.model_options.get("model_function_wrapper") or apply
+    call = {"input": xs, "timestep": timestep, "c": c, "cond_or_uncond": options["cond_or_uncond"]}
+    out = wrapper(patcher.model.apply_model, call)
+    if len(conds) == 1:
+        return out
+    cond, uncond = out.chunk(2)
+    return uncond + cfg * (cond - uncond)

@@ -1,0 +1,68 @@
+"""The DiT family registry (``tome_core.hosts.shared.dit_families``): one record per family that every host reads,
+with each host's class names, the measured defaults and the real model's published curve."""
+
+from __future__ import annotations
+
+import pytest
+
+from tome_core.hosts.diffusers import dit_attention
+from tome_core.hosts.diffusers import dit_reuse as diffusers_dit_reuse
+from tome_core.hosts.shared import dit_families
+from tome_core.reuse import StepCountSchedule
+
+
+def fake_model(*class_names: str):
+    """An object whose MRO carries ``class_names`` (the first its own), as a host's model would."""
+    bases = (object,)
+    for name in reversed(class_names):
+        bases = (type(name, bases, {}),)
+    return bases[0]()
+
+
+def test_each_name_and_alias_finds_one_record_and_an_unknown_name_the_nearest():
+    names = [name for family in dit_families.FAMILIES for name in (family.name, *family.aliases)]
+    assert len(names) == len(set(names))
+    assert dit_families.family("Z-Image") is dit_families.family("Lumina 2")
+    assert dit_families.family("no such family") is dit_families.OTHER
+    assert dit_families.OTHER.curve is dit_families.FLUX_CURVE  # the nearest family's curve, not none
+    for family in dit_families.FAMILIES:
+        schedule = family.auto_schedule()
+        assert isinstance(schedule, StepCountSchedule) and schedule.curve is family.curve is not None
+        assert dit_families.auto_schedule(family.name) == schedule
+
+
+@pytest.mark.parametrize(
+    ("host", "classes", "expected"),
+    (
+        ("comfyui", ("Chroma",), "Flux"),
+        ("comfyui", ("VaceWanModel", "WanModel"), "Wan"),  # a subclass matches through its MRO
+        ("comfyui", ("NextDiT",), "Lumina 2"),
+        ("diffusers", ("Flux2Transformer2DModel",), "Flux"),
+        ("diffusers", ("ZImageTransformer2DModel",), "Lumina 2"),
+        ("neo", ("IntegratedFluxTransformer2DModel",), "Flux"),
+        ("forge", ("IntegratedFluxTransformer2DModel",), "Flux"),
+        ("comfyui", ("HiDreamImageTransformer2DModel",), None),
+        ("diffusers", ("Flux",), None),  # ComfyUI's name is not diffusers'
+    ),
+)
+def test_a_model_is_found_by_its_hosts_class_names(host, classes, expected):
+    record = dit_families.of_model(host, fake_model(*classes))
+    assert (record.name if record is not None else None) == expected
+
+
+def test_a_host_the_registry_does_not_know_is_an_error():
+    with pytest.raises(ValueError, match="host must be one of comfyui, diffusers, neo, forge"):
+        dit_families.family("Flux").classes("invokeai")
+
+
+def test_every_hosts_door_reads_its_families_from_the_registry():
+    """The block hook's layouts (ComfyUI's and Neo's) are one per registry family; every diffusers transformer
+    class with a layout or ToDo processors belongs to the family the registry names for it."""
+    from tome_core.hosts.shared import dit_block_hook
+
+    records = {family.name: family for family in dit_families.FAMILIES}
+    layouts = [layout.family for layout in dit_block_hook.LAYOUTS]
+    assert sorted(layouts) == sorted(name for name in records if records[name].comfyui)
+    for class_name, layout in diffusers_dit_reuse.LAYOUTS.items():
+        assert class_name in dit_families.family(layout.name).diffusers, class_name
+    assert set(dit_attention.PROCESSORS) <= set(records)

@@ -1,0 +1,162 @@
+"""Forge Neo: the accordion on DiTs (``tome_core/hosts/webui/dit_reuse.py``), in a stand-in that follows Neo's call
+order with ComfyUI's classes where Neo's are ComfyUI's (``hosts/neo_host.py``)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from hosts import (
+    comfy_host,  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+    neo_host,
+)
+from hosts.webui_host import Host, script_args
+
+from tome_core.hosts.shared.dit_block_hook import SpanBlock, replacements
+from tome_core.hosts.webui import layer_reuse as webui_layer_reuse
+
+STEPS = 28
+SHAPE = (1, 9, 13)
+
+
+def shipped_defaults() -> list:
+    """The accordion ticked, every control at its shipped default (ToDo 2, reuse every 3)."""
+    from tome_core.hosts.webui import args as webui_args
+
+    args = webui_args.as_list(webui_args.defaults())
+    args[webui_args.ARG_NAMES.index("enabled")] = True
+    return args
+
+
+DEFAULTS = shipped_defaults()
+
+
+@pytest.fixture(scope="module")
+def host():
+    return Host()
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return neo_host.neo_model("flux", depth=2, depth_single_blocks=2)
+
+
+def neo_job(host, patcher, args, family="flux", **kwargs):
+    p = neo_host.processing(patcher, args, steps=kwargs.pop("steps", STEPS), **kwargs)
+    return neo_host.process_images(host, p, family, shape=SHAPE), p
+
+
+def plans(monkeypatch) -> list:
+    """The full steps of every sampling run made from now on (each loaded copy of the engine)."""
+    made = []
+    for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.cache")]:
+
+        def record(self, schedule, *args, _made=engine.LayerReuseRun.__init__, **kwargs):
+            _made(self, schedule, *args, **kwargs)
+            made.append(schedule.full)
+
+        monkeypatch.setattr(engine.LayerReuseRun, "__init__", record)
+    return made
+
+
+def comfyui_default(node_classes, flux, steps=STEPS):
+    """The same weights, seed and steps through ComfyUI's KSampler, with a fresh node (dit_settings auto)."""
+    return comfy_host.sample_dit(comfy_host.patch_with_node(node_classes, flux), "flux", SHAPE, steps=steps, cfg=1.0)
+
+
+def assert_clean(patcher):
+    """Nothing of ours on the loaded model or its patcher, and no pass left active."""
+    model = patcher.model.diffusion_model
+    forward = model.__dict__.get("forward")  # unloading sets back the bound method it took (as Forge's does)
+    assert forward is None or (forward.__self__ is model and forward.__func__ is type(model).forward)
+    assert not any(isinstance(v, SpanBlock) for v in replacements(patcher).values())
+    assert webui_layer_reuse.active_pass() is None
+
+
+def test_the_stand_in_samples_as_comfyuis_ksampler(host, flux):
+    """Checks the stand-in itself: unpatched, a Neo pass computes what ComfyUI's KSampler computes."""
+    off, _ = neo_job(host, flux, script_args(enabled=False))
+    expected = comfy_host.sample_dit(flux, "flux", SHAPE, steps=STEPS, cfg=1.0)
+    torch.testing.assert_close(off, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_flux_reuses_with_comfyuis_plan_and_picture_then_leaves_nothing(host, flux, monkeypatch, capsys):
+    """The accordion's defaults on Neo's Flux: the family's default (reuse across steps guarded by real Flux's
+    curve, no ToDo), the same full steps and the same output as ComfyUI's node on the same weights (to float
+    rounding: the same plan, prediction and sampler); nothing left after the job."""
+    node_classes = comfy_host.load_our_package()  # ComfyUI's copy of the engine, whose runs are recorded too
+    made = plans(monkeypatch)
+    out, p = neo_job(host, flux, DEFAULTS)
+    (neo_plan,) = made
+    comfy_out = comfyui_default(node_classes, flux)
+    assert made[1] == neo_plan  # ComfyUI's run of the same steps planned the same full steps
+    (run,) = p._tome_patch_job.reuse_runs
+    assert run.reused_calls == STEPS - len(neo_plan) > 0
+    assert 0 in neo_plan and {1, 2, 3} & neo_plan  # real Flux's fast first steps: some run in full
+    torch.testing.assert_close(out, comfy_out, rtol=1e-4, atol=1e-5)
+    off, _ = neo_job(host, flux, script_args(enabled=False))
+    assert not torch.equal(out, off)  # it did reuse
+    said = capsys.readouterr().out
+    assert "Flux (IntegratedFluxTransformer2DModel): the family's measured default" in said
+    assert f"{STEPS - run.reused_calls} of {STEPS} model calls computed in full" in said
+    assert_clean(flux)
+    assert torch.equal(neo_job(host, flux, script_args(enabled=False))[0], off)
+
+
+def test_a_model_without_a_block_hook_is_generated_unchanged_with_one_line(host, capsys):
+    """Z-Image / Lumina 2 (``NextDiT``): Neo's loop has no block hook; the model is generated unchanged."""
+    lumina = neo_host.neo_model("lumina2")
+    off, _ = neo_job(host, lumina, script_args(enabled=False), steps=12, family="lumina2")
+    on, _ = neo_job(host, lumina, DEFAULTS, steps=12, family="lumina2")
+    assert torch.equal(on, off)
+    assert "hands no block to the block hook" in capsys.readouterr().out
+    assert_clean(lumina)
+
+
+def test_reuse_interval_1_and_an_unkept_sampler_run_every_block(host, flux, capsys):
+    off, _ = neo_job(host, flux, script_args(enabled=False), steps=12)
+    assert torch.equal(neo_job(host, flux, script_args(method="ToDo", reuse_interval=1), steps=12)[0], off)
+    assert "reuse across steps is off (reuse interval 1)" in capsys.readouterr().out
+    assert torch.equal(neo_job(host, flux, DEFAULTS, steps=12, sampler="Euler a")[0], off)
+    assert "the sampler 'Euler a' is not one it keeps the picture with" in capsys.readouterr().out
+    assert_clean(flux)
+
+
+def test_a_whole_model_wrapper_such_as_spectrum_makes_every_block_run(host, flux, capsys):
+    """Neo's Spectrum forecasts whole steps through ``model_function_wrapper``: where one is on the clone, every
+    call runs every block (bit for bit the unpatched output through the same wrapper), with one line."""
+    calls = []
+
+    def spectrum_like(model_function, call):
+        calls.append(1)
+        return model_function(call["input"], call["timestep"], **call["c"])
+
+    wrapped = flux.clone()
+    wrapped.set_model_unet_function_wrapper(spectrum_like)
+    off, _ = neo_job(host, wrapped, script_args(enabled=False), steps=12)
+    on, p = neo_job(host, wrapped, DEFAULTS, steps=12)
+    assert torch.equal(on, off) and len(calls) == 24
+    assert "another whole-model wrapper (Neo's Spectrum) decides the steps" in capsys.readouterr().out
+    assert not p._tome_patch_job.reuse_runs  # no call was on the schedule: no run was made
+    assert_clean(wrapped)
+
+
+def test_an_error_mid_sampling_leaves_nothing_for_the_next_job(host, flux, monkeypatch):
+    off, _ = neo_job(host, flux, script_args(enabled=False), steps=12)
+    calls = {"n": 0}
+    forward = type(flux.model.diffusion_model).forward
+
+    def failing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("interrupted")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(flux.model.diffusion_model), "forward", failing)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        neo_job(host, flux, DEFAULTS, steps=12)
+    monkeypatch.undo()
+    # The next job starts clean (its before_process ends the pass the error left) and computes as before.
+    assert torch.equal(neo_job(host, flux, script_args(enabled=False), steps=12)[0], off)
+    assert_clean(flux)

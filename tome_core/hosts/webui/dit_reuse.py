@@ -1,0 +1,203 @@
+"""Forge Neo: reuse across steps on DiTs, through the block hook Neo's loops share with ComfyUI's.
+
+Neo's patcher is ComfyUI's interface (REFERENCE: Forge Neo neo-2.26): the job's clone of
+``p.sd_model.forge_objects.unet`` takes ``set_model_patch_replace(fn, "dit", block_type, i)``, and Neo's Flux, Chroma,
+Qwen-Image and Wan loops hand block ``i`` to it (``backend/nn/flux.py`` ``IntegratedFluxTransformer2DModel.
+forward_orig``, ...) as ComfyUI's do (``hosts.shared.dit_block_hook``). Families whose loop has no hook (Z-Image /
+Lumina 2's ``NextDiT``, Anima) are left alone, with one line saying so.
+
+What runs: the family's default, as ComfyUI's ``dit_settings`` "auto" (``hosts.shared.dit_families``): reuse across
+steps at the family's interval, guarded by the real model's published curve, without ToDo. One ``PassDitReuse`` per
+sampling pass, made in ``process_before_every_sampling`` on the pass's clone (Neo rebuilds ``forge_objects`` before
+the highres pass) and finished at the next pass, at the end of the job, after an error and when a model is loaded.
+
+Where a call begins and ends: an object patch on the diffusion model's ``forward`` (``DitCallBoundary``), set when
+Neo loads the clone and undone when it unloads it, as on Forge's UNets. The step of a call comes from its noise
+level: ``transformer_options["sigmas"]`` among ``transformer_options["sampling_sigmas"]`` (set by Neo's
+``modules/sd_samplers_kdiffusion.py``), not from counting calls, so a sampler's extra calls (Heun) or a cache that
+skips calls cannot shift it; the batch layout from ``cond_or_uncond`` (cond and uncond batched or apart, or one
+call at CFG 1). A call with a ControlNet, one off the schedule, and every call while another whole-model wrapper
+(``model_function_wrapper``: Neo's Spectrum, which forecasts whole steps) is on the clone run every block.
+"""
+
+from __future__ import annotations
+
+from ...reuse import (
+    DIT_OUTER_BLOCKS,
+    LayerReuse,
+    LayerReuseRun,
+    full_below_noise,
+    keeps_the_picture_with,
+)
+from ...schedule import NoiseRange, call_sigmas, step_of
+from ..shared import dit_families
+from ..shared.dit_block_hook import PATCH_NAME, SpanBlock, block_keys, layout_named, replacements, why_every_block_runs
+from .layer_reuse import PassReuse, _activate
+
+_FORWARD = "diffusion_model.forward"
+
+
+class PassDitReuse(PassReuse):
+    """One sampling pass's reuse across steps on a DiT's span of blocks (the residual of the span is the one record)."""
+
+    DIT = True
+
+    def __init__(self, p, patcher, record, keys, streams, noise_range, full_below: float):
+        super().__init__(p, record.auto_schedule(), 1, noise_range)
+        self.extrapolate = record.extrapolate
+        self.family = record.name
+        self.patcher = patcher
+        self.keys = keys  # the span's blocks, in call order
+        self.streams = streams
+        self.blocks: dict = {}  # key -> SpanBlock, to tell ours from another patch's replacement
+        self.full_below = full_below
+        self.run_sigmas: list[float] | None = None
+        self.warned: set[str] = set()
+
+    def warn_once(self, why: str) -> None:
+        if why not in self.warned:
+            self.warned.add(why)
+            print(f"[ToMe Patch] reuse across steps: {why}; every block runs in full.")
+
+    def runs_in_full(self, transformer_options) -> bool:
+        why = why_every_block_runs(transformer_options, self.keys, self.blocks)
+        if why is not None:
+            self.warn_once(why)
+        return why is not None
+
+    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> LayerReuseRun:
+        run = LayerReuse.new_run(self, steps, noise_levels, full_below)
+        run.outer_words = "the first block"
+        run.inner_words = "blocks' residual"
+        return run
+
+    def begin_dit_call(self, x, options: dict) -> None:
+        """A model call starts, with Neo's ``transformer_options``: its step from its noise level."""
+        if self.finished or x is None:
+            return
+        if (getattr(self.patcher, "model_options", None) or {}).get("model_function_wrapper") is not None:
+            self.warn_once("another whole-model wrapper (Neo's Spectrum) decides the steps")
+            self._drop_run()
+            return
+        sigma = _largest(options.get("sigmas"))
+        sigmas = call_sigmas(options.get("sampling_sigmas"))
+        step = step_of(sigmas, sigma) if sigmas and sigma is not None else None
+        if step is None:  # not a call of this pass's schedule: it runs in full, and the cache goes
+            self._drop_run()
+            return
+        if self.run is None or self.run_sigmas != sigmas:
+            self.run = self.new_run(len(sigmas), sigmas, self.full_below)
+            self.run_sigmas = sigmas
+        layout = options.get("cond_or_uncond")
+        key = (None if layout is None else tuple(layout), tuple(x.shape), x.dtype)
+        allowed = self.noise_range.contains(sigma) and sigma >= self.run.full_below
+        self.begin_call(self.run, step, key, allowed=allowed, position=sigma)
+
+    def _drop_run(self) -> None:
+        if self.run is not None:
+            self.run.begin_call(None, None)
+
+
+def _largest(values) -> float | None:
+    try:
+        return None if values is None else float(values.max())
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+class DitCallBoundary:
+    """The diffusion model's ``forward`` (an object patch) that tells the pass where each model call begins and
+    ends. Neo's model wrapper calls it with ``transformer_options`` and ``control`` as keywords."""
+
+    def __init__(self, owner: PassDitReuse, model, inner=None):
+        self.owner = owner
+        self.model = model
+        self.inner = inner  # an object patch of the forward that was there before ours (None: the class's)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def forward(self, *args, **kwargs):
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    def __call__(self, x, *args, **kwargs):
+        if kwargs.get("control") is not None:  # a ControlNet adds between blocks, which a skipped span would miss
+            return self.forward(x, *args, **kwargs)
+        self.owner.begin_dit_call(x, kwargs.get("transformer_options") or {})
+        try:
+            out = self.forward(x, *args, **kwargs)
+        except BaseException:
+            self.owner.end_call(failed=True)
+            raise
+        self.owner.end_call()
+        return out
+
+
+def why_not(patcher, p) -> str | None:
+    """Why reuse does not run on the DiT of ``patcher`` for job ``p`` (None: it does)."""
+    model = getattr(getattr(patcher, "model", None), "diffusion_model", None)
+    record = dit_families.of_model("neo", model) if model is not None else None
+    if record is None:
+        return f"{type(model).__name__} is no DiT family this patch knows in Forge Neo"
+    layout = layout_named(record.name)
+    if layout is None or layout.hook != "dit":
+        return f"{record.name}'s loop in Forge Neo hands no block to the block hook"
+    if not (hasattr(patcher, "set_model_patch_replace") and hasattr(patcher, "add_object_patch")):
+        return "this Forge has no block replacements on its patcher"
+    sampler, scheduler = getattr(p, "sampler_name", None), getattr(p, "scheduler", None)
+    if not keeps_the_picture_with(sampler, scheduler, dit=True):
+        return f"the sampler {sampler!r} is not one it keeps the picture with (Euler, Heun, DDIM, UniPC)"
+    return None
+
+
+def install_neo(patcher, settings, p, percent_to_sigma) -> PassDitReuse | None:
+    """Give Neo's ``patcher`` (the job's clone of this pass) the DiT family's reuse across steps; None where it does
+    not run (``why_not`` says why)."""
+    remove_neo(patcher)
+    if why_not(patcher, p) is not None:
+        return None
+    model = patcher.model.diffusion_model
+    record = dit_families.of_model("neo", model)
+    layout = layout_named(record.name)
+    keys = block_keys(model, layout)
+    first, last = DIT_OUTER_BLOCKS
+    if layout.last_block_runs:
+        last = max(last, 1)
+    if keys is None or len(keys) <= first + last + 1:
+        return None
+    span = keys[first : len(keys) - last]
+    if percent_to_sigma is None:
+        noise_range = NoiseRange(0.0, 1.0, lambda q: q)
+    else:
+        noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
+    full_below = full_below_noise(getattr(p, "sampler_name", None))
+    owner = PassDitReuse(p, patcher, record, span, layout.streams, noise_range, full_below)
+    replaced = replacements(patcher)
+    for position, (block_type, index) in enumerate(span):
+        block = SpanBlock(owner, position, replaced.get((block_type, index)))
+        owner.blocks[(block_type, index)] = block
+        patcher.set_model_patch_replace(block, PATCH_NAME, block_type, index)
+    inner = (getattr(patcher, "object_patches", None) or {}).get(_FORWARD)
+    patcher.add_object_patch(_FORWARD, DitCallBoundary(owner, model, inner))
+    return _activate(owner)
+
+
+def remove_neo(patcher) -> None:
+    """Drop what ``install_neo`` put on ``patcher`` (a clone): our block replacements (another patch's that ours
+    wrapped comes back) and the forward patch."""
+    replaced = replacements(patcher)
+    for key, value in list(replaced.items()):
+        if isinstance(value, SpanBlock) and isinstance(value.hooks, PassDitReuse):
+            if value.previous is None:
+                del replaced[key]
+            else:
+                replaced[key] = value.previous
+    patches = getattr(patcher, "object_patches", None) or {}
+    value = patches.get(_FORWARD)
+    if isinstance(value, DitCallBoundary):
+        if value.inner is None:
+            del patches[_FORWARD]
+        else:
+            patches[_FORWARD] = value.inner
