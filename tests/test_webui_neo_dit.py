@@ -104,6 +104,29 @@ def test_flux_reuses_with_comfyuis_plan_and_picture_then_leaves_nothing(host, fl
     assert torch.equal(neo_job(host, flux, script_args(enabled=False))[0], off)
 
 
+@pytest.mark.parametrize(
+    ("family", "shape", "name"), (("qwen_image", (1, 8, 8), "Qwen-Image"), ("wan", (1, 3, 9, 11), "Wan"))
+)
+def test_qwen_image_and_wan_reuse_through_the_same_hook_with_comfyuis_plan(host, family, shape, name, monkeypatch):
+    """Neo's Qwen-Image and Wan classes are ComfyUI's (``backend/nn/qwen.py``, ``wan.py``): the same block hook, the
+    family's default, the same full steps as ComfyUI's node (at CFG 1, one call a step)."""
+    model = neo_host.neo_model(family, num_layers=4)
+    node_classes = comfy_host.load_our_package()
+    made = plans(monkeypatch)
+    p = neo_host.processing(model, DEFAULTS, steps=STEPS)
+    out = neo_host.process_images(host, p, family, shape=shape)
+    comfy_host.sample_dit(comfy_host.patch_with_node(node_classes, model), family, shape, steps=STEPS, cfg=1.0)
+    assert len(made) == 2 and made[0] == made[1]
+    (run,) = p._tome_patch_job.reuse_runs
+    assert run.reused_calls == STEPS - len(made[0]) > 0 and torch.isfinite(out).all()
+    assert f"{name} ({type(model.model.diffusion_model).__name__})" in host_said(p)
+    assert_clean(model)
+
+
+def host_said(p) -> str:
+    return " ".join(p._tome_patch_job.warned)
+
+
 def test_a_model_without_a_block_hook_is_generated_unchanged_with_one_line(host, capsys):
     """Z-Image / Lumina 2 (``NextDiT``): Neo's loop has no block hook; the model is generated unchanged."""
     lumina = neo_host.neo_model("lumina2")

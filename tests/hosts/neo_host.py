@@ -84,6 +84,7 @@ def sample(host, p, patcher, family: str, shape, seed: int) -> torch.Tensor:
     sigmas = comfy.samplers.calculate_sigmas(sampling, "normal", steps)
     batch, *rest = shape
     empty = torch.zeros(batch, comfy_host.DIT_LATENT_CHANNELS.get(family, 16), *rest)
+    empty = comfy.sample.fix_empty_latent_channels(patcher, empty)  # as ComfyUI's KSampler (Qwen-Image: a frame axis)
     latent = patcher.model.process_latent_in(empty)
     noise = comfy.sample.prepare_noise(empty, seed)
     x = sampling.noise_scaling(sigmas[0], noise, latent)

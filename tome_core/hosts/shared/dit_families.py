@@ -77,6 +77,7 @@ FAMILIES = (
     DitFamily(
         "Qwen-Image", auto_intervals=((0, 3), (40, 4)), extrapolate=1.0, curve=QWEN_IMAGE_CURVE, curve_of="Qwen-Image",
         comfyui=("QwenImageTransformer2DModel",), diffusers=("QwenImageTransformer2DModel",),
+        neo=("QwenImageTransformer2DModel",),
     ),
     DitFamily(
         "Lumina 2", aliases=("Z-Image",), auto_intervals=((0, 3), (40, 4)), todo_min_image_tokens=2304,
