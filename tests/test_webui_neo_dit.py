@@ -137,6 +137,18 @@ def test_a_model_without_a_block_hook_is_generated_unchanged_with_one_line(host,
     assert_clean(lumina)
 
 
+def test_lllyasviels_forge_flux_has_no_block_hook_and_is_generated_unchanged(host, capsys):
+    """Forge's Flux (``inner_forward``, its blocks called directly): no block hook, one line, nothing patched."""
+    forge_flux = neo_host.neo_model("flux", depth=2, depth_single_blocks=2)
+    model = forge_flux.model.diffusion_model
+    model.__class__ = type("IntegratedFluxTransformer2DModel", (type(model),), {"inner_forward": lambda self: None})
+    off, _ = neo_job(host, forge_flux, script_args(enabled=False), steps=12)
+    on, p = neo_job(host, forge_flux, DEFAULTS, steps=12)
+    assert torch.equal(on, off) and not p._tome_patch_job.reuse_runs
+    assert "calls its blocks directly (no block hook; Forge Neo has one)" in capsys.readouterr().out
+    assert_clean(forge_flux)
+
+
 def test_reuse_interval_1_and_an_unkept_sampler_run_every_block(host, flux, capsys):
     off, _ = neo_job(host, flux, script_args(enabled=False), steps=12)
     assert torch.equal(neo_job(host, flux, script_args(method="ToDo", reuse_interval=1), steps=12)[0], off)

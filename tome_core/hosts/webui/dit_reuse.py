@@ -141,6 +141,8 @@ def why_not(patcher, p) -> str | None:
     record = dit_families.of_model("neo", model) if model is not None else None
     if record is None:
         return f"{type(model).__name__} is no DiT family this patch knows in Forge Neo"
+    if hasattr(model, "inner_forward"):  # lllyasviel's Forge (backend/nn/flux.py, chroma.py): blocks called directly
+        return f"{record.name}'s loop in this Forge calls its blocks directly (no block hook; Forge Neo has one)"
     layout = layout_named(record.name)
     if layout is None or layout.hook != "dit":
         return f"{record.name}'s loop in Forge Neo hands no block to the block hook"
