@@ -47,3 +47,39 @@ def test_the_new_references_record_every_step(tmp_path, name):
     # 0.55 at 50 steps; a 4-step run's last step is longer).
     assert len(record["norm_ratio"]) == 4 and all(0.2 < r < 2.0 for r in record["norm_ratio"])
     assert record["relative_change"][1] > 0.0
+
+
+# Real Flux.1-dev's MagCache ratios at 28 steps (diffusers' FLUX_MAG_RATIOS)
+REAL_FLUX_DEV = [
+    1.0, 1.21094, 1.11719, 1.07812, 1.0625, 1.03906, 1.03125, 1.03906, 1.02344, 1.03125, 1.02344, 0.98047, 1.01562,
+    1.00781, 1.0, 1.00781, 1.0, 1.00781, 1.0, 1.0, 0.99609, 0.99609, 0.98047, 0.98828, 0.96484, 0.95703, 0.93359,
+    0.89062,
+]  # fmt: skip
+
+
+def test_the_gate_numbers_of_real_flux():
+    """Steps 1-3 grow, steps 1-5 of 28 (the first 20%) multiply to 1.61, steps 6-21 stay within 1.3% of 1."""
+    numbers = step_change.gate(REAL_FLUX_DEV)
+    assert numbers["least_1_3"] == pytest.approx(1.07812)
+    assert numbers["product_first_20pct"] == pytest.approx(1.6102, abs=1e-4)
+    assert numbers["middle_deviation"] == pytest.approx(0.01343, abs=1e-4)
+
+
+def test_per_prompt_ratios_combine_over_seeds_then_prompts():
+    r = torch.ones(4, 5, 3)  # 2 seeds x 2 prompts, seed-major; 5 tokens of 3 values
+    per_sample = step_change.per_sample_ratios([r, r * torch.tensor([2.0, 1.0, 4.0, 3.0]).view(4, 1, 1)])
+    assert per_sample[1].tolist() == pytest.approx([2.0, 1.0, 4.0, 3.0])
+    assert step_change.over_prompts(per_sample, 2, "mean") == pytest.approx([1.0, 2.5])
+    three = torch.tensor([[1.0] * 3, [1.0, 5.0, 2.0]])  # one seed, three prompts
+    assert step_change.over_prompts(three, 1, "median") == pytest.approx([1.0, 2.0])
+
+
+def test_the_probe_of_flux_dev_runs_at_cfg_1_on_the_image_tokens(tmp_path):
+    if not (models.WEIGHTS / "ref-flux.safetensors").exists():
+        pytest.skip("ref-flux weights missing from the checkout")
+    argv = ["--models", "ref-flux", "--steps", "4", "--prompts", "2", "--cfg", "1", "--seeds", "2"]
+    argv += ["--tokens", "image", "--over-prompts", "median", "--judge", "--out", str(tmp_path)]
+    record = step_change.main(argv)["models"]["ref-flux"]
+    assert len(record["norm_ratio"]) == 4 and all(0.2 < r < 2.0 for r in record["norm_ratio"])
+    assert set(record["gate"]) == {"least_1_3", "product_first_20pct", "middle_deviation"}
+    assert 0.0 <= record["accuracy"] <= 1.0 and record["frechet"] > 0.0

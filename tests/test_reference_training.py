@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from tools.fidelity.reference import models, train
 
 STEPS = 4
+COMMITTED = models.WEIGHTS  # the committed weights' folder (the tests' fixture moves models.WEIGHTS)
 
 
 class SessionEndError(Exception):
@@ -72,3 +73,48 @@ def test_a_state_of_another_recipe_is_refused(weights_folder, monkeypatch):
         trained(name)
     with pytest.raises(SystemExit, match="another recipe"):
         trained(name, "--resume", "--lr", "0.002")
+
+
+def test_a_guidance_distilled_fine_tune_starts_from_saved_weights(weights_folder):
+    """``--init-from`` with ``--distill-cfg`` and logit-normal times: trains from the committed weights, and with no
+    step taken (learning rate 0) the saved average is the starting weights."""
+    name = "ref-flux"
+    start = COMMITTED / f"{name}.safetensors"
+    if not start.exists():
+        pytest.skip(f"{name} weights missing from the checkout")
+    options = ["--distill-cfg", "3.5", "--time-sampling", "logit-normal", "--lr", "1e-12"]
+    tuned = trained(name, "--init-from", str(start), *options)
+    original = load_file(str(start))
+    assert tuned.keys() == original.keys()
+    assert all(torch.allclose(tuned[key], original[key], atol=1e-6) for key in original)
+
+
+def test_logit_normal_times_lie_on_the_shifted_schedule():
+    from tools.common.host import setup_comfy
+
+    setup_comfy("cpu")
+    base = models.build_base_model("ref-flux")
+    table = base.model_sampling.sigmas.float()
+    t, sigmas = train.draw_times("ref-flux", base, table, 4096, "logit-normal", torch.Generator().manual_seed(0))
+    drawn = sigmas[t]
+    assert drawn.min() > 0.0 and drawn.max() < 1.0
+    # Flux's shift pushes the logit-normal's median time 0.5 up to sigma e^1.15 / (e^1.15 + 1) = 0.76.
+    assert float(drawn.median()) == pytest.approx(0.76, abs=0.02)
+    with pytest.raises(ValueError, match="flow-matching"):
+        train.draw_times("ref-sd1", base, table, 4, "logit-normal", torch.Generator())
+
+
+def test_open_scenes_add_a_smooth_unprompted_field():
+    from tools.fidelity.reference import data
+
+    scenes, _ = data.batch(8, 32, torch.Generator().manual_seed(0))
+    assert data.open_up(scenes, 0.0, torch.Generator()) is scenes
+    opened = data.open_up(scenes, 0.3, torch.Generator().manual_seed(1))
+    field = opened - scenes
+    assert torch.allclose(field[:, 0], field[:, 1], atol=1e-6) and torch.allclose(
+        field[:, 0], field[:, 2], atol=1e-6
+    )  # brightness, no hue
+    assert 0.15 < float(field.std()) < 0.45
+    assert float((field[..., 1:] - field[..., :-1]).abs().mean()) < 0.25 * float(
+        field.abs().mean()
+    )  # smooth (noise: 1.1)

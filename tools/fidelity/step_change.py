@@ -10,6 +10,15 @@ of the residual's norm divided by the previous step's), beside real Flux.1's rat
 (|r_t - r_t-1| / |r_t-1|, what reuse across steps must predict); the conditional and unconditional calls each on
 their own, averaged. Writes ``results/step-change.json``.
 
+The probe of real Flux.1-dev's calibration (guidance-distilled: one call per step at CFG 1, the guidance embedding
+fed ComfyUI's 3.5; diffusers' MagCache measures the image tokens): ``--cfg 1 --tokens image --seeds 2 --over-prompts
+median``. Every run also prints the curve's three gate numbers (``gate``): the least ratio over steps 1-3, the
+product over the first 20% of the steps, and the mean |1 - ratio| over the middle (after those, up to 75% of the
+steps), beside real Flux.1's at 28 steps. ``--judge``: the samples' attribute accuracy and Frechet distance to real
+scenes (as the fidelity benchmark judges them), so that a model that no longer draws its scenes shows.
+``--weights`` measures a fine-tune's weights (``python -m tools.fidelity.reference.train --out-dir``), ``--shift``
+samples at another shift than the family's default (ComfyUI's ModelSamplingFlux node at the sampled size).
+
 The video reference (``--models ref-wan --steps 50``, sampled with ``uni_pc`` and the ``simple`` scheduler as Wan
 users sample in ComfyUI): the residual of Wan's block stack, beside real Wan 2.1 1.3B's ratios at 50 steps as
 ComfyUI-MagCache publishes them (``REAL_WAN_RATIOS``: the conditional call's, every fifth step and the last).
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -37,6 +47,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cfg", type=float, default=4.0)
     parser.add_argument(
         "--scale", type=int, default=1, help="image size as a multiple of the training size (more tokens per step)"
+    )
+    parser.add_argument("--seeds", type=int, default=1, help="noise seeds 0, 1, ...: every prompt sampled once each")
+    parser.add_argument(
+        "--tokens",
+        choices=("all", "image"),
+        default="all",
+        help="the residual of the text and image tokens joined, or of the image tokens alone (diffusers' MagCache)",
+    )
+    parser.add_argument(
+        "--over-prompts",
+        choices=("mean", "median"),
+        default="mean",
+        help="each prompt's ratio (the mean over its tokens and seeds), combined over prompts by mean or median",
+    )
+    parser.add_argument(
+        "--weights", default=None, help="folder with <model>.safetensors to measure instead of the committed weights"
+    )
+    parser.add_argument(
+        "--shift",
+        type=float,
+        default=None,
+        help="the schedule's shift (Flux: mu) instead of the model's default; ComfyUI's ModelSamplingFlux node gives "
+        "Flux.1 mu 0.5 at 256x256 px (the references' 32x32 latents, 256 tokens), 1.15 at 1024x1024",
+    )
+    parser.add_argument("--judge", action="store_true", help="attribute accuracy and FD of the samples")
+    parser.add_argument(
+        "--open-scenes", type=float, default=0.0, help="judge against real scenes opened up so (train.py's option)"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's choice)")
     parser.add_argument("--out", default=str(ROOT / "results"))
@@ -76,9 +113,11 @@ class ResidualRecorder:
     """Hooks on a ComfyUI Flux or Wan model: the stack's input at its first block, its output after its last,
     one residual per model call."""
 
-    def __init__(self, diffusion_model):
+    def __init__(self, diffusion_model, image_tokens: bool = False):
         self.residuals: list[torch.Tensor] = []
         self._input = None
+        self._text_tokens = 0
+        self.image_tokens = image_tokens  # Flux: the image tokens of the joined stream only
         self.image_only = hasattr(diffusion_model, "transformer_blocks")  # Qwen-Image: (txt, img) apart
         if hasattr(diffusion_model, "double_blocks"):
             first, last = diffusion_model.double_blocks[0], diffusion_model.single_blocks[-1]
@@ -96,11 +135,16 @@ class ResidualRecorder:
             joined = kwargs["hidden_states"]
         else:
             joined = args[0] if args else torch.cat((kwargs["txt"], kwargs["img"]), 1)
+            self._text_tokens = 0 if args else kwargs["txt"].shape[1]
+        if self.image_tokens:
+            joined = joined[:, self._text_tokens :]
         self._input = joined.detach().clone()
 
     def _on_output(self, module, args, output):
         if self.image_only:
             output = output[1]  # (text, image)
+        if self.image_tokens:
+            output = output[:, self._text_tokens :]
         self.residuals.append((output.detach() - self._input).float())
 
     def remove(self):
@@ -118,6 +162,57 @@ def ratios(residuals: list[torch.Tensor]) -> dict:
     return {"norm_ratio": norm_ratio, "relative_change": change}
 
 
+def per_sample_ratios(residuals: list[torch.Tensor]) -> torch.Tensor:
+    """(steps, samples): MagCache's ratio of each sample (the mean over its tokens), 1 at the first step."""
+    rows = [torch.ones(len(residuals[0]))]
+    for previous, current in zip(residuals, residuals[1:], strict=False):
+        rows.append((current.norm(dim=-1) / (previous.norm(dim=-1) + 1e-8)).flatten(1).mean(dim=1))
+    return torch.stack(rows)
+
+
+def over_prompts(per_sample: torch.Tensor, seeds: int, how: str) -> list[float]:
+    """(steps, seeds * prompts, seed-major) -> one ratio per step: each prompt's mean over seeds, then the mean or
+    median over prompts."""
+    per_prompt = per_sample.unflatten(1, (seeds, -1)).mean(dim=1)
+    combined = per_prompt.median(dim=1).values if how == "median" else per_prompt.mean(dim=1)
+    return [float(r) for r in combined]
+
+
+def gate(norm_ratio: list[float]) -> dict:
+    """The curve's three numbers that decide a step cache's defaults on it: the least ratio over steps 1-3 (real
+    Flux.1-dev's residual grows there), the product of the ratios over the first 20% of the steps (steps 1-5 of
+    28) and the mean |1 - ratio| over the middle (up to 75% of the steps: 6-21 of 28)."""
+    steps = len(norm_ratio)
+    early, middle_end = int(0.2 * steps), int(0.75 * steps)
+    return {
+        "least_1_3": min(norm_ratio[1:4]),
+        "product_first_20pct": math.prod(norm_ratio[1 : early + 1]),
+        "middle_deviation": sum(abs(1 - r) for r in norm_ratio[early + 1 : middle_end + 1]) / (middle_end - early),
+    }
+
+
+def judge(name: str, images: torch.Tensor, labels: torch.Tensor, open_scenes: float = 0.0) -> dict:
+    """Attribute accuracy and Frechet distance to 1024 real scenes (``open_scenes``: opened up so, as the model was
+    trained), as the fidelity benchmark judges samples."""
+    from tools.fidelity.reference import data, models
+    from tools.fidelity.run import PROMPT_SEED, FrechetDistance, attribute_accuracy
+
+    classifier = models.load_classifier()
+    frames, per_frame = models.as_images(name)
+    real, real_prompts = models.samples(
+        name, 1024 // per_frame, models.train_size(name), torch.Generator().manual_seed(PROMPT_SEED + 1)
+    )
+    real = data.open_up(real, open_scenes, torch.Generator().manual_seed(PROMPT_SEED + 3))
+    accuracy = attribute_accuracy(classifier, frames(images), labels.repeat_interleave(per_frame, 0))
+    on_real = attribute_accuracy(classifier, frames(real), real_prompts.as_tensor().repeat_interleave(per_frame, 0))
+    return {
+        "real_accuracy": on_real["mean"],  # the classifier's on the real scenes: the most the samples can score
+        "accuracy": accuracy["mean"],
+        "all_four": accuracy["all_four"],
+        "frechet": FrechetDistance(classifier, frames(real))(frames(images)),
+    }
+
+
 def measure(name: str, args) -> dict:
     import comfy.model_patcher
     import nodes as comfy_nodes
@@ -127,7 +222,10 @@ def measure(name: str, args) -> dict:
 
     if not models.is_dit(name):
         raise ValueError(f"{name} is not a DiT reference model")
-    base, encoder = models.load_reference(name)
+    weights = Path(args.weights) / f"{name}.safetensors" if args.weights else None
+    base, encoder = models.load_reference(name, weights)
+    if args.shift is not None:
+        base.model_sampling.set_parameters(shift=args.shift)
     cpu = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
     every = data.all_prompts().as_tensor()
@@ -136,25 +234,34 @@ def measure(name: str, args) -> dict:
     positive = conditioning(name, base, encoder, prompts, size)
     negative = conditioning(name, base, encoder, models.PromptEncoder.empty(1), size)
     sampler, scheduler = ("uni_pc", "simple") if models.is_video(name) else ("euler", "normal")
-    recorder = ResidualRecorder(base.diffusion_model)
-    try:
-        latent = {"samples": torch.zeros(models.latent_shape(name, len(prompts), size))}
-        with torch.no_grad():
-            comfy_nodes.common_ksampler(
-                patcher, 0, args.steps, args.cfg, sampler, scheduler, positive, negative, latent
-            )
-    finally:
-        recorder.remove()
-    calls = len(recorder.residuals)
-    if calls % args.steps:
-        raise RuntimeError(f"expected the same model calls at every step, got {calls} for {args.steps} steps")
-    # Cond and uncond in one call or in two (the empty prompt has another token count): each on its own, averaged.
-    per_step = calls // args.steps
-    streams = [ratios(recorder.residuals[k::per_step]) for k in range(per_step)]
-    return {
+    streams, per_sample, images = [], [], []
+    for seed in range(args.seeds):
+        recorder = ResidualRecorder(base.diffusion_model, image_tokens=args.tokens == "image")
+        try:
+            latent = {"samples": torch.zeros(models.latent_shape(name, len(prompts), size))}
+            with torch.no_grad():
+                (out,) = comfy_nodes.common_ksampler(
+                    patcher, seed, args.steps, args.cfg, sampler, scheduler, positive, negative, latent
+                )
+        finally:
+            recorder.remove()
+        images.append(base.process_latent_in(out["samples"]))  # as the fidelity benchmark: the scenes
+        calls = len(recorder.residuals)
+        if calls % args.steps:
+            raise RuntimeError(f"expected the same model calls at every step, got {calls} for {args.steps} steps")
+        # Cond and uncond in one call or in two (the empty prompt has another token count): each on its own.
+        per_step = calls // args.steps
+        streams += [ratios(recorder.residuals[k::per_step]) for k in range(per_step)]
+        per_sample.append(torch.cat([per_sample_ratios(recorder.residuals[k::per_step]) for k in range(per_step)], 1))
+    record = {  # the relative change: each stream's and seed's, averaged
         key: [None if v[0] is None else sum(v) / len(v) for v in zip(*(s[key] for s in streams), strict=True)]
         for key in ("norm_ratio", "relative_change")
     }
+    record["norm_ratio"] = over_prompts(torch.cat(per_sample, 1), args.seeds, args.over_prompts)
+    record["gate"] = gate(record["norm_ratio"])
+    if args.judge:
+        record.update(judge(name, torch.cat(images), prompts.repeat(args.seeds, 1), args.open_scenes))
+    return record
 
 
 def main(argv=None) -> dict:
@@ -165,6 +272,8 @@ def main(argv=None) -> dict:
 
     setup_comfy("cpu")
     result = {"steps": args.steps, "scale": args.scale, "real_flux_norm_ratio": real_flux_ratios(), "models": {}}
+    probe = ("cfg", "seeds", "prompts", "tokens", "over_prompts", "shift")
+    result["probe"] = {key: getattr(args, key) for key in probe}
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         result["models"][name] = measure(name, args)
     if args.steps == 50:
@@ -199,6 +308,17 @@ def main(argv=None) -> dict:
             gap = sum(abs(a - b) for a, b in zip(ours, real, strict=True)) / len(real)
             result["models"][name]["mean_gap_to_real"] = gap
             print(f"{name}: mean |ratio - real Flux.1's| = {gap:.3f}")
+    rows = [(name, record["gate"]) for name, record in result["models"].items()]
+    if real:
+        rows.append(("real Flux.1", gate(real)))
+    for name, numbers in rows:
+        record = result["models"].get(name, {})
+        judged = f", accuracy {record['accuracy']:.3f}, FD {record['frechet']:.2f}" if "frechet" in record else ""
+        print(
+            f"{name}: least ratio over steps 1-3 {numbers['least_1_3']:.3f}, product over the first 20% "
+            f"{numbers['product_first_20pct']:.3f}, middle's mean |1 - ratio| {numbers['middle_deviation']:.4f}"
+            + judged
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step-change.json").write_text(json.dumps(result, indent=1))

@@ -206,6 +206,19 @@ def batch(n: int, size: int, generator: torch.Generator) -> tuple[torch.Tensor, 
     return render(prompts, size, generator), prompts
 
 
+def open_up(images: torch.Tensor, amount: float, generator: torch.Generator, cells: int = 4) -> torch.Tensor:
+    """Scenes the prompt leaves more open: ``images`` plus smooth unprompted fields (lighting), one on the colour
+    channels together (brightness) and one on the relief channel, each a ``cells`` x ``cells`` grid of N(0,
+    ``amount``) values interpolated over the image, so that at high noise the picture's large scales are undecided
+    by the prompt, as a real picture's composition is. Brightness and relief, not hue: the classifier still names
+    the attributes (mean accuracy 0.99 at ``amount`` 0.4 on real scenes)."""
+    if not amount:
+        return images
+    grid = torch.randn(images.shape[0], 2, cells, cells, generator=generator) * amount
+    field = F.interpolate(grid, size=images.shape[-2:], mode="bicubic", align_corners=False)
+    return images + torch.cat((field[:, :1].expand(-1, CHANNELS - 1, -1, -1), field[:, 1:]), dim=1)
+
+
 def clip_batch(n: int, size: int, frames: int, generator: torch.Generator) -> tuple[torch.Tensor, Prompts]:
     """``n`` random prompts and their clips, (n, 4, frames, size, size)."""
     prompts = random_prompts(n, generator)

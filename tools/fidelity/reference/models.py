@@ -389,8 +389,11 @@ def adm_vector(name: str, base_model, pooled: torch.Tensor, size: int) -> torch.
     )
 
 
-def model_inputs(name: str, base_model, context: torch.Tensor, pooled: torch.Tensor, size: int) -> dict:
-    """The conditioning inputs of the diffusion model's forward as ComfyUI passes them while sampling."""
+def model_inputs(
+    name: str, base_model, context: torch.Tensor, pooled: torch.Tensor, size: int, guidance: float = FLUX_GUIDANCE
+) -> dict:
+    """The conditioning inputs of the diffusion model's forward as ComfyUI passes them while sampling (``guidance``:
+    the value fed a Flux model's guidance embedding)."""
     if is_video(name) or is_qwen(name):
         return {"context": context}
     if is_flux2(name):  # ComfyUI pads Flux.2's text in front to 512 tokens
@@ -398,7 +401,7 @@ def model_inputs(name: str, base_model, context: torch.Tensor, pooled: torch.Ten
         context = nn.functional.pad(context, (0, 0, pad, 0))
     inputs = {"context": context, "y": adm_vector(name, base_model, pooled, size)}
     if is_flux(name) and FLUX_CONFIGS[name]["guidance_embed"]:
-        inputs["guidance"] = torch.full((context.shape[0],), FLUX_GUIDANCE)
+        inputs["guidance"] = torch.full((context.shape[0],), guidance)
     return inputs
 
 
@@ -411,9 +414,10 @@ def save_reference(name: str, unet_state: dict, encoder_state: dict, info: dict)
     return path
 
 
-def load_reference(name: str):
-    """(ComfyUI BaseModel with trained weights, PromptEncoder) of a committed reference model."""
-    tensors = load_file(str(WEIGHTS / f"{name}.safetensors"))
+def load_reference(name: str, path: Path | None = None):
+    """(ComfyUI BaseModel with trained weights, PromptEncoder) of a committed reference model, or of the weights
+    at ``path`` (a file ``save_reference`` wrote for ``name``'s layout)."""
+    tensors = load_file(str(path or WEIGHTS / f"{name}.safetensors"))
     base = build_base_model(name)
     unet_sd = {k[len("diffusion_model.") :]: v for k, v in tensors.items() if k.startswith("diffusion_model.")}
     base.diffusion_model.load_state_dict(unet_sd, strict=True)

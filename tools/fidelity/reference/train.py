@@ -32,6 +32,16 @@ What is trained, in order:
    1.15, the same curve as the ModelSamplingAuraFlow 3.1 of ComfyUI's Qwen-Image workflow to within 2%; at
    ``Flux2``'s shift 2.02); ``ref-qwen``'s scenes as one-frame 3-D latents, ``ref-flux2``'s prompt padded to
    512 tokens, as ComfyUI feeds them.
+
+Fine-tunes of a DiT reference (experiments on how its residual changes from step to step, not the committed
+recipe): ``--init-from`` starts from saved weights (the average starts there too); ``--time-sampling
+logit-normal`` draws the flow time as SD3 and Flux do (``sigmoid(u)``, ``u ~ N(0, 1)``, through the family's shift)
+instead of uniformly from the schedule's table; ``--distill-cfg G`` distils classifier-free guidance into the
+guidance embedding, as Flux.1-dev is: the teacher (the ``--init-from`` weights, frozen) predicts with and
+without the prompt at the guidance it was trained with, and the student, fed ``G`` in its guidance embedding,
+learns ``uncond + G (cond - uncond)`` (one call per step at CFG 1 then samples as the teacher does at CFG G).
+``--open-scenes A`` adds an unprompted smooth field to the scenes (``data.open_up``). ``--out-dir`` writes the
+weights elsewhere than the committed folder.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import contextlib
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -56,6 +67,7 @@ EMA_DECAY = 0.998
 MIN_SNR_GAMMA = 5.0  # min-SNR loss weighting for v (arXiv 2303.09556): faster convergence on a small budget
 SAVE_EVERY = 250
 LOG_EVERY = 100
+FINE_TUNE = ("init_from", "time_sampling", "distill_cfg", "open_scenes", "warmup")  # the options of the fine-tunes
 # Per-model optimiser steps and peak learning rate, where ``--steps`` / ``--lr`` do not override them.
 RECIPES = {
     "ref-sd1": (1500, 1e-3),
@@ -81,7 +93,25 @@ def parse_args(argv=None):
     parser.add_argument("--models", default="ref-sd1,ref-sdxl,ref-flux")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it)")
     parser.add_argument("--no-classifier", action="store_true", help="keep the committed classifier")
-    return parser.parse_args(argv)
+    parser.add_argument("--init-from", default=None, help="start from these saved weights (a reference's file)")
+    parser.add_argument(
+        "--time-sampling",
+        choices=("table", "logit-normal"),
+        default="table",
+        help="flow time: uniform over the schedule's table, or SD3/Flux's logit-normal(0, 1) through the shift",
+    )
+    parser.add_argument(
+        "--distill-cfg", type=float, default=0.0, help="guidance distillation at this CFG (needs --init-from)"
+    )
+    parser.add_argument(
+        "--open-scenes", type=float, default=0.0, help="an unprompted smooth field of this size on the scenes"
+    )
+    parser.add_argument("--warmup", type=int, default=200, help="learning-rate warm-up steps")
+    parser.add_argument("--out-dir", default=None, help="folder for the weights (default: the committed folder)")
+    args = parser.parse_args(argv)
+    if args.distill_cfg and not args.init_from:
+        parser.error("--distill-cfg needs --init-from (the teacher)")
+    return args
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int = 200) -> float:
@@ -141,6 +171,18 @@ def initial_weights(name: str, seed: int):
     return base, models.PromptEncoder(models.pooled_dim(name))
 
 
+def draw_times(name: str, base, sigmas_table: torch.Tensor, n: int, how: str, generator) -> tuple:
+    """(indices into ``sigmas_table``, the table they index): ``n`` noise levels, uniform over the schedule's table
+    or (flow models) logit-normal(0, 1) as SD3 and Flux train, mapped through the family's shift."""
+    if how == "table":
+        return torch.randint(0, len(sigmas_table), (n,), generator=generator), sigmas_table
+    if not models.is_dit(name):
+        raise ValueError(f"logit-normal time sampling is for the flow-matching models, not {name}")
+    time = torch.sigmoid(torch.randn(n, generator=generator))
+    sampling = base.model_sampling
+    return torch.arange(n), sampling.sigma(time * getattr(sampling, "multiplier", 1.0)).float()
+
+
 def _copy_activation(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if isinstance(tensor, nn.Parameter) else tensor.clone()
 
@@ -166,6 +208,21 @@ def noised_pair(flux: bool, sigmas_table: torch.Tensor, t: torch.Tensor, x0: tor
     snr = 1.0 / (sigma.view(-1) ** 2)
     weight = torch.clamp(snr, max=MIN_SNR_GAMMA) / (snr + 1.0)
     return (x0 + sigma * eps) * scale, t.float(), (eps - sigma * x0) * scale, weight
+
+
+def distilled_target(name: str, teacher, x_in, timestep, indices, size: int, cfg: float) -> tuple:
+    """(the teacher's CFG-combined prediction at ``cfg``, the guidance the student is fed: ``cfg``); the teacher
+    is fed the guidance it was trained with."""
+    base, encoder = teacher
+    with torch.no_grad():
+        context, pooled = encoder(torch.cat((indices, models.PromptEncoder.empty(len(indices)))))
+        both = base.diffusion_model(
+            torch.cat((x_in, x_in)),
+            torch.cat((timestep, timestep)),
+            **models.model_inputs(name, base, context, pooled, size),
+        )
+    cond, uncond = both.chunk(2)
+    return uncond + cfg * (cond - uncond), cfg
 
 
 def save_average(name: str, ema, init_state: dict, updates: int, info: dict) -> None:
@@ -252,6 +309,12 @@ def train_model(name: str, args) -> dict:
     flow = models.is_dit(name)
     base, encoder = initial_weights(name, args.seed)
     net = nn.ModuleDict({"unet": base.diffusion_model, "encoder": encoder}).train()
+    teacher = None
+    if args.init_from:
+        start, start_encoder = models.load_reference(name, args.init_from)
+        net.load_state_dict(nn.ModuleDict({"unet": start.diffusion_model, "encoder": start_encoder}).state_dict())
+        if args.distill_cfg:
+            teacher = (start, start_encoder)
     init_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY))
     optimiser = torch.optim.AdamW(net.parameters(), lr=peak_lr, weight_decay=0.01)
@@ -259,24 +322,32 @@ def train_model(name: str, args) -> dict:
     generator = torch.Generator().manual_seed(args.seed + 10)
     size = models.train_size(name)
     recipe = {"steps": steps, "lr": peak_lr, "batch": args.batch, "seed": args.seed, "threads": args.threads}
+    defaults = parse_args([])  # a fine-tune's options are its recipe's too (a committed recipe's states still match)
+    recipe.update({key: getattr(args, key) for key in FINE_TUNE if getattr(args, key) != getattr(defaults, key)})
     parts = {"net": net, "ema": ema, "optimiser": optimiser}
     first, losses, spent = load_training_state(name, recipe, parts, generator) if args.resume else (0, [], 0.0)
     started = time.time() - spent
     for step in range(first, steps):
         for group in optimiser.param_groups:
-            group["lr"] = lr_at(step, steps, peak_lr)
+            group["lr"] = lr_at(step, steps, peak_lr, args.warmup)
         x0, prompts = models.samples(name, args.batch, size, generator)
+        if args.open_scenes:
+            x0 = data.open_up(x0, args.open_scenes, generator)
         indices = prompts.as_tensor()
         drop = torch.rand(args.batch, generator=generator) < CFG_DROPOUT
         indices = torch.where(drop.view(-1, 1), models.PromptEncoder.empty(args.batch), indices)
-        t = torch.randint(0, len(sigmas_table), (args.batch,), generator=generator)
+        t, table = draw_times(name, base, sigmas_table, args.batch, args.time_sampling, generator)
         eps = torch.randn(x0.shape, generator=generator)
-        x_in, timestep, target, weight = noised_pair(flow, sigmas_table, t, x0, eps)
+        x_in, timestep, target, weight = noised_pair(flow, table, t, x0, eps)
         if flow:
             timestep = base.model_sampling.timestep(timestep)
+        guidance = models.FLUX_GUIDANCE
+        if teacher is not None:
+            target, guidance = distilled_target(name, teacher, x_in, timestep, indices, size, args.distill_cfg)
         with autograd_safe(flow and not models.is_qwen(name)):  # Qwen-Image's blocks add out of place
             context, pooled = encoder(indices)
-            predicted = base.diffusion_model(x_in, timestep, **models.model_inputs(name, base, context, pooled, size))
+            inputs = models.model_inputs(name, base, context, pooled, size, guidance)
+            predicted = base.diffusion_model(x_in, timestep, **inputs)
         loss = (weight * (predicted - target).square().flatten(1).mean(dim=1)).mean()
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
@@ -314,6 +385,8 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     setup_comfy("cpu")
+    if args.out_dir:
+        models.WEIGHTS = Path(args.out_dir)
     summary = {"command": "python -m tools.fidelity.reference.train", "args": vars(args), "torch": torch.__version__}
     if not args.no_classifier:
         summary["classifier"] = train_classifier(args)
