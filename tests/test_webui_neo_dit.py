@@ -137,6 +137,18 @@ def test_a_model_without_a_block_hook_is_generated_unchanged_with_one_line(host,
     assert_clean(lumina)
 
 
+def test_the_highres_pass_gets_its_own_run_on_its_own_clone(host, flux):
+    """Neo rebuilds ``forge_objects`` before the highres pass: that pass gets a clone and a run of its own, and the
+    infotext records the patch once."""
+    p = neo_host.processing(flux, DEFAULTS, steps=12)
+    first, second = neo_host.process_images(host, p, shape=SHAPE, passes=2)
+    runs = p._tome_patch_job.reuse_runs
+    assert len(runs) == 2 and runs[0] is not runs[1] and all(run.reused_calls > 0 for run in runs)
+    assert torch.isfinite(first).all() and torch.isfinite(second).all()
+    assert any(key.startswith("ToMe") for key in p.extra_generation_params)
+    assert_clean(flux)
+
+
 def test_lllyasviels_forge_flux_has_no_block_hook_and_is_generated_unchanged(host, capsys):
     """Forge's Flux (``inner_forward``, its blocks called directly): no block hook, one line, nothing patched."""
     forge_flux = neo_host.neo_model("flux", depth=2, depth_single_blocks=2)

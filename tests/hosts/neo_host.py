@@ -66,15 +66,20 @@ def processing(patcher, script_args, steps: int = 28, sampler: str = "Euler", cf
     return p
 
 
-def process_images(host, p, family: str = "flux", shape=(1, 9, 13), seed: int = 42):
-    """A Neo txt2img job of one pass: the script hooks around ``sample``."""
+def process_images(host, p, family: str = "flux", shape=(1, 9, 13), seed: int = 42, passes: int = 1):
+    """A Neo txt2img job: the script hooks around ``sample``; ``passes`` 2: a second pass (the highres pass, here
+    at the same size), for which Neo rebuilds ``forge_objects`` and calls ``process_before_every_sampling`` again."""
     host.run_hook(p, "before_process")
     host.run_hook(p, "process")
-    p.sd_model.forge_objects = types.SimpleNamespace(unet=p.sd_model.forge_unet_original)
-    host.run_hook(p, "process_before_every_sampling")
-    samples = sample(host, p, p.sd_model.forge_objects.unet, family, shape, seed)
-    host.run_hook(p, "postprocess", samples)  # not in a finally, as in the WebUI
-    return samples
+    samples = []
+    for number in range(passes):
+        p.is_hr_pass = number > 0
+        p.sd_model.forge_objects = types.SimpleNamespace(unet=p.sd_model.forge_unet_original)
+        host.run_hook(p, "process_before_every_sampling")
+        samples.append(sample(host, p, p.sd_model.forge_objects.unet, family, shape, seed + number))
+    p.is_hr_pass = False
+    host.run_hook(p, "postprocess", samples[-1])  # not in a finally, as in the WebUI
+    return samples[0] if passes == 1 else samples
 
 
 def sample(host, p, patcher, family: str, shape, seed: int) -> torch.Tensor:
