@@ -8,7 +8,6 @@ family record's curve (``hosts.shared.dit_families``)."""
 from __future__ import annotations
 
 import logging
-import sys
 
 import pytest
 import torch
@@ -52,20 +51,6 @@ def test_the_default_is_auto_and_an_older_prompt_means_as_set():
     assert IMPLIED_WHEN_ABSENT["dit_settings"] == "as set"
 
 
-def recorded_plans(monkeypatch) -> list:
-    """The full steps of every sampling run made from now on (every loaded copy of the engine: ComfyUI loads the
-    node package under its folder's name)."""
-    plans = []
-    for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.cache")]:
-
-        def record(self, schedule, *args, _made=engine.LayerReuseRun.__init__, **kwargs):
-            _made(self, schedule, *args, **kwargs)
-            plans.append(schedule.full)
-
-        monkeypatch.setattr(engine.LayerReuseRun, "__init__", record)
-    return plans
-
-
 @pytest.mark.parametrize(
     ("family", "name", "steps", "interval"),
     (("flux", "Flux", 28, 3), ("flux", "Flux", 50, 4), ("wan", "Wan", 30, 5)),
@@ -78,7 +63,7 @@ def test_auto_is_the_familys_measured_reuse_guarded_by_its_curve(
     runs no ToDo and reuse every ``interval`` (the family's for the step count) with, on top, the steps where
     reuse would accumulate more error on the real model's published curve than its threshold allows."""
     model = dits[family]
-    plans = recorded_plans(monkeypatch)
+    plans = host.recorded_plans(monkeypatch)
     auto = fresh_node(node_classes, model, skip_when_slower=False, reuse_interval=2)
     assert auto.get_wrappers("apply_model", dit.WRAPPER_KEY) == []  # no ToDo
     by_hand = as_set(node_classes, model, skip_when_slower=False, downsample_factor=1.0, reuse_interval=interval)

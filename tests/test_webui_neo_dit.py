@@ -3,8 +3,6 @@ order with ComfyUI's classes where Neo's are ComfyUI's (``hosts/neo_host.py``)."
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from hosts import (
@@ -47,19 +45,6 @@ def neo_job(host, patcher, args, family="flux", **kwargs):
     return neo_host.process_images(host, p, family, shape=SHAPE), p
 
 
-def plans(monkeypatch) -> list:
-    """The full steps of every sampling run made from now on (each loaded copy of the engine)."""
-    made = []
-    for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.cache")]:
-
-        def record(self, schedule, *args, _made=engine.LayerReuseRun.__init__, **kwargs):
-            _made(self, schedule, *args, **kwargs)
-            made.append(schedule.full)
-
-        monkeypatch.setattr(engine.LayerReuseRun, "__init__", record)
-    return made
-
-
 def comfyui_default(node_classes, flux, steps=STEPS):
     """The same weights, seed and steps through ComfyUI's KSampler, with a fresh node (dit_settings auto)."""
     return comfy_host.sample_dit(comfy_host.patch_with_node(node_classes, flux), "flux", SHAPE, steps=steps, cfg=1.0)
@@ -86,7 +71,7 @@ def test_flux_reuses_with_comfyuis_plan_and_picture_then_leaves_nothing(host, fl
     curve, no ToDo), the same full steps and the same output as ComfyUI's node on the same weights (to float
     rounding: the same plan, prediction and sampler); nothing left after the job."""
     node_classes = comfy_host.load_our_package()  # ComfyUI's copy of the engine, whose runs are recorded too
-    made = plans(monkeypatch)
+    made = comfy_host.recorded_plans(monkeypatch)
     out, p = neo_job(host, flux, DEFAULTS)
     (neo_plan,) = made
     comfy_out = comfyui_default(node_classes, flux)
@@ -112,7 +97,7 @@ def test_qwen_image_and_wan_reuse_through_the_same_hook_with_comfyuis_plan(host,
     family's default, the same full steps as ComfyUI's node (at CFG 1, one call a step)."""
     model = neo_host.neo_model(family, num_layers=4)
     node_classes = comfy_host.load_our_package()
-    made = plans(monkeypatch)
+    made = comfy_host.recorded_plans(monkeypatch)
     p = neo_host.processing(model, DEFAULTS, steps=STEPS)
     out = neo_host.process_images(host, p, family, shape=shape)
     comfy_host.sample_dit(comfy_host.patch_with_node(node_classes, model), family, shape, steps=STEPS, cfg=1.0)

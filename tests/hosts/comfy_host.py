@@ -661,3 +661,17 @@ def with_override(model, override):
     clone = model.clone()
     clone.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = override
     return clone
+
+
+def recorded_plans(monkeypatch) -> list:
+    """The full steps of every sampling run made from now on, by every loaded copy of the engine (ComfyUI loads the
+    node package under its folder's name: load it first to record its runs too)."""
+    plans = []
+    for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.cache")]:
+
+        def record(self, schedule, *args, _made=engine.LayerReuseRun.__init__, **kwargs):
+            _made(self, schedule, *args, **kwargs)
+            plans.append(schedule.full)
+
+        monkeypatch.setattr(engine.LayerReuseRun, "__init__", record)
+    return plans
