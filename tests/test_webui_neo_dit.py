@@ -112,14 +112,35 @@ def host_said(p) -> str:
     return " ".join(p._tome_patch_job.warned)
 
 
-def test_a_model_without_a_block_hook_is_generated_unchanged_with_one_line(host, capsys):
-    """Z-Image / Lumina 2 (``NextDiT``): Neo's loop has no block hook; the model is generated unchanged."""
-    lumina = neo_host.neo_model("lumina2")
-    off, _ = neo_job(host, lumina, script_args(enabled=False), steps=12, family="lumina2")
-    on, _ = neo_job(host, lumina, DEFAULTS, steps=12, family="lumina2")
-    assert torch.equal(on, off)
-    assert "hands no block to the block hook" in capsys.readouterr().out
+def test_z_image_reuses_through_object_patches_of_its_layers_with_comfyuis_plan(host, monkeypatch):
+    """Z-Image / Lumina 2 (``NextDiT``): Neo's loop has no block hook, so each span layer's ``forward`` is an object
+    patch of the job's clone (set while Neo has it loaded): the same plan and output as ComfyUI's node, and the
+    layers compute as their class again after the job."""
+    lumina = neo_host.neo_model("lumina2", n_layers=4)
+    node_classes = comfy_host.load_our_package()
+    made = comfy_host.recorded_plans(monkeypatch)
+    out, p = neo_job(host, lumina, DEFAULTS, family="lumina2")
+    expected = comfy_host.sample_dit(
+        comfy_host.patch_with_node(node_classes, lumina), "lumina2", SHAPE, steps=STEPS, cfg=1.0
+    )
+    assert len(made) == 2 and made[0] == made[1]
+    (run,) = p._tome_patch_job.reuse_runs
+    assert run.reused_calls == STEPS - len(made[0]) > 0
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    for layer in lumina.model.diffusion_model.layers:
+        forward = layer.__dict__.get("forward")
+        assert forward is None or (forward.__self__ is layer and forward.__func__ is type(layer).forward)
     assert_clean(lumina)
+
+
+def test_a_family_neo_has_no_record_for_is_generated_unchanged_with_one_line(host, capsys):
+    """A DiT whose Neo class the registry does not name (here SD3's, which Neo dropped): unchanged, one line."""
+    sd3 = neo_host.neo_model("sd3")
+    off, _ = neo_job(host, sd3, script_args(enabled=False), steps=12, family="sd3")
+    on, p = neo_job(host, sd3, DEFAULTS, steps=12, family="sd3")
+    assert torch.equal(on, off) and not p._tome_patch_job.reuse_runs
+    assert "is no DiT family this patch knows in Forge Neo" in capsys.readouterr().out
+    assert_clean(sd3)
 
 
 def test_the_highres_pass_gets_its_own_run_on_its_own_clone(host, flux):

@@ -31,11 +31,17 @@ from ...reuse import (
     DIT_OUTER_BLOCKS,
     LayerReuseRun,
     NoiseSpacedSchedule,
-    SkippableLayer,
 )
 from ...reuse.options import SHIPPED, ReuseOptions
 from ..shared import dit_families
-from ..shared.dit_block_hook import PATCH_NAME, BlockLayout, SpanBlock, layout_named, why_every_block_runs
+from ..shared.dit_block_hook import (
+    PATCH_NAME,
+    BlockLayout,
+    SpanBlock,
+    SpanForward,
+    layout_named,
+    why_every_block_runs,
+)
 from ..shared.dit_block_hook import block_keys as hook_block_keys
 from ..shared.dit_block_hook import replacements as _replacements
 from .dit import class_names
@@ -178,27 +184,6 @@ def install(clone, settings, noise_range, schedule=None, options: ReuseOptions =
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)
     return True
-
-
-class SpanForward(SkippableLayer):
-    """The instance ``forward`` of one span block of a family without a block hook: its first positional argument
-    is the one stream, its return value the stream after the block."""
-
-    def __call__(self, *args, **kwargs):
-        hooks = self.owner
-        run = hooks.layer_run()
-        if run is None or run.current is None or not args:
-            return self.original(*args, **kwargs)
-        (name,) = hooks.streams
-        return run.span_block(
-            first=self.index == 0,
-            last=self.index == len(hooks.keys) - 1,
-            streams={name: args[0]},
-            run_block=lambda: self.original(*args, **kwargs),
-            streams_of=lambda out: {name: out},
-            in_full=lambda: hooks.runs_in_full(kwargs.get("transformer_options")),
-            pack=lambda streams: streams[name],
-        )
 
 
 def remove(patcher) -> None:

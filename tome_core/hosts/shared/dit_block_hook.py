@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...reuse import SkippableLayer
+
 PATCH_NAME = "dit"  # transformer_options["patches_replace"]["dit"]
 BLOCK_PATCHES = ("double_block", "single_block")  # transformer_options["patches"]: run after each block
 
@@ -132,4 +134,25 @@ class SpanBlock:
             run_block=lambda: self.run_block(args, extra),
             streams_of=lambda out: {name: out.get(name) for name in streams},
             in_full=lambda: hooks.runs_in_full(args.get("transformer_options")),
+        )
+
+
+class SpanForward(SkippableLayer):
+    """The instance ``forward`` of one span block of a family without a block hook: its first positional argument
+    is the one stream, its return value the stream after the block."""
+
+    def __call__(self, *args, **kwargs):
+        hooks = self.owner
+        run = hooks.layer_run()
+        if run is None or run.current is None or not args:
+            return self.original(*args, **kwargs)
+        (name,) = hooks.streams
+        return run.span_block(
+            first=self.index == 0,
+            last=self.index == len(hooks.keys) - 1,
+            streams={name: args[0]},
+            run_block=lambda: self.original(*args, **kwargs),
+            streams_of=lambda out: {name: out},
+            in_full=lambda: hooks.runs_in_full(kwargs.get("transformer_options")),
+            pack=lambda streams: streams[name],
         )

@@ -3,8 +3,10 @@
 Neo's patcher is ComfyUI's interface (REFERENCE: Forge Neo neo-2.26): the job's clone of
 ``p.sd_model.forge_objects.unet`` takes ``set_model_patch_replace(fn, "dit", block_type, i)``, and Neo's Flux, Chroma,
 Qwen-Image and Wan loops hand block ``i`` to it (``backend/nn/flux.py`` ``IntegratedFluxTransformer2DModel.
-forward_orig``, ...) as ComfyUI's do (``hosts.shared.dit_block_hook``). Families whose loop has no hook (Z-Image /
-Lumina 2's ``NextDiT``, Anima) are left alone, with one line saying so.
+forward_orig``, ...) as ComfyUI's do (``hosts.shared.dit_block_hook``). Z-Image / Lumina 2 (``NextDiT``), whose
+loop has no hook, get an object patch on each span layer's ``forward`` (applied while Neo has the clone loaded, as
+ComfyUI's door injects them). Families the registry does not name for Neo (Anima, Chroma) are left alone, with one
+line saying so.
 
 What runs: the family's default, as ComfyUI's ``dit_settings`` "auto" (``hosts.shared.dit_families``): reuse across
 steps at the family's interval, guarded by the real model's published curve, without ToDo. One ``PassDitReuse`` per
@@ -31,7 +33,15 @@ from ...reuse import (
 )
 from ...schedule import NoiseRange, call_sigmas, step_of
 from ..shared import dit_families
-from ..shared.dit_block_hook import PATCH_NAME, SpanBlock, block_keys, layout_named, replacements, why_every_block_runs
+from ..shared.dit_block_hook import (
+    PATCH_NAME,
+    SpanBlock,
+    SpanForward,
+    block_keys,
+    layout_named,
+    replacements,
+    why_every_block_runs,
+)
 from .layer_reuse import PassReuse, _activate
 
 _FORWARD = "diffusion_model.forward"
@@ -143,9 +153,8 @@ def why_not(patcher, p) -> str | None:
         return f"{type(model).__name__} is no DiT family this patch knows in Forge Neo"
     if hasattr(model, "inner_forward"):  # lllyasviel's Forge (backend/nn/flux.py, chroma.py): blocks called directly
         return f"{record.name}'s loop in this Forge calls its blocks directly (no block hook; Forge Neo has one)"
-    layout = layout_named(record.name)
-    if layout is None or layout.hook != "dit":
-        return f"{record.name}'s loop in Forge Neo hands no block to the block hook"
+    if layout_named(record.name) is None:
+        return f"{record.name} has no block layout in this patch"
     if not (hasattr(patcher, "set_model_patch_replace") and hasattr(patcher, "add_object_patch")):
         return "this Forge has no block replacements on its patcher"
     sampler, scheduler = getattr(p, "sampler_name", None), getattr(p, "scheduler", None)
@@ -176,12 +185,20 @@ def install_neo(patcher, settings, p, percent_to_sigma) -> PassDitReuse | None:
         noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
     full_below = full_below_noise(getattr(p, "sampler_name", None))
     owner = PassDitReuse(p, patcher, record, span, layout.streams, noise_range, full_below)
-    replaced = replacements(patcher)
-    for position, (block_type, index) in enumerate(span):
-        block = SpanBlock(owner, position, replaced.get((block_type, index)))
-        owner.blocks[(block_type, index)] = block
-        patcher.set_model_patch_replace(block, PATCH_NAME, block_type, index)
-    inner = (getattr(patcher, "object_patches", None) or {}).get(_FORWARD)
+    patches = getattr(patcher, "object_patches", None) or {}
+    if layout.hook == "dit":
+        replaced = replacements(patcher)
+        for position, (block_type, index) in enumerate(span):
+            block = SpanBlock(owner, position, replaced.get((block_type, index)))
+            owner.blocks[(block_type, index)] = block
+            patcher.set_model_patch_replace(block, PATCH_NAME, block_type, index)
+    else:  # no hook in the loop (Z-Image / Lumina 2): each span layer's forward, an object patch of this clone
+        lists = dict(layout.lists)
+        for position, (block_type, index) in enumerate(span):
+            name = f"diffusion_model.{lists[block_type]}.{index}.forward"
+            layer = getattr(model, lists[block_type])[index]
+            patcher.add_object_patch(name, SpanForward(owner, position, layer, patches.get(name)))
+    inner = patches.get(_FORWARD)
     patcher.add_object_patch(_FORWARD, DitCallBoundary(owner, model, inner))
     return _activate(owner)
 
@@ -197,6 +214,12 @@ def remove_neo(patcher) -> None:
             else:
                 replaced[key] = value.previous
     patches = getattr(patcher, "object_patches", None) or {}
+    for name, value in list(patches.items()):
+        if isinstance(value, SpanForward) and isinstance(value.owner, PassDitReuse):
+            if value.inner is None:
+                del patches[name]
+            else:
+                patches[name] = value.inner
     value = patches.get(_FORWARD)
     if isinstance(value, DitCallBoundary):
         if value.inner is None:
