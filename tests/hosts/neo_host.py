@@ -1,5 +1,5 @@
 """A stand-in for Forge Neo (Haoming02/sd-webui-forge-classic, branch ``neo``, neo-2.26) sampling a DiT, with
-ComfyUI's classes where Neo's are ComfyUI's (REFERENCE section 12 names the files).
+ComfyUI's classes where Neo's are ComfyUI's (the Neo files each part follows are named below).
 
 What is reproduced:
 - The job order and the script hooks: ``webui_host`` (Neo keeps the WebUI's ``modules/processing.py`` order;

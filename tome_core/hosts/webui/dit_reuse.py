@@ -1,6 +1,6 @@
 """Forge Neo: reuse across steps on DiTs, through the block hook Neo's loops share with ComfyUI's.
 
-Neo's patcher is ComfyUI's interface (REFERENCE: Forge Neo neo-2.26): the job's clone of
+Neo's patcher is ComfyUI's interface (read in Forge Neo neo-2.26's source): the job's clone of
 ``p.sd_model.forge_objects.unet`` takes ``set_model_patch_replace(fn, "dit", block_type, i)``, and Neo's Flux,
 Qwen-Image and Wan loops hand block ``i`` to it (``backend/nn/flux.py`` ``IntegratedFluxTransformer2DModel.
 forward_orig``, ...) as ComfyUI's do (``hosts.shared.dit_block_hook``). Z-Image / Lumina 2 (``NextDiT``), whose
