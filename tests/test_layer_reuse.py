@@ -639,3 +639,15 @@ def test_a_step_change_curve_counts_as_magcache_and_guards_the_fast_steps():
     assert sorted(every_3)[:2] == [0, 9] and max(flux.errors(every_3, 28)) > 4
     assert flux.guard(every_3, 28) - every_3 == {2, 5}
     assert max(flux.errors(flux.guard(every_3, 28), 28)) <= flux.threshold
+
+
+def test_the_webuis_unipc_label_reuses_on_dits_only_with_its_corrector_rule():
+    """Forge Neo's sampler label "UniPC" is ComfyUI's uni_pc: reuse runs with it on DiTs only, and its calls below
+    noise 0.5 run in full (the corrector's rule)."""
+    from tome_core.reuse import FULL_BELOW_NOISE_WITH_A_CORRECTOR, full_below_noise, keeps_the_picture_with
+
+    assert keeps_the_picture_with("UniPC", "Simple", dit=True)
+    assert not keeps_the_picture_with("UniPC", "Simple", dit=False)
+    assert not keeps_the_picture_with("UniPC", "Karras", dit=True)
+    assert full_below_noise("UniPC") == FULL_BELOW_NOISE_WITH_A_CORRECTOR == 0.5
+    assert full_below_noise("Euler") == 0.0
