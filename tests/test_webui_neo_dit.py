@@ -143,6 +143,19 @@ def test_a_family_neo_has_no_record_for_is_generated_unchanged_with_one_line(hos
     assert_clean(sd3)
 
 
+def test_cond_and_uncond_batched_keep_their_own_layout_and_the_same_plan(host, flux, monkeypatch):
+    """At CFG 3 Neo batches cond and uncond into one call (``cond_or_uncond`` [0, 1]): a batch layout of its own in
+    the cache, the same full steps as at CFG 1, each step's one call reused where the plan says."""
+    made = comfy_host.recorded_plans(monkeypatch)
+    _, single = neo_job(host, flux, DEFAULTS, steps=12)
+    out, batched = neo_job(host, flux, DEFAULTS, steps=12, cfg=3.0)
+    assert made[0] == made[1] and torch.isfinite(out).all()
+    (run,) = batched._tome_patch_job.reuse_runs
+    assert run.calls == 12 and run.reused_calls == 12 - len(made[1]) > 0
+    assert not run.entries  # the pass's end dropped its cache
+    assert_clean(flux)
+
+
 def test_the_highres_pass_gets_its_own_run_on_its_own_clone(host, flux):
     """Neo rebuilds ``forge_objects`` before the highres pass: that pass gets a clone and a run of its own, and the
     infotext records the patch once."""

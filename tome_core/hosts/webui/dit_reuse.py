@@ -42,7 +42,7 @@ from ..shared.dit_block_hook import (
     replacements,
     why_every_block_runs,
 )
-from .layer_reuse import PassReuse, _activate
+from .layer_reuse import CallBoundary, PassReuse, _activate
 
 _FORWARD = "diffusion_model.forward"
 
@@ -115,34 +115,18 @@ def _largest(values) -> float | None:
         return None
 
 
-class DitCallBoundary:
-    """The diffusion model's ``forward`` (an object patch) that tells the pass where each model call begins and
-    ends. Neo's model wrapper calls it with ``transformer_options`` and ``control`` as keywords."""
+class DitCallBoundary(CallBoundary):
+    """Forge's call boundary (an object patch on the diffusion model's ``forward``) for a DiT pass: the step from
+    the call's noise level; a call with a ControlNet runs as it is. Neo's model wrapper calls it with
+    ``transformer_options`` and ``control`` as keywords."""
 
-    def __init__(self, owner: PassDitReuse, model, inner=None):
-        self.owner = owner
-        self.model = model
-        self.inner = inner  # an object patch of the forward that was there before ours (None: the class's)
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def forward(self, *args, **kwargs):
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.model).forward(self.model, *args, **kwargs)
+    def begin(self, x, options: dict) -> None:
+        self.owner.begin_dit_call(x, options)
 
     def __call__(self, x, *args, **kwargs):
         if kwargs.get("control") is not None:  # a ControlNet adds between blocks, which a skipped span would miss
             return self.forward(x, *args, **kwargs)
-        self.owner.begin_dit_call(x, kwargs.get("transformer_options") or {})
-        try:
-            out = self.forward(x, *args, **kwargs)
-        except BaseException:
-            self.owner.end_call(failed=True)
-            raise
-        self.owner.end_call()
-        return out
+        return super().__call__(x, *args, **kwargs)
 
 
 def why_not(patcher, p) -> str | None:

@@ -263,19 +263,25 @@ class CallBoundary:
     def __deepcopy__(self, memo):
         return self
 
-    def __call__(self, x, *args, **kwargs):
-        options = kwargs.get("transformer_options") or {}
+    def begin(self, x, options: dict) -> None:
+        """Tell the pass a call starts, with its ``transformer_options``."""
         sigmas = options.get("sigmas")
         level = None
         if sigmas is not None and not self.owner.noise_range.everywhere:
             level = float(torch.as_tensor(sigmas).max())
         layout = options.get("cond_or_uncond")
         self.owner.begin_unet_call(x, level, None if layout is None else tuple(layout))
+
+    def forward(self, *args, **kwargs):
+        """The forward this patch stands in front of: one patched before ours, else the class's."""
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.unet).forward(self.unet, *args, **kwargs)
+
+    def __call__(self, x, *args, **kwargs):
+        self.begin(x, kwargs.get("transformer_options") or {})
         try:
-            if self.inner is not None:
-                out = self.inner(x, *args, **kwargs)
-            else:
-                out = type(self.unet).forward(self.unet, x, *args, **kwargs)
+            out = self.forward(x, *args, **kwargs)
         except BaseException:
             self.owner.end_call(failed=True)
             raise
