@@ -1,8 +1,8 @@
 """The DiTs added since Flux.1 and Wan 2.1, in real ComfyUI with tiny random-weight models of each family's own
 class (``hosts/comfy_host.py``, ``DIT_TINY``): reuse across steps through the one door (``dit_block_hook.LAYOUTS``, a
 row per family) on Flux.2, Qwen-Image, HunyuanVideo 1.5, LTX-Video and Chroma Radiance; the families that hand no
-block to ComfyUI's block hook get it through an instance forward of each span block (Lumina 2, Z-Image) or pass
-through unchanged, with the reason in the log (HiDream, Cosmos, OmniGen2)."""
+block to ComfyUI's block hook get it through an instance forward of each span block (Lumina 2, Z-Image, Cosmos
+Predict2 and Anima) or pass through unchanged, with the reason in the log (HiDream, OmniGen2)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,13 @@ from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: 
 from tome_core.hosts.comfyui import dit_reuse
 from tome_core.reuse import NoiseSpacedSchedule
 
-FAMILIES = ("flux2", "qwen_image", "hunyuan_video15", "ltxv", "chroma_radiance", "lumina2", "z_image")
-# Lumina 2 and Z-Image have no block hook: their span blocks get an instance forward (a patcher injection), so a
-# block's module is still called at a reusing step; what runs is counted on its attention.
-FORWARD_HOOK = ("lumina2", "z_image")
+FAMILIES = (
+    "flux2", "qwen_image", "hunyuan_video15", "ltxv", "chroma_radiance", "lumina2", "z_image", "cosmos_predict2"
+)  # fmt: skip
+# Lumina 2, Z-Image and Cosmos Predict2 (Anima's base class) have no block hook: their span blocks get an instance
+# forward (a patcher injection), so a block's module is still called at a reusing step; what runs is counted on
+# its self-attention (this submodule).
+FORWARD_HOOK = {"lumina2": "attention", "z_image": "attention", "cosmos_predict2": "self_attn"}
 SHAPES = {
     "flux2": (1, 8, 8),
     "qwen_image": (1, 8, 8),
@@ -28,6 +31,7 @@ SHAPES = {
     "chroma_radiance": (1, 16, 16),
     "lumina2": (1, 8, 8),
     "z_image": (1, 8, 8),
+    "cosmos_predict2": (1, 8, 8),
 }
 FAMILY_WORDS = {
     "flux2": "Flux",
@@ -37,8 +41,9 @@ FAMILY_WORDS = {
     "chroma_radiance": "Flux",
     "lumina2": "Lumina 2",
     "z_image": "Lumina 2",
+    "cosmos_predict2": "Cosmos Predict2",
 }
-NO_BLOCK_HOOK = ("hidream", "cosmos_predict2", "omnigen2")
+NO_BLOCK_HOOK = ("hidream", "omnigen2")
 BLOCKS = 4  # the first block runs at every call, the three after it are the span
 STEPS = 10  # the fewest steps that reuse
 REUSE = {"reuse_interval": 3, "downsample_factor": 1.0, "dit_settings": "as set", "skip_when_slower": False}
@@ -67,7 +72,7 @@ def count_block_calls(model, family, run) -> list[int]:
     """How often each block (in call order) ran during ``run()``."""
     blocks = blocks_in_call_order(model, family)
     if family in FORWARD_HOOK:
-        blocks = [block.attention for block in blocks]
+        blocks = [getattr(block, FORWARD_HOOK[family]) for block in blocks]
     counts = [0] * len(blocks)
     handles = [
         block.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))

@@ -89,21 +89,32 @@ def test_flux_reuses_with_comfyuis_plan_and_picture_then_leaves_nothing(host, fl
     assert torch.equal(neo_job(host, flux, script_args(enabled=False))[0], off)
 
 
-@pytest.mark.parametrize(
-    ("family", "shape", "name"), (("qwen_image", (1, 8, 8), "Qwen-Image"), ("wan", (1, 3, 9, 11), "Wan"))
+NEO_FAMILIES = (
+    ("qwen_image", (1, 8, 8), "Qwen-Image"),
+    ("wan", (1, 3, 9, 11), "Wan"),
+    ("chroma", (1, 9, 13), "Flux"),
+    ("cosmos_predict2", (1, 8, 8), "Cosmos Predict2"),
 )
-def test_qwen_image_and_wan_reuse_through_the_same_hook_with_comfyuis_plan(host, family, shape, name, monkeypatch):
-    """Neo's Qwen-Image and Wan classes are ComfyUI's (``backend/nn/qwen.py``, ``wan.py``): the same block hook, the
-    family's default, the same full steps as ComfyUI's node (at CFG 1, one call a step)."""
-    model = neo_host.neo_model(family, num_layers=4)
+
+
+@pytest.mark.parametrize(("family", "shape", "name"), NEO_FAMILIES)
+def test_every_neo_family_reuses_with_comfyuis_plan_and_picture(host, family, shape, name, monkeypatch):
+    """Neo's Qwen-Image, Wan and Chroma hand their blocks to the same hook as ComfyUI's (``backend/nn/qwen.py``,
+    ``wan.py``, ``chroma.py``); Anima's loop (``anima.py``, ``MiniTrainDIT``) has none and gets an object patch on
+    each span block's forward. Each: the family's default, the same full steps and output as ComfyUI's node on the
+    same weights (at CFG 1, one call a step; to float rounding), nothing left after the job."""
+    model = neo_host.neo_model(family, **comfy_host.dit_blocks(family, 4))
     node_classes = comfy_host.load_our_package()
     made = comfy_host.recorded_plans(monkeypatch)
     p = neo_host.processing(model, DEFAULTS, steps=STEPS)
     out = neo_host.process_images(host, p, family, shape=shape)
-    comfy_host.sample_dit(comfy_host.patch_with_node(node_classes, model), family, shape, steps=STEPS, cfg=1.0)
+    expected = comfy_host.sample_dit(
+        comfy_host.patch_with_node(node_classes, model), family, shape, steps=STEPS, cfg=1.0
+    )
     assert len(made) == 2 and made[0] == made[1]
     (run,) = p._tome_patch_job.reuse_runs
     assert run.reused_calls == STEPS - len(made[0]) > 0 and torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     assert f"{name} ({type(model.model.diffusion_model).__name__})" in host_said(p)
     assert_clean(model)
 

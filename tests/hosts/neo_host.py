@@ -10,7 +10,9 @@ What is reproduced:
   for sampling and undone when it is unloaded: ComfyUI's ``patch_model`` / ``unpatch_model`` here),
   ``model_options["model_function_wrapper"]`` (``set_model_unet_function_wrapper``: Spectrum's hook).
 - Neo's Flux (``backend/nn/flux.py`` ``IntegratedFluxTransformer2DModel.forward_orig``): a port of ComfyUI's Flux
-  loop with the same block hook and the same dicts; here ComfyUI's ``Flux`` under Neo's class name. Neo's
+  loop with the same block hook and the same dicts; here ComfyUI's ``Flux`` under Neo's class name (Chroma,
+  ``backend/nn/chroma.py``, likewise). Neo's Anima (``backend/nn/anima.py``, ``MiniTrainDIT``) has no hook either.
+  Neo's
   ``NextDiT`` (``backend/nn/lumina.py``, Z-Image / Lumina 2) loops over its layers with no hook: ComfyUI's NextDiT,
   whose class has the same name.
 - The sampler: ``modules/sd_samplers_kdiffusion.py`` puts the pass's sigmas into ``transformer_options
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import types
 
+import comfy.ldm.chroma.model
+import comfy.ldm.cosmos.predict2
 import comfy.ldm.flux.model
 import comfy.sample
 import comfy.samplers
@@ -41,11 +45,28 @@ class IntegratedFluxTransformer2DModel(comfy.ldm.flux.model.Flux):
     """Neo's Flux class (its loop is ComfyUI's, ported)."""
 
 
+class IntegratedChromaTransformer2DModel(comfy.ldm.chroma.model.Chroma):
+    """Neo's Chroma class (``backend/nn/chroma.py``: ComfyUI's loop, the same double and single block keys)."""
+
+
+class IntegratedAnimaTransformer(comfy.ldm.cosmos.predict2.MiniTrainDIT):
+    """Neo's Anima class (``backend/nn/anima.py``: derives from its port of ComfyUI's ``MiniTrainDIT``, whose
+    ``for block in self.blocks`` loop has no hook; its text adapter, before the blocks, is left out here)."""
+
+
+NEO_CLASSES = {
+    "flux": IntegratedFluxTransformer2DModel,
+    "chroma": IntegratedChromaTransformer2DModel,
+    "cosmos_predict2": IntegratedAnimaTransformer,
+}
+
+
 def neo_model(family: str = "flux", **config):
-    """A Neo-like patcher over a small random DiT: ComfyUI's ModelPatcher, Flux under Neo's class name."""
+    """A Neo-like patcher over a small random DiT: ComfyUI's ModelPatcher and classes, under Neo's class names where
+    Neo's differ (``NEO_CLASSES``)."""
     patcher = comfy_host.tiny_dit(family, **config)
-    if family == "flux":
-        patcher.model.diffusion_model.__class__ = IntegratedFluxTransformer2DModel
+    if family in NEO_CLASSES:
+        patcher.model.diffusion_model.__class__ = NEO_CLASSES[family]
     return patcher
 
 
@@ -90,7 +111,7 @@ def sample(host, p, patcher, family: str, shape, seed: int) -> torch.Tensor:
     batch, *rest = shape
     empty = torch.zeros(batch, comfy_host.DIT_LATENT_CHANNELS.get(family, 16), *rest)
     empty = comfy.sample.fix_empty_latent_channels(patcher, empty)  # as ComfyUI's KSampler (Qwen-Image: a frame axis)
-    latent = patcher.model.process_latent_in(empty)
+    latent = empty  # the empty latent is not shifted (ComfyUI's CFGGuider; Neo starts from the noise alone)
     noise = comfy.sample.prepare_noise(empty, seed)
     x = sampling.noise_scaling(sigmas[0], noise, latent)
     (positive,) = comfy_host.dit_conditioning(family, 1)

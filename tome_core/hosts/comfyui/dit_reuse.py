@@ -60,8 +60,7 @@ NO_REUSE = {
     "HumoWanModel": "Wan HuMo adds audio inputs of its own between blocks",
     "AnimateWanModel": "Wan Animate fuses face features every few blocks, outside the block hook",
     "HiDreamImageTransformer2DModel": "HiDream hands no block to the block hook, and its blocks change the token count",
-    "GeneralDIT": "Cosmos hands no block to the block hook",
-    "MiniTrainDIT": "Cosmos Predict2 hands no block to the block hook",
+    "GeneralDIT": "Cosmos 1.0 hands no block to the block hook",
     "OmniGen2Transformer2DModel": "OmniGen2 hands no block to the block hook",
 }
 
@@ -75,7 +74,8 @@ def layout_of(diffusion_model) -> BlockLayout | None:
 
 
 SUPPORTED_WORDS = (
-    "Flux.1, Flux.2, Chroma, SD3/SD3.5, Wan 2.x, Qwen-Image, HunyuanVideo 1.0/1.5, LTX-Video, Lumina 2, Z-Image"
+    "Flux.1, Flux.2, Chroma, SD3/SD3.5, Wan 2.x, Qwen-Image, HunyuanVideo 1.0/1.5, LTX-Video, Lumina 2, Z-Image, "
+    "Cosmos Predict2, Anima"
 )
 
 

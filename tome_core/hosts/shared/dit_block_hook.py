@@ -65,6 +65,9 @@ LAYOUTS = (
     # ``layers`` (called as ``layer(x, mask, freqs_cis, adaln_input, transformer_options=...)``); the context and
     # noise refiners before them run at every call.
     BlockLayout("Lumina 2", (("layer", "layers"),), ("img",), hook="forward"),
+    # Cosmos Predict2 and Anima (``MiniTrainDIT``): no block hook, one stream of (batch, frames, h, w, channels)
+    # tokens through ``blocks`` (called as ``block(x, t_embedding, crossattn_emb, **block_kwargs)``).
+    BlockLayout("Cosmos Predict2", (("layer", "blocks"),), ("img",), hook="forward"),
 )
 
 

@@ -62,13 +62,15 @@ WAN_CURVE = StepChangeCurve(published.WAN21_T2V_14B, 0.24)
 # Flux and Qwen-Image predict a whole step along the line (it kept more of their references' picture); the others
 # half a step. Order matters where one family's class derives from another's: the first record that matches wins.
 # Class names as read in ComfyUI 0.3.75 / 0.8.0, diffusers 0.39.0, Forge Neo neo-2.26 and Forge dfdcbab6; Flux
-# covers Flux.1, Flux.2 (the same classes), Kontext and Chroma.
+# covers Flux.1, Flux.2 (the same classes), Kontext and Chroma (Neo's and Forge's ``IntegratedChromaTransformer2DModel``
+# lays its blocks out as their Flux class).
 FAMILIES = (
     DitFamily(
         "Flux", auto_intervals=((0, 3), (40, 4)), extrapolate=1.0, todo_min_image_tokens=4096,
         curve=FLUX_CURVE, curve_of="FLUX.1-dev",
         comfyui=("Flux", "Chroma"), diffusers=("FluxTransformer2DModel", "Flux2Transformer2DModel"),
-        neo=("IntegratedFluxTransformer2DModel",), forge=("IntegratedFluxTransformer2DModel",),
+        neo=("IntegratedFluxTransformer2DModel", "IntegratedChromaTransformer2DModel"),
+        forge=("IntegratedFluxTransformer2DModel", "IntegratedChromaTransformer2DModel"),
     ),
     DitFamily(
         "SD3", auto_intervals=((0, 3), (40, 4)), curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)",
@@ -87,6 +89,14 @@ FAMILIES = (
     DitFamily(
         "Wan", auto_intervals=((0, 5),), curve=WAN_CURVE, curve_of="Wan 2.1 T2V 14B",
         comfyui=("WanModel",), diffusers=("WanTransformer3DModel",), neo=("WanModel",),
+    ),
+    # Cosmos Predict2 and Anima (an image model trained from Cosmos Predict2 2B; ComfyUI's and Neo's Anima classes
+    # derive from ``MiniTrainDIT``): no reference and no published curve, so an image DiT's (Flux's) interval and
+    # curve, the most guarded of the published ones at the start of a run.
+    DitFamily(
+        "Cosmos Predict2", aliases=("Anima",), auto_intervals=((0, 3), (40, 4)),
+        curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family: an image DiT)",
+        comfyui=("MiniTrainDIT",), neo=("MiniTrainDIT",),
     ),
     DitFamily(
         "HunyuanVideo", auto_intervals=((0, 4),), curve=HUNYUAN_VIDEO_CURVE, curve_of="HunyuanVideo",
