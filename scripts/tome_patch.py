@@ -47,6 +47,7 @@ class _Job:
         self.warned: set[str] = set()
         self.infotext_written = False
         self.reuse_runs: list = []  # the LayerReuseRun of each pass that reused across steps (log, tests)
+        self.dit_family: str | None = None  # the DiT family whose default a pass ran (Forge Neo), for the infotext
 
     def warn_once(self, message: str) -> None:
         if message not in self.warned:
@@ -153,7 +154,11 @@ def patch_for_pass(p, job: _Job) -> None:
     else:
         patched = _patch_ldm(p, sd_model, settings, job)
     if patched and not job.infotext_written:
-        p.extra_generation_params.update(webui_args.infotext_params(job.args))
+        if job.dit_family is not None:
+            params = webui_args.dit_infotext_params(job.args, job.dit_family)
+        else:
+            params = webui_args.infotext_params(job.args)
+        p.extra_generation_params.update(params)
         job.infotext_written = True
 
 
@@ -224,6 +229,7 @@ def _patch_neo_dit(p, forge_objects, settings, percent_to_sigma, job: _Job, mode
         f"{owner.schedule.describe()}, no ToDo; the other controls act on SD1.x, SD2.x and SDXL."
     )
     forge_objects.unet = clone
+    job.dit_family = owner.family
     return True
 
 

@@ -12,6 +12,7 @@ from hosts import (
 from hosts.webui_host import Host, script_args
 
 from tome_core.hosts.shared.dit_block_hook import SpanBlock, replacements
+from tome_core.hosts.webui import args as webui_args
 from tome_core.hosts.webui import layer_reuse as webui_layer_reuse
 
 STEPS = 28
@@ -20,8 +21,6 @@ SHAPE = (1, 9, 13)
 
 def shipped_defaults() -> list:
     """The accordion ticked, every control at its shipped default (ToDo 2, reuse every 3)."""
-    from tome_core.hosts.webui import args as webui_args
-
     args = webui_args.as_list(webui_args.defaults())
     args[webui_args.ARG_NAMES.index("enabled")] = True
     return args
@@ -119,6 +118,34 @@ def test_every_neo_family_reuses_with_comfyuis_plan_and_picture(host, family, sh
     assert_clean(model)
 
 
+def test_wan_22s_second_expert_starts_a_run_of_its_own(host, capsys):
+    """Wan 2.2: Neo's refiner switch loads the low-noise expert's weights into the same model mid-pass. Its first call
+    runs every block (nothing the high-noise expert recorded predicts it) and it reuses after that; the picture is
+    the unpatched one wherever every block runs."""
+    high = neo_host.neo_model("wan", num_layers=4)
+    low = neo_host.neo_model("wan", num_layers=4, seed=1).model.diffusion_model.state_dict()
+    shape, steps = (1, 3, 9, 11), 20
+    model = high.model.diffusion_model
+    calls = []  # per model call: whether the span's last block ran
+    first = model.blocks[0].register_forward_hook(lambda *_: calls.append(False))
+    last = model.blocks[-1].register_forward_hook(lambda *_: calls.__setitem__(-1, True))
+    original = {name: value.clone() for name, value in model.state_dict().items()}
+    try:
+        sigmas = comfy_host.comfy.samplers.calculate_sigmas(high.get_model_object("model_sampling"), "normal", steps)
+        switch = 9  # the refiner takes over at this step's sigma
+        p = neo_host.processing(high, DEFAULTS, steps=steps, refiner=(float(sigmas[switch]), low, "wan22-low"))
+        out = neo_host.process_images(host, p, "wan", shape=shape)
+    finally:
+        first.remove()
+        last.remove()
+        model.load_state_dict(original)
+    assert torch.isfinite(out).all() and len(calls) == steps
+    assert calls[switch] and calls[switch - 1] is False  # the switch's call ran in full where the plan reused
+    assert not all(calls[switch:])  # the low-noise expert reuses after its own first steps
+    assert "the refiner 'wan22-low' took over; it starts a run of its own" in capsys.readouterr().out
+    assert_clean(high)
+
+
 def host_said(p) -> str:
     return " ".join(p._tome_patch_job.warned)
 
@@ -169,13 +196,17 @@ def test_cond_and_uncond_batched_keep_their_own_layout_and_the_same_plan(host, f
 
 def test_the_highres_pass_gets_its_own_run_on_its_own_clone(host, flux):
     """Neo rebuilds ``forge_objects`` before the highres pass: that pass gets a clone and a run of its own, and the
-    infotext records the patch once."""
+    infotext records the family whose default ran, once."""
     p = neo_host.processing(flux, DEFAULTS, steps=12)
     first, second = neo_host.process_images(host, p, shape=SHAPE, passes=2)
     runs = p._tome_patch_job.reuse_runs
     assert len(runs) == 2 and runs[0] is not runs[1] and all(run.reused_calls > 0 for run in runs)
     assert torch.isfinite(first).all() and torch.isfinite(second).all()
-    assert any(key.startswith("ToMe") for key in p.extra_generation_params)
+    params = p.extra_generation_params
+    assert params[webui_args.KEY_DIT] == "Flux default"  # the family whose default ran
+    # Pasting it back sets the controls that give the same job (the accordion ticked, reuse on).
+    pasted = webui_args.ui_values_from_infotext({key: str(value) for key, value in params.items()})
+    assert pasted["enabled"] and pasted["reuse_interval"] == DEFAULTS[webui_args.ARG_NAMES.index("reuse_interval")]
     assert_clean(flux)
 
 

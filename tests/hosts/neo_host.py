@@ -78,12 +78,16 @@ class NeoSDModel:
         self.forge_objects = types.SimpleNamespace(unet=patcher)
 
 
-def processing(patcher, script_args, steps: int = 28, sampler: str = "Euler", cfg: float = 1.0):
+def processing(patcher, script_args, steps: int = 28, sampler: str = "Euler", cfg: float = 1.0, refiner=None):
+    """A Neo job; ``refiner``: (switch at this sigma, the second model's state dict, its name), Neo's fast refiner
+    switch (``modules/sd_samplers_common.py`` ``apply_refiner`` with ``refiner_fast_sd``: the second model's weights
+    loaded into the same diffusion model, under the same patcher), as Wan 2.2's low-noise expert takes over."""
     p = webui_host.Processing(NeoSDModel(patcher), script_args)
     p.sampler = sampler
     p.scheduler = "Simple"
     p.neo_steps = steps
     p.neo_cfg = cfg
+    p.neo_refiner = refiner
     return p
 
 
@@ -123,6 +127,7 @@ def sample(host, p, patcher, family: str, shape, seed: int) -> torch.Tensor:
     try:
         for i in range(steps):
             sigma, sigma_next = sigmas[i], sigmas[i + 1]
+            _apply_refiner(p, patcher, sigma)
             params = webui_host.CFGDenoiserParams(x, None, sigma.expand(batch), i, steps, positive, negative, denoiser)
             host.fire("cfg_denoiser", params)
             denoised = _denoise(patcher, family, x, sigma, sigmas, positive, negative, cfg)
@@ -133,6 +138,19 @@ def sample(host, p, patcher, family: str, shape, seed: int) -> torch.Tensor:
     finally:
         patcher.unpatch_model()  # unloaded: the object patches undone
     return patcher.model.process_latent_out(sampling.inverse_noise_scaling(sigmas[-1], x))
+
+
+def _apply_refiner(p, patcher, sigma) -> None:
+    """Neo's ``apply_refiner`` at the start of a denoiser call: past the switch, the refiner named in the infotext
+    and its weights loaded into the model in place (its fast switch)."""
+    if p.neo_refiner is None or "Refiner" in p.extra_generation_params:
+        return
+    switch_at, state_dict, name = p.neo_refiner
+    if float(sigma) > switch_at:
+        return
+    p.extra_generation_params["Refiner"] = name
+    p.extra_generation_params["Refiner switch at"] = switch_at
+    patcher.model.diffusion_model.load_state_dict(state_dict)
 
 
 def _denoise(patcher, family, x, sigma, sigmas, positive, negative, cfg: float) -> torch.Tensor:

@@ -330,6 +330,9 @@ KEY_SKIP = "ToMe skip when slower"
 KEY_SCOPE = "ToMe scope"
 KEY_REUSE = "ToMe reuse interval"
 KEY_REUSE_PLAN = "ToMe reuse plan"
+# On a DiT (Forge Neo): the family whose default ran (reuse across steps at its measured setting, no ToDo). Not a
+# control's value: pasting the other keys gives the same job, which runs the loaded family's default again.
+KEY_DIT = "ToMe DiT"
 INFOTEXT_KEYS = (
     KEY_METHOD,
     KEY_RATIO,
@@ -391,6 +394,12 @@ def infotext_params(args: ScriptArgs) -> dict[str, Any]:
     if args.reuse_interval > 1 and args.reuse_plan != IMPLIED_WHEN_ABSENT["reuse_plan"]:
         params[KEY_REUSE_PLAN] = args.reuse_plan
     return params
+
+
+def dit_infotext_params(args: ScriptArgs, family: str) -> dict[str, Any]:
+    """Generation parameters of a DiT pass: the controls' values as on a UNet (so that pasting them gives the same
+    job) and the family whose default ran."""
+    return {**infotext_params(args), KEY_DIT: f"{family} default"}
 
 
 def ui_values_from_infotext(params: dict) -> dict[str, Any]:

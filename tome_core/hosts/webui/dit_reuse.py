@@ -18,8 +18,10 @@ Neo loads the clone and undone when it unloads it, as on Forge's UNets. The step
 level: ``transformer_options["sigmas"]`` among ``transformer_options["sampling_sigmas"]`` (set by Neo's
 ``modules/sd_samplers_kdiffusion.py``), not from counting calls, so a sampler's extra calls (Heun) or a cache that
 skips calls cannot shift it; the batch layout from ``cond_or_uncond`` (cond and uncond batched or apart, or one
-call at CFG 1). A call with a ControlNet, one off the schedule, and every call while another whole-model wrapper
-(``model_function_wrapper``: Neo's Spectrum, which forecasts whole steps) is on the clone run every block.
+call at CFG 1). Where Neo's refiner takes over mid-pass (Wan 2.2's two experts: the low-noise one loaded into the
+same model), the second model starts a run of its own. A call with a ControlNet, one off the schedule, and every
+call while another whole-model wrapper (``model_function_wrapper``: Neo's Spectrum, which forecasts whole steps) is
+on the clone run every block.
 """
 
 from __future__ import annotations
@@ -63,11 +65,15 @@ class PassDitReuse(PassReuse):
         self.full_below = full_below
         self.run_sigmas: list[float] | None = None
         self.warned: set[str] = set()
+        self.refiner = _refiner_of(p)  # the refiner the job has switched to (None: none yet)
+
+    def say_once(self, what: str) -> None:
+        if what not in self.warned:
+            self.warned.add(what)
+            print(f"[ToMe Patch] reuse across steps: {what}.")
 
     def warn_once(self, why: str) -> None:
-        if why not in self.warned:
-            self.warned.add(why)
-            print(f"[ToMe Patch] reuse across steps: {why}; every block runs in full.")
+        self.say_once(f"{why}; every block runs in full")
 
     def runs_in_full(self, transformer_options) -> bool:
         why = why_every_block_runs(transformer_options, self.keys, self.blocks)
@@ -95,6 +101,12 @@ class PassDitReuse(PassReuse):
         if step is None:  # not a call of this pass's schedule: it runs in full, and the cache goes
             self._drop_run()
             return
+        refiner = _refiner_of(self.p)
+        if refiner != self.refiner:  # the second model (Wan 2.2's low-noise expert) took over: a run of its own
+            self.refiner = refiner
+            self.say_once(f"the refiner {refiner!r} took over; it starts a run of its own")
+            self._drop_run()
+            self.run = None
         if self.run is None or self.run_sigmas != sigmas:
             self.run = self.new_run(len(sigmas), sigmas, self.full_below)
             self.run_sigmas = sigmas
@@ -106,6 +118,14 @@ class PassDitReuse(PassReuse):
     def _drop_run(self) -> None:
         if self.run is not None:
             self.run.begin_call(None, None)
+
+
+def _refiner_of(p):
+    """The refiner the job has switched to: Neo's ``apply_refiner`` (``modules/sd_samplers_common.py``) names it in
+    ``p.extra_generation_params["Refiner"]`` before the switch. Its fast switch loads the second model's weights
+    into the same diffusion model, under the same patcher (ours): what the first model's steps recorded must not
+    predict the second's."""
+    return (getattr(p, "extra_generation_params", None) or {}).get("Refiner")
 
 
 def _largest(values) -> float | None:
