@@ -171,6 +171,28 @@ def test_z_image_reuses_through_object_patches_of_its_layers_with_comfyuis_plan(
     assert_clean(lumina)
 
 
+def test_a_lora_on_the_job_reaches_the_skipped_and_the_computed_blocks(host, flux):
+    """Neo applies a LoRA as weight patches on the job's patcher (``add_patches``, applied when it is loaded), which
+    our clone carries: the job equals the same job on weights changed by hand (the same plan, the LoRA in every
+    full step and in the residual the reusing steps predict), and the LoRA'd model is unchanged afterwards."""
+    state = flux.model.state_dict()
+    generator = torch.Generator().manual_seed(9)
+    keys = ("diffusion_model.double_blocks.1.img_attn.qkv.weight", "diffusion_model.single_blocks.0.linear1.weight")
+    patches = {key: ("diff", (0.05 * torch.randn(state[key].shape, generator=generator),)) for key in keys}
+    with_lora = flux.clone()
+    assert sorted(with_lora.add_patches(patches, 1.0)) == sorted(keys)
+    out, _ = neo_job(host, with_lora, DEFAULTS, steps=12)
+    baked = neo_host.neo_model("flux", depth=2, depth_single_blocks=2)
+    with torch.no_grad():
+        for key, (_, (diff,)) in patches.items():
+            baked.model.state_dict()[key].add_(diff)
+    assert torch.equal(out, neo_job(host, baked, DEFAULTS, steps=12)[0])
+    assert not torch.equal(out, neo_job(host, flux, DEFAULTS, steps=12)[0])
+    off, _ = neo_job(host, with_lora, script_args(enabled=False), steps=12)
+    assert torch.equal(off, neo_job(host, baked, script_args(enabled=False), steps=12)[0])
+    assert_clean(with_lora)
+
+
 def test_a_family_neo_has_no_record_for_is_generated_unchanged_with_one_line(host, capsys):
     """A DiT whose Neo class the registry does not name (here SD3's, which Neo dropped): unchanged, one line."""
     sd3 = neo_host.neo_model("sd3")
