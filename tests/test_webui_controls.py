@@ -177,16 +177,52 @@ def test_ui_builds_each_control_once_showing_what_acts_with_the_defaults(host):
 
 
 def test_the_choices_drive_the_visibility_through_change_events(host):
+    """The choices and the enable box (ticking it reads the loaded model again) show what acts: every control but
+    the enable box is an output, and the line about a DiT, hidden with a UNet."""
     components = dict(zip(webui_args.ARG_NAMES, host.ui(), strict=True))
-    outputs = [components[name] for name in webui_args.CONDITIONAL]
+    names = webui_args.ARG_NAMES[1:]
+    outputs = [components[name] for name in names]
     for name, control in components.items():
-        if name not in webui_args.VISIBILITY_INPUTS:
+        if name not in (*webui_args.VISIBILITY_INPUTS, "enabled"):
             assert control.changes == [], name
             continue
         ((fn, options),) = control.changes
         assert options["inputs"] == [components[n] for n in ("method", "hr_same", "scope")]
-        assert options["outputs"] == outputs and options["queue"] is False and options["api_name"] is False
+        assert options["outputs"][:-1] == outputs and options["outputs"][-1].kind == "Markdown"
+        assert options["queue"] is False and options["api_name"] is False
         for choices in COMBINATIONS:
-            updates = fn(*choices)
-            shown = {n for n, update in zip(webui_args.CONDITIONAL, updates, strict=True) if update["visible"]}
-            assert shown == EXPECTED_SHOWN[choices]
+            *updates, note = fn(*choices)
+            shown = {n for n, update in zip(names, updates, strict=True) if update["visible"]}
+            assert shown == EXPECTED_SHOWN[choices] | (ALWAYS_SHOWN - {"enabled"})
+            assert note["visible"] is False
+
+
+def neo_holding(diffusion_model):
+    """``modules.sd_models`` of a WebUI holding a model whose patcher's diffusion model is ``diffusion_model``."""
+    import types
+
+    unet = types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=diffusion_model))
+    sd_model = types.SimpleNamespace(forge_objects=types.SimpleNamespace(unet=unet))
+    return types.SimpleNamespace(model_data=types.SimpleNamespace(sd_model=sd_model))
+
+
+def test_with_a_dit_loaded_in_neo_the_accordion_shows_what_acts_there(host, monkeypatch):
+    """Forge Neo holding Flux: only the controls that act on the family's default (highres only, stop after, the
+    reuse interval) and a line naming the family; lllyasviel's Forge's Flux (``inner_forward``, generated
+    unchanged) and no model at all show the UNet's controls."""
+    import sys
+
+    (fn, options), *_ = dict(zip(webui_args.ARG_NAMES, host.ui(), strict=True))["method"].changes
+    flux = type("IntegratedFluxTransformer2DModel", (torch.nn.Module,), {})()
+    monkeypatch.setitem(sys.modules, "modules.sd_models", neo_holding(flux))
+    for choices in COMBINATIONS:
+        *updates, note = fn(*choices)
+        shown = {n for n, update in zip(webui_args.ARG_NAMES[1:], updates, strict=True) if update["visible"]}
+        assert shown == set(webui_args.DIT_CONTROLS)
+        assert note["visible"] and note["value"].startswith("**Flux** is loaded")
+    forge_flux = type("IntegratedFluxTransformer2DModel", (torch.nn.Module,), {"inner_forward": None})()
+    for held in (neo_holding(forge_flux), neo_holding(None)):
+        monkeypatch.setitem(sys.modules, "modules.sd_models", held)
+        *updates, note = fn("ToDo", True, "self-attention")
+        assert sum(update["visible"] for update in updates) > len(webui_args.DIT_CONTROLS)
+        assert note["visible"] is False

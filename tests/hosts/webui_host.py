@@ -185,7 +185,7 @@ class FakeComponent:
 
 
 def fake_gradio():
-    kinds = ("Checkbox", "Slider", "Radio", "Dropdown", "Accordion", "Row", "Group", "Column")
+    kinds = ("Checkbox", "Slider", "Radio", "Dropdown", "Accordion", "Row", "Group", "Column", "Markdown")
     components = {kind: type(kind, (FakeComponent,), {}) for kind in kinds}
     return _module("gradio", update=lambda **kwargs: {"__type__": "update", **kwargs}, **components)
 

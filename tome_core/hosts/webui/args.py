@@ -138,6 +138,21 @@ VISIBILITY_INPUTS = ("method", "hr_same", "scope")
 CONDITIONAL = tuple(arg.name for arg in ARGS if arg.method or arg.scope or arg.own_hr)
 
 
+# What acts on a DiT (Forge Neo), where the script runs the family's default (reuse across steps, no ToDo): whether
+# it runs on the highres pass only, where it stops, and the reuse interval (1: off; any other: the family's plan).
+DIT_CONTROLS = ("hr_only", "end_percent", "reuse_interval")
+
+
+def controls_shown_on(dit: bool, *choices: Any) -> dict[str, bool]:
+    """For every control but the enable box: does it act on the loaded model (``dit``: a DiT family's default
+    runs) with these choices (the values of ``VISIBILITY_INPUTS``)?"""
+    shown = dict.fromkeys(ARG_NAMES[1:], True)
+    shown.update(controls_shown(*choices))
+    if dit:
+        shown = {name: name in DIT_CONTROLS for name in shown}
+    return shown
+
+
 def controls_shown(*choices: Any) -> dict[str, bool]:
     """For each control of ``CONDITIONAL``: does its value act with these choices, the values of
     ``VISIBILITY_INPUTS`` as the UI holds them (a method label, the "same as first pass" box, a scope)? The WebUI

@@ -11,13 +11,20 @@ choices through their ``change`` events, which gradio fires for a user's change 
 event alike (the WebUI's paste-back of generation parameters), and once when the page loads (the WebUI may start
 the controls on values saved in ui-config.json). ``gr.update(visible=...)``, ``change``, the page's ``load`` and
 every constructor argument used here exist in gradio 3.41 (WebUI v1.10.1) and gradio 4 (Forge) alike.
+
+With a DiT loaded in Forge Neo, the script runs the family's default (reuse across steps, no ToDo): the accordion
+then shows the controls that act there (``webui_args.DIT_CONTROLS``) and a line naming the family. The loaded model
+is read when the page loads, when the accordion is ticked and at every choice (a model switched later shows at the
+next of these).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 
-from .args import ARGS, CONDITIONAL, VISIBILITY_INPUTS, controls_shown
+from ..shared import dit_families
+from .args import ARG_NAMES, ARGS, VISIBILITY_INPUTS, controls_shown_on
 
 # Controls shown outside the "Advanced" accordion, in ARGS order.
 MAIN = ("method", "ratio", "downsample_factor", "hr_same", "hr_ratio", "hr_downsample_factor", "hr_only")
@@ -89,19 +96,43 @@ def _page_being_built():
     return getattr(Context, "root_block", None)
 
 
-def _follow_choices(gr, controls, hidden_for_good):
-    names = [name for name in CONDITIONAL if name not in hidden_for_good]
+def loaded_dit_family() -> str | None:
+    """The DiT family whose default the script runs on the model the WebUI holds (Forge Neo), or None (a UNet, no
+    model yet, or a DiT it leaves alone). Reads ``modules.sd_models.model_data.sd_model``, never loading a model."""
+    sd_models = sys.modules.get("modules.sd_models")
+    sd_model = getattr(getattr(sd_models, "model_data", None), "sd_model", None)
+    unet = getattr(getattr(sd_model, "forge_objects", None), "unet", None)
+    model = getattr(getattr(unet, "model", None), "diffusion_model", None)
+    if model is None or hasattr(model, "inner_forward"):  # lllyasviel's Forge: its DiTs are generated unchanged
+        return None
+    record = dit_families.of_model("neo", model)
+    return record.name if record is not None else None
+
+
+def dit_note(family: str | None) -> str:
+    if family is None:
+        return ""
+    return (
+        f"**{family}** is loaded: the family's measured default runs (reuse across steps, no ToDo). Reuse interval 1 "
+        "turns it off; the other controls act on SD1.x, SD2.x and SDXL."
+    )
+
+
+def _follow_choices(gr, controls, note, hidden_for_good):
+    names = [name for name in ARG_NAMES[1:] if name not in hidden_for_good]
     inputs = [controls[name] for name in VISIBILITY_INPUTS]
-    outputs = [controls[name] for name in names]
+    outputs = [controls[name] for name in names] + [note]
 
     def show_what_acts(*choices):
-        shown = controls_shown(*choices)
-        return [gr.update(visible=shown[name]) for name in names]
+        family = loaded_dit_family()
+        shown = controls_shown_on(family is not None, *choices)
+        note_update = gr.update(value=dit_note(family), visible=True) if family else gr.update(visible=False)
+        return [gr.update(visible=shown[name]) for name in names] + [note_update]
 
     # queue=False: a visibility change must not wait behind a running generation. api_name=False: not part of the
     # WebUI's API.
     options = {"inputs": inputs, "outputs": outputs, "queue": False, "show_progress": "hidden", "api_name": False}
-    for control in inputs:
+    for control in [*inputs, controls["enabled"]]:
         control.change(show_what_acts, **options)
     page = _page_being_built()
     if page is not None:
@@ -112,7 +143,7 @@ def build_ui(script, is_img2img):
     import gradio as gr
 
     by_name = {arg.name: arg for arg in ARGS}
-    shown = controls_shown(*(by_name[name].default for name in VISIBILITY_INPUTS))
+    shown = controls_shown_on(False, *(by_name[name].default for name in VISIBILITY_INPUTS))
     hidden_for_good = _never_acting_here()
     shown.update(dict.fromkeys(hidden_for_good, False))
     container, enabled = _enable_accordion(gr, script, script.title())
@@ -123,10 +154,11 @@ def build_ui(script, is_img2img):
         controls[name] = _control(gr, arg, script.elem_id(name), with_info, shown.get(name, True))
 
     with container:
+        note = gr.Markdown(value="", visible=False)
         for name in MAIN:
             add(name, with_info=False)
         with gr.Accordion("Advanced", open=False):
             for name in ADVANCED:
                 add(name, with_info=True)
-    _follow_choices(gr, controls, hidden_for_good)
+    _follow_choices(gr, controls, note, hidden_for_good)
     return [controls[arg.name] for arg in ARGS]
