@@ -125,16 +125,19 @@ def sample(host, p, patcher, family: str, shape, seed: int) -> torch.Tensor:
     host.state.sampling_steps, host.state.sampling_step = steps, 0
     patcher.patch_model()  # Neo loads the clone for the pass: its object patches applied
     try:
-        for i in range(steps):
-            sigma, sigma_next = sigmas[i], sigmas[i + 1]
-            _apply_refiner(p, patcher, sigma)
-            params = webui_host.CFGDenoiserParams(x, None, sigma.expand(batch), i, steps, positive, negative, denoiser)
-            host.fire("cfg_denoiser", params)
-            denoised = _denoise(patcher, family, x, sigma, sigmas, positive, negative, cfg)
-            host.fire("cfg_after_cfg", webui_host.AfterCFGCallbackParams(denoised, i, steps))
-            denoiser.step += 1
-            x = x + (x - denoised) / sigma * (sigma_next - sigma)  # k-diffusion's sample_euler
-            host.state.sampling_step = i
+        with torch.no_grad():  # modules/processing.py samples under no_grad
+            for i in range(steps):
+                sigma, sigma_next = sigmas[i], sigmas[i + 1]
+                _apply_refiner(p, patcher, sigma)
+                params = webui_host.CFGDenoiserParams(
+                    x, None, sigma.expand(batch), i, steps, positive, negative, denoiser
+                )
+                host.fire("cfg_denoiser", params)
+                denoised = _denoise(patcher, family, x, sigma, sigmas, positive, negative, cfg)
+                host.fire("cfg_after_cfg", webui_host.AfterCFGCallbackParams(denoised, i, steps))
+                denoiser.step += 1
+                x = x + (x - denoised) / sigma * (sigma_next - sigma)  # k-diffusion's sample_euler
+                host.state.sampling_step = i
     finally:
         patcher.unpatch_model()  # unloaded: the object patches undone
     return patcher.model.process_latent_out(sampling.inverse_noise_scaling(sigmas[-1], x))
