@@ -226,7 +226,8 @@ def _patch_neo_dit(p, forge_objects, settings, percent_to_sigma, job: _Job, mode
         return False
     job.warn_once(
         f"{owner.family} ({model_name}): the family's measured default, reuse across steps "
-        f"{owner.schedule.describe()}, no ToDo; the other controls act on SD1.x, SD2.x and SDXL."
+        f"{owner.schedule.describe()}; no ToDo (on a DiT it shifts the colours; ComfyUI's default runs none "
+        "either); the other controls act on SD1.x, SD2.x and SDXL."
     )
     forge_objects.unet = clone
     job.dit_family = owner.family

@@ -244,6 +244,24 @@ def test_lllyasviels_forge_flux_has_no_block_hook_and_is_generated_unchanged(hos
     assert_clean(forge_flux)
 
 
+def test_the_xyz_reuse_interval_axis_turns_the_dit_default_on_and_off(flux):
+    """The X/Y/Z plot's "Reuse interval" axis on a Neo DiT: a cell with 3 turns the accordion on with the family's
+    default (the infotext says so), a cell with 1 is the unpatched picture."""
+    host = Host(with_xyz=True)
+    host.fire("before_ui")
+    (reuse_axis,) = [axis for axis in host.xyz.axis_options if axis.label == "[ToMe Patch] Reuse interval"]
+    off, _ = neo_job(host, flux, script_args(enabled=False), steps=12)
+    cells = {}
+    for value in (1, 3):
+        p = neo_host.processing(flux, script_args(enabled=False), steps=12)
+        reuse_axis.apply(p, value, [1, 3])
+        cells[value] = neo_host.process_images(host, p, shape=SHAPE), p
+    assert torch.equal(cells[1][0], off) and not cells[1][1]._tome_patch_job.reuse_runs
+    assert not torch.equal(cells[3][0], off) and cells[3][1]._tome_patch_job.reuse_runs
+    assert cells[3][1].extra_generation_params[webui_args.KEY_DIT] == "Flux default"
+    assert_clean(flux)
+
+
 def test_reuse_interval_1_and_an_unkept_sampler_run_every_block(host, flux, capsys):
     off, _ = neo_job(host, flux, script_args(enabled=False), steps=12)
     assert torch.equal(neo_job(host, flux, script_args(method="ToDo", reuse_interval=1), steps=12)[0], off)
