@@ -201,7 +201,7 @@ def _patch_forge(p, forge_objects, settings, job: _Job) -> bool:
     try:
         clone = patched_clone(unet, settings, percent_to_sigma)
     except NotAUNetError as err:
-        return _patch_neo_dit(p, forge_objects, settings, percent_to_sigma, job, str(err))
+        return _patch_dit(p, forge_objects, settings, percent_to_sigma, job, str(err))
     # The step of each call comes from the WebUI's callbacks here, not from a ComfyUI-style sampler wrapper (which
     # a reForge patcher may take but the WebUI's samplers never run).
     _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
@@ -210,8 +210,9 @@ def _patch_forge(p, forge_objects, settings, job: _Job) -> bool:
     return True
 
 
-def _patch_neo_dit(p, forge_objects, settings, percent_to_sigma, job: _Job, model_name: str) -> bool:
-    """A DiT in Forge Neo: the family's default (as ComfyUI's ``dit_settings`` auto), or one line saying why not."""
+def _patch_dit(p, forge_objects, settings, percent_to_sigma, job: _Job, model_name: str) -> bool:
+    """A DiT in Forge Neo or lllyasviel's Forge: the family's default (as ComfyUI's ``dit_settings`` auto), or one
+    line saying why not."""
     unet = forge_objects.unet
     why = webui_dit_reuse.why_not(unet, p)
     if why is None and settings.reuse_interval <= 1:

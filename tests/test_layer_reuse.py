@@ -606,6 +606,38 @@ def test_the_span_keeps_a_compact_slope_from_the_size_on(monkeypatch):
     assert whole.slope is None and len(whole.outputs) == 2
 
 
+def test_the_first_block_guard_runs_a_reusing_call_in_full_where_the_span_input_moved():
+    """``first_block_guard`` (a benchmark knob): a reusing call whose span input moved more than the threshold since
+    the last full call (mean |x - x_full| / mean |x_full|) runs in full and records; one that moved less reuses, and
+    without the guard every scheduled reuse happens."""
+    from tome_core.reuse import LayerReuseRun, NoiseSpacedSchedule
+
+    def reuses(guard, inputs):
+        run = LayerReuseRun(NoiseSpacedSchedule(4).for_run(12), 12, 1)
+        run.first_block_guard = guard
+        done = []
+        for step, value in enumerate(inputs):
+            run.begin_call(step, "layout", position=1.0 - step / 12)
+            joined = torch.full((1, 4, 8), value)
+            done.append(run.start_span(joined))
+            if not done[-1]:
+                run.end_span(joined + 1.0)
+            run.end_call()
+        return done, run.guarded_calls
+
+    full = NoiseSpacedSchedule(4).for_run(12).full
+    steady = [1.0] * 12
+    moving = [1.0 + step for step in range(12)]  # moves by 1 a step: 100% and more after a full step
+    unguarded, _ = reuses(None, moving)
+    assert unguarded == [step not in full for step in range(12)]
+    assert reuses(0.05, steady) == (unguarded, 0)  # still: the guard keeps every reuse
+    guarded, turned = reuses(0.05, moving)
+    assert not any(guarded) and turned == sum(unguarded)  # every reusing call moved: all run in full
+    slow = [1.0 + 0.02 * step for step in range(12)]  # 2% a step: the second step after a full one passes 3%
+    guarded, turned = reuses(0.03, slow)
+    assert 0 < turned < sum(unguarded) and all(not g for g, u in zip(guarded, unguarded, strict=True) if not u)
+
+
 def test_a_step_change_curve_counts_as_magcache_and_guards_the_fast_steps():
     """``StepChangeCurve``: MagCache's accumulated error (``acc *= ratio``, ``err += |1 - acc|``, reset at a full
     step), its nearest-step reading for another step count, and the guard that runs a step in full where a

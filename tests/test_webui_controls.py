@@ -207,21 +207,23 @@ def neo_holding(diffusion_model):
 
 
 def test_with_a_dit_loaded_in_neo_the_accordion_shows_what_acts_there(host, monkeypatch):
-    """Forge Neo holding Flux: only the controls that act on the family's default (highres only, stop after, the
-    reuse interval) and a line naming the family; lllyasviel's Forge's Flux (``inner_forward``, generated
-    unchanged) and no model at all show the UNet's controls."""
+    """Forge Neo holding Flux, or lllyasviel's Forge holding Chroma: only the controls that act on the family's
+    default (highres only, stop after, the reuse interval) and a line naming the family; a DiT the registry does
+    not name and no model at all show the UNet's controls."""
     import sys
 
     (fn, options), *_ = dict(zip(webui_args.ARG_NAMES, host.ui(), strict=True))["method"].changes
-    flux = type("IntegratedFluxTransformer2DModel", (torch.nn.Module,), {})()
-    monkeypatch.setitem(sys.modules, "modules.sd_models", neo_holding(flux))
-    for choices in COMBINATIONS:
-        *updates, note = fn(*choices)
-        shown = {n for n, update in zip(webui_args.ARG_NAMES[1:], updates, strict=True) if update["visible"]}
-        assert shown == set(webui_args.DIT_CONTROLS)
-        assert note["visible"] and note["value"].startswith("**Flux** is loaded")
-    forge_flux = type("IntegratedFluxTransformer2DModel", (torch.nn.Module,), {"inner_forward": None})()
-    for held in (neo_holding(forge_flux), neo_holding(None)):
+    neo_flux = type("IntegratedFluxTransformer2DModel", (torch.nn.Module,), {})()
+    forge_chroma = type("IntegratedChromaTransformer2DModel", (torch.nn.Module,), {"inner_forward": None})()
+    for model in (neo_flux, forge_chroma):
+        monkeypatch.setitem(sys.modules, "modules.sd_models", neo_holding(model))
+        for choices in COMBINATIONS:
+            *updates, note = fn(*choices)
+            shown = {n for n, update in zip(webui_args.ARG_NAMES[1:], updates, strict=True) if update["visible"]}
+            assert shown == set(webui_args.DIT_CONTROLS)
+            assert note["visible"] and note["value"].startswith("**Flux** is loaded")
+    krea = type("IntegratedKreaTransformer", (torch.nn.Module,), {})()
+    for held in (neo_holding(krea), neo_holding(None)):
         monkeypatch.setitem(sys.modules, "modules.sd_models", held)
         *updates, note = fn("ToDo", True, "self-attention")
         assert sum(update["visible"] for update in updates) > len(webui_args.DIT_CONTROLS)

@@ -232,16 +232,46 @@ def test_the_highres_pass_gets_its_own_run_on_its_own_clone(host, flux):
     assert_clean(flux)
 
 
-def test_lllyasviels_forge_flux_has_no_block_hook_and_is_generated_unchanged(host, capsys):
-    """Forge's Flux (``inner_forward``, its blocks called directly): no block hook, one line, nothing patched."""
-    forge_flux = neo_host.neo_model("flux", depth=2, depth_single_blocks=2)
-    model = forge_flux.model.diffusion_model
-    model.__class__ = type("IntegratedFluxTransformer2DModel", (type(model),), {"inner_forward": lambda self: None})
-    off, _ = neo_job(host, forge_flux, script_args(enabled=False), steps=12)
-    on, p = neo_job(host, forge_flux, DEFAULTS, steps=12)
-    assert torch.equal(on, off) and not p._tome_patch_job.reuse_runs
-    assert "calls its blocks directly (no block hook; Forge Neo has one)" in capsys.readouterr().out
-    assert_clean(forge_flux)
+@pytest.mark.parametrize("family", ("flux", "chroma"))
+def test_lllyasviels_forge_reuses_on_flux_and_chroma_through_object_patches_of_their_blocks(host, family, monkeypatch):
+    """lllyasviel's Forge: Flux's and Chroma's loops call their blocks directly (``inner_forward``), and its sampler
+    gives the model no list of the pass's sigmas. Each span block's forward is an object patch of the job's clone;
+    the step comes from the WebUI's callbacks and the sigmas from the pass's sampler: the same plan and output as
+    ComfyUI's node on the same weights (to float rounding), nothing left after the job."""
+    forge = neo_host.forge_model(family, depth=2, depth_single_blocks=2)
+    node_classes = comfy_host.load_our_package()
+    made = comfy_host.recorded_plans(monkeypatch)
+    p = neo_host.forge_processing(forge, DEFAULTS, steps=STEPS)
+    out = neo_host.process_images(host, p, family, shape=SHAPE)
+    expected = comfyui_sample(node_classes, forge, family)
+    assert len(made) == 2 and made[0] == made[1]
+    (run,) = p._tome_patch_job.reuse_runs
+    assert run.reused_calls == STEPS - len(made[0]) > 0
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    assert f"Flux ({type(forge.model.diffusion_model).__name__})" in host_said(p)
+    for block in [*forge.model.diffusion_model.double_blocks, *forge.model.diffusion_model.single_blocks]:
+        assert "forward" not in block.__dict__ or block.__dict__["forward"].__func__ is type(block).forward
+    assert_clean(forge)
+
+
+def comfyui_sample(node_classes, model, family):
+    return comfy_host.sample_dit(comfy_host.patch_with_node(node_classes, model), family, SHAPE, steps=STEPS, cfg=1.0)
+
+
+def test_lllyasviels_forge_without_the_samplers_sigmas_plans_by_step(host, monkeypatch):
+    """A Forge sampler that gives no sigmas (its timestep samplers): the plan is spaced by step rather than by noise,
+    still guarded by the family's curve; it reuses and leaves nothing behind."""
+    from tome_core.hosts.shared import dit_families
+
+    forge = neo_host.forge_model("flux", depth=2, depth_single_blocks=2)
+    made = comfy_host.recorded_plans(monkeypatch)
+    p = neo_host.forge_processing(forge, DEFAULTS, steps=STEPS, sampler=object())
+    out = neo_host.process_images(host, p, "flux", shape=SHAPE)
+    (plan,) = made
+    assert plan == dit_families.family("Flux").auto_schedule().for_run(STEPS).full
+    (run,) = p._tome_patch_job.reuse_runs
+    assert run.reused_calls == STEPS - len(plan) > 0 and torch.isfinite(out).all()
+    assert_clean(forge)
 
 
 def test_the_xyz_reuse_interval_axis_turns_the_dit_default_on_and_off(flux):

@@ -61,6 +61,47 @@ NEO_CLASSES = {
 }
 
 
+def forge_model(family: str = "flux", **config):
+    """lllyasviel's Forge's Flux or Chroma (``backend/nn/flux.py``, ``chroma.py``): a loop in ``inner_forward`` that
+    calls each block directly (doubles as ``block(img=, txt=, ...)``, singles with the joined stream first), with
+    no block hook. Here ComfyUI's class under Forge's name with an ``inner_forward``: with no replacement set,
+    ComfyUI's loop calls the blocks the same way."""
+    patcher = comfy_host.tiny_dit(family, **config)
+    base = NEO_CLASSES[family]
+    patcher.model.diffusion_model.__class__ = type(base.__name__, (base,), {"inner_forward": base.forward_orig})
+    return patcher
+
+
+class ForgeSampler:
+    """lllyasviel's Forge's k-diffusion sampler (``modules/sd_samplers_kdiffusion.py``): ``get_sigmas(p, steps)``
+    builds the pass's schedule (here ComfyUI's ``normal``, as the stand-in samples)."""
+
+    def __init__(self, patcher):
+        self.patcher = patcher
+
+    def get_sigmas(self, p, steps):
+        return comfy.samplers.calculate_sigmas(self.patcher.get_model_object("model_sampling"), "normal", steps)
+
+
+class ForgeProcessing(webui_host.Processing):
+    """A job of lllyasviel's Forge: ``p.sampler`` is the pass's sampler object, ``p.sampler_name`` its label."""
+
+    sampler_name = None  # an attribute here, the label (the base class reads it from ``sampler``)
+
+
+def forge_processing(patcher, script_args, steps: int = 28, sampler=None):
+    """A job of lllyasviel's Forge on ``patcher``: as a Neo job but for what its sampler gives the model (no
+    ``sampling_sigmas``; ``backend/sampling/sampling_function.py`` sets ``cond_or_uncond`` and ``sigmas`` only) and
+    ``p.sampler`` (``sampler``: None, Forge's k-diffusion sampler; or another object)."""
+    p = ForgeProcessing(NeoSDModel(patcher), script_args)
+    p.sampler_name = "Euler"
+    p.sampler = ForgeSampler(patcher) if sampler is None else sampler
+    p.scheduler = "Simple"
+    p.neo_steps, p.neo_cfg, p.neo_refiner = steps, 1.0, None
+    p.forge = True
+    return p
+
+
 def neo_model(family: str = "flux", **config):
     """A Neo-like patcher over a small random DiT: ComfyUI's ModelPatcher and classes, under Neo's class names where
     Neo's differ (``NEO_CLASSES``)."""
@@ -133,7 +174,9 @@ def sample(host, p, patcher, family: str, shape, seed: int) -> torch.Tensor:
                     x, None, sigma.expand(batch), i, steps, positive, negative, denoiser
                 )
                 host.fire("cfg_denoiser", params)
-                denoised = _denoise(patcher, family, x, sigma, sigmas, positive, negative, cfg)
+                denoised = _denoise(
+                    patcher, family, x, sigma, sigmas, positive, negative, cfg, getattr(p, "forge", False)
+                )
                 host.fire("cfg_after_cfg", webui_host.AfterCFGCallbackParams(denoised, i, steps))
                 denoiser.step += 1
                 x = x + (x - denoised) / sigma * (sigma_next - sigma)  # k-diffusion's sample_euler
@@ -156,7 +199,7 @@ def _apply_refiner(p, patcher, sigma) -> None:
     patcher.model.diffusion_model.load_state_dict(state_dict)
 
 
-def _denoise(patcher, family, x, sigma, sigmas, positive, negative, cfg: float) -> torch.Tensor:
+def _denoise(patcher, family, x, sigma, sigmas, positive, negative, cfg: float, forge=False) -> torch.Tensor:
     conds = [positive] if cfg == 1.0 else [positive, negative]
     if len(conds) == 2 and positive[0].shape != negative[0].shape:
         raise ValueError("the stand-in batches cond and uncond: give them the same token count")
@@ -172,7 +215,9 @@ def _denoise(patcher, family, x, sigma, sigmas, positive, negative, cfg: float) 
     xs = torch.cat([x] * len(conds))
     timestep = sigma.expand(len(conds))
     options = dict(patcher.model_options.get("transformer_options", {}))
-    options.update(cond_or_uncond=list(range(len(conds))), sigmas=timestep, sampling_sigmas=sigmas)
+    options.update(cond_or_uncond=list(range(len(conds))), sigmas=timestep)
+    if not forge:
+        options["sampling_sigmas"] = sigmas  # Neo's sampler sets it; lllyasviel's Forge's does not
 
     def apply(model_function, call):
         return model_function(call["input"], call["timestep"], **call["c"])

@@ -31,13 +31,14 @@ class _Entry:
     """One batch layout's record: the boundary's outputs at the last two full steps (or the last one and the
     slope between them, packed), every layer's output shape."""
 
-    __slots__ = ("outputs", "shapes", "slope", "step")
+    __slots__ = ("outputs", "shapes", "slope", "step", "span_input")
 
     def __init__(self):
         self.outputs: list[tuple[int, torch.Tensor]] = []  # (step, boundary output), oldest first, at most two
         self.shapes: dict[int, object] = {}
         self.slope: _PackedSlope | None = None  # with one output: the line from the record before it
         self.step = -1  # the run's step of the last record
+        self.span_input: torch.Tensor | None = None  # a DiT's span input at the last full call (first-block guard)
 
     # Both kept out of a compiled graph (torch.compile of the UNet): they compare and weigh the noise levels, which
     # a graph would take as constants and compile again at every step.
@@ -136,6 +137,10 @@ class LayerReuseRun:
         self.layers = layers  # how many inner layers there are; the last one is the boundary
         self.extrapolate = extrapolate
         self.order = 1  # 2: the prediction follows the parabola through the last three full steps
+        # A DiT's reusing call whose span input moved more than this since the last full call runs in full
+        # (``ReuseOptions.first_block_guard``; None: never).
+        self.first_block_guard: float | None = None
+        self.guarded_calls = 0  # reusing calls the first-block guard turned into full ones
         self.entries: dict[object, _Entry] = {}
         self.current: _Call | None = None
         self.last_step = -1
@@ -229,10 +234,24 @@ class LayerReuseRun:
             call.reuse = False
             call.entry.outputs.clear()
             call.entry.shapes.clear()
+        if call.reuse and self.first_block_guard is not None and self._span_input_moved(call.entry, joined_input):
+            self.reused_calls -= 1
+            self.guarded_calls += 1
+            call.reuse = False
         if not call.reuse:
             # A copy: the host may change its tensors in place later in the call (ControlNet residuals).
             call.span_input = joined_input.detach().clone()
+            if self.first_block_guard is not None:
+                call.entry.span_input = call.span_input
         return call.reuse
+
+    def _span_input_moved(self, entry: _Entry, joined_input: torch.Tensor) -> bool:
+        """Whether the span's input moved more than the first-block guard allows since the last full call."""
+        last = entry.span_input
+        if last is None or last.shape != joined_input.shape:
+            return False
+        change = (joined_input.detach() - last).abs().mean() / last.abs().mean().clamp_min(1e-12)
+        return float(change) > self.first_block_guard
 
     def compute_in_full(self) -> None:
         """The call in progress runs every block after all (asked before anything was skipped)."""

@@ -29,6 +29,7 @@ class LayerReuse:
         self.layers = layers  # how many inner layers there are; the last one is the boundary
         self.extrapolate = extrapolate
         self.order = 1  # see ``LayerReuseRun.order``
+        self.first_block_guard: float | None = None  # see ``LayerReuseRun.first_block_guard``
         self._current: LayerReuseRun | None = None
 
     def __deepcopy__(self, memo):
@@ -45,6 +46,7 @@ class LayerReuse:
         run = LayerReuseRun(schedule, steps, self.layers, self.extrapolate if reach is None else reach)
         run.full_below = full_below
         run.order = self.order
+        run.first_block_guard = self.first_block_guard
         return run
 
     def begin_call(self, run: LayerReuseRun, step: int | None, key: object, allowed=True, position=None) -> bool:

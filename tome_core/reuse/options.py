@@ -23,6 +23,9 @@ class ReuseOptions:
     by_sigma: bool | str = True
     # 2: the prediction follows the parabola through the last three full steps.
     order: int = 1
+    # A DiT's reusing call runs in full where the span's input (the first block's output, which every call
+    # computes) has moved more than this since the last full call: mean |x - x_full| / mean |x_full| (None: never).
+    first_block_guard: float | None = None
 
 
 SHIPPED = ReuseOptions()

@@ -424,6 +424,13 @@ def dit_rows(
                 name = f"ours reuse every {interval} from start_percent {start}"
                 settings = {"method": "todo", "downsample_factor": 1.0, "reuse_interval": interval}
                 rows.append(ours(nodes, name, start_percent=start, **settings))
+        # A guard on what every reusing call computes anyway (the first block's output, as First Block Cache
+        # decides): where it moved more than the threshold since the last full call, the call runs in full.
+        for interval in (3, 4, "default"):
+            for guard in (0.05, 0.1, 0.2):
+                name = f"ours reuse {'every ' if interval != 'default' else ''}{interval} + first-block guard {guard}"
+                changes = {"first_block_guard": guard}
+                rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
         for interval in (3, 4, 6, 8):  # the slope in 4 bits, as large caches keep it, forced on the reference
             name = f"ours reuse every {interval} variant slope in 4 bits"
             row = ours(nodes, name, method="todo", downsample_factor=1.0, reuse_interval=interval)
@@ -467,14 +474,23 @@ def dit_peer_rows() -> list[FidelityRow]:
 
 
 def dit_reuse_variant(
-    interval: int, outer=None, extrapolate=None, fixed_intervals=False, full_below=None, warm_up=0.0
+    interval: int | str,
+    outer=None,
+    extrapolate=None,
+    fixed_intervals=False,
+    full_below=None,
+    warm_up=0.0,
+    first_block_guard=None,
 ) -> Callable:
-    """DiT reuse across steps with engine defaults overridden: ``outer`` (blocks run at every call: at the start,
+    """DiT reuse across steps with engine defaults overridden: ``interval`` (every N, or "default": the family's
+    plan, its interval guarded by the real model's curve), ``outer`` (blocks run at every call: at the start,
     at the end), ``extrapolate`` (None: the family's), ``fixed_intervals`` (the UNets' schedule with a tenth of
     the steps full at the start, as shipped before the schedule by noise), ``full_below`` (the noise below which
     every call runs in full, instead of the sampler's rule), ``warm_up`` (the share of the first steps run in full,
-    within the interval's count)."""
+    within the interval's count), ``first_block_guard`` (a reusing call whose first block's output moved more than
+    this since the last full call runs in full)."""
     from tome_core.hosts.comfyui import dit_reuse
+    from tome_core.hosts.shared import dit_families
     from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule
     from tome_core.reuse.options import ReuseOptions
     from tome_core.schedule import NoiseRange
@@ -482,13 +498,17 @@ def dit_reuse_variant(
 
     def patch(model):
         clone = model.clone()
-        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=interval)
-        if fixed_intervals:
+        every = 3 if interval == "default" else interval
+        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=every)
+        if interval == "default":
+            schedule = dit_families.of_model("comfyui", model.model.diffusion_model).auto_schedule()
+        elif fixed_intervals:
             schedule = IntervalSchedule(interval, full_start=0.1)
         else:
             schedule = NoiseSpacedSchedule(interval, warm_up=warm_up)
         noise_range = NoiseRange(0.0, 1.0, lambda p: p)
-        dit_reuse.install(clone, settings, noise_range, options=ReuseOptions(schedule, extrapolate, outer))
+        options = ReuseOptions(schedule, extrapolate, outer, first_block_guard=first_block_guard)
+        dit_reuse.install(clone, settings, noise_range, options=options)
         return clone if full_below is None else dit_peers.with_full_below(clone, full_below)
 
     return patch

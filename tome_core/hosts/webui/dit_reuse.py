@@ -1,12 +1,13 @@
-"""Forge Neo: reuse across steps on DiTs, through the block hook Neo's loops share with ComfyUI's.
+"""Forge Neo and lllyasviel's Forge: reuse across steps on DiTs.
 
 Neo's patcher is ComfyUI's interface (read in Forge Neo neo-2.26's source): the job's clone of
 ``p.sd_model.forge_objects.unet`` takes ``set_model_patch_replace(fn, "dit", block_type, i)``, and Neo's Flux,
-Qwen-Image and Wan loops hand block ``i`` to it (``backend/nn/flux.py`` ``IntegratedFluxTransformer2DModel.
-forward_orig``, ...) as ComfyUI's do (``hosts.shared.dit_block_hook``). Z-Image / Lumina 2 (``NextDiT``), whose
-loop has no hook, get an object patch on each span layer's ``forward`` (applied while Neo has the clone loaded, as
-ComfyUI's door injects them). Families the registry does not name for Neo (Anima, Chroma) are left alone, with one
-line saying so.
+Chroma, Qwen-Image and Wan loops hand block ``i`` to it (``backend/nn/flux.py`` ``IntegratedFluxTransformer2DModel.
+forward_orig``, ...) as ComfyUI's do (``hosts.shared.dit_block_hook``). Z-Image / Lumina 2 (``NextDiT``) and Anima
+(``MiniTrainDIT``), whose loops have no hook, get an object patch on each span block's ``forward`` (applied while
+Neo has the clone loaded, as ComfyUI's door injects them). lllyasviel's Forge (dfdcbab6) runs Flux and Chroma with
+no hook (``inner_forward`` calls each block directly): the same object patches there (``ForgeSpanForward``, which
+reads the blocks' keyword streams). Families the registry does not name for the host are left alone, with one line.
 
 What runs: the family's default, as ComfyUI's ``dit_settings`` "auto" (``hosts.shared.dit_families``): reuse across
 steps at the family's interval, guarded by the real model's published curve, without ToDo. One ``PassDitReuse`` per
@@ -14,10 +15,12 @@ sampling pass, made in ``process_before_every_sampling`` on the pass's clone (Ne
 the highres pass) and finished at the next pass, at the end of the job, after an error and when a model is loaded.
 
 Where a call begins and ends: an object patch on the diffusion model's ``forward`` (``DitCallBoundary``), set when
-Neo loads the clone and undone when it unloads it, as on Forge's UNets. The step of a call comes from its noise
+the host loads the clone and undone when it unloads it, as on Forge's UNets. The step of a call comes from its noise
 level: ``transformer_options["sigmas"]`` among ``transformer_options["sampling_sigmas"]`` (set by Neo's
 ``modules/sd_samplers_kdiffusion.py``), not from counting calls, so a sampler's extra calls (Heun) or a cache that
-skips calls cannot shift it; the batch layout from ``cond_or_uncond`` (cond and uncond batched or apart, or one
+skips calls cannot shift it. lllyasviel's Forge sets no ``sampling_sigmas``: there the step comes from the WebUI's
+``cfg_denoiser`` callbacks (as on its UNets) and the pass's sigmas from its sampler (``sampler_sigmas``), checked
+against the call's own; the batch layout from ``cond_or_uncond`` (cond and uncond batched or apart, or one
 call at CFG 1). Where Neo's refiner takes over mid-pass (Wan 2.2's two experts: the low-noise one loaded into the
 same model), the second model starts a run of its own. A call with a ControlNet, one off the schedule, and every
 call while another whole-model wrapper (``model_function_wrapper``: Neo's Spectrum, which forecasts whole steps) is
@@ -66,6 +69,7 @@ class PassDitReuse(PassReuse):
         self.run_sigmas: list[float] | None = None
         self.warned: set[str] = set()
         self.refiner = _refiner_of(p)  # the refiner the job has switched to (None: none yet)
+        self.forge_sigmas: tuple | None = None  # lllyasviel's Forge: (steps, the pass's sigmas or None)
 
     def say_once(self, what: str) -> None:
         if what not in self.warned:
@@ -97,7 +101,10 @@ class PassDitReuse(PassReuse):
             return
         sigma = _largest(options.get("sigmas"))
         sigmas = call_sigmas(options.get("sampling_sigmas"))
-        step = step_of(sigmas, sigma) if sigmas and sigma is not None else None
+        if sigmas:
+            step, steps = (step_of(sigmas, sigma) if sigma is not None else None), len(sigmas)
+        else:  # lllyasviel's Forge hands the model no list of the pass's sigmas
+            step, steps, sigmas = self._forge_step(sigma)
         if step is None:  # not a call of this pass's schedule: it runs in full, and the cache goes
             self._drop_run()
             return
@@ -107,17 +114,92 @@ class PassDitReuse(PassReuse):
             self.say_once(f"the refiner {refiner!r} took over; it starts a run of its own")
             self._drop_run()
             self.run = None
-        if self.run is None or self.run_sigmas != sigmas:
-            self.run = self.new_run(len(sigmas), sigmas, self.full_below)
-            self.run_sigmas = sigmas
+        if self.run is None or self.run_sigmas != (steps, sigmas):
+            self.run = self.new_run(steps, sigmas, self.full_below)
+            self.run_sigmas = (steps, sigmas)
         layout = options.get("cond_or_uncond")
         key = (None if layout is None else tuple(layout), tuple(x.shape), x.dtype)
         allowed = self.noise_range.contains(sigma) and sigma >= self.run.full_below
         self.begin_call(self.run, step, key, allowed=allowed, position=sigma)
 
+    def _forge_step(self, sigma) -> tuple[int | None, int, list[float] | None]:
+        """(step, steps, the pass's sigmas or None) in lllyasviel's Forge: the step from the WebUI's
+        ``cfg_denoiser`` callbacks (``PassReuse.on_cfg_denoiser``), the sigmas from the pass's sampler where it
+        gives them and the call's sigma is the one at its step (else None: the plan is spaced by step)."""
+        if self.step is None:
+            return None, 0, None
+        step, steps = self.step
+        if self.forge_sigmas is None or self.forge_sigmas[0] != steps:
+            self.forge_sigmas = (steps, sampler_sigmas(self.p, steps))
+        sigmas = self.forge_sigmas[1]
+        if sigmas is not None and (sigma is None or step_of(sigmas, sigma) != step):
+            sigmas = None
+        return step, steps, sigmas
+
     def _drop_run(self) -> None:
         if self.run is not None:
             self.run.begin_call(None, None)
+
+
+def sampler_sigmas(p, steps: int) -> list[float] | None:
+    """The sigmas of the model calls of a pass of ``steps`` steps, from the pass's sampler (lllyasviel's Forge:
+    ``p.sampler.get_sigmas(p, n)`` of its k-diffusion samplers, ``modules/sd_samplers_kdiffusion.py``, which
+    builds the schedule the pass samples; img2img and the highres pass sample its last ``steps``), or None where
+    the sampler gives none (its timestep samplers: DDIM, UniPC). Tried with the pass's own step count and the
+    job's; the caller checks the call's sigma against the result."""
+    get_sigmas = getattr(getattr(p, "sampler", None), "get_sigmas", None)
+    if get_sigmas is None:
+        return None
+    counts = (steps, getattr(p, "hr_second_pass_steps", 0), getattr(p, "steps", 0))
+    for count in dict.fromkeys(n for n in counts if isinstance(n, int) and n >= steps):
+        try:
+            sigmas = call_sigmas(get_sigmas(p, count))
+        except Exception:  # a sampler that cannot give them here: the plan is spaced by step
+            return None
+        if len(sigmas) >= steps:
+            return sigmas[len(sigmas) - steps :]
+    return None
+
+
+class ForgeSpanForward(SpanForward):
+    """lllyasviel's Forge's Flux and Chroma (``backend/nn/flux.py``, ``chroma.py`` ``inner_forward``): the instance
+    ``forward`` of one span block, which the loop calls directly: a double block as ``block(img=, txt=, ...)``
+    returning ``(img, txt)``, a single block with the joined stream (text then image tokens) first, returning it."""
+
+    def __call__(self, *args, **kwargs):
+        hooks = self.owner
+        run = hooks.layer_run()
+        if run is None or run.current is None:
+            return self.original(*args, **kwargs)
+        if "txt" in kwargs and "img" in kwargs:  # a double block
+            streams = {"txt": kwargs["txt"], "img": kwargs["img"]}
+
+            def streams_of(out):
+                return {"txt": out[1], "img": out[0]}
+
+            def pack(passed):
+                return passed["img"], passed["txt"]
+
+        elif args:  # a single block: the joined stream
+            streams = {"txt": None, "img": args[0]}
+
+            def streams_of(out):
+                return {"txt": None, "img": out}
+
+            def pack(passed):
+                return passed["img"]
+
+        else:
+            return self.original(*args, **kwargs)
+        return run.span_block(
+            first=self.index == 0,
+            last=self.index == len(hooks.keys) - 1,
+            streams=streams,
+            run_block=lambda: self.original(*args, **kwargs),
+            streams_of=streams_of,
+            in_full=lambda: False,
+            pack=pack,
+        )
 
 
 def _refiner_of(p):
@@ -149,17 +231,31 @@ class DitCallBoundary(CallBoundary):
         return super().__call__(x, *args, **kwargs)
 
 
+def is_lllyasviels_forge(model) -> bool:
+    """lllyasviel's Forge's DiTs (``backend/nn/flux.py``, ``chroma.py``) loop over their blocks in ``inner_forward``,
+    calling them directly; Neo's hand them to the block hook."""
+    return hasattr(model, "inner_forward")
+
+
+def family_of(model) -> dit_families.DitFamily | None:
+    """The family record of a Forge Neo or lllyasviel's Forge diffusion model (None: one the registry does not name
+    for that host)."""
+    if model is None:
+        return None
+    return dit_families.of_model("forge" if is_lllyasviels_forge(model) else "neo", model)
+
+
 def why_not(patcher, p) -> str | None:
     """Why reuse does not run on the DiT of ``patcher`` for job ``p`` (None: it does)."""
     model = getattr(getattr(patcher, "model", None), "diffusion_model", None)
-    record = dit_families.of_model("neo", model) if model is not None else None
+    forge = is_lllyasviels_forge(model)
+    record = family_of(model)
     if record is None:
-        return f"{type(model).__name__} is no DiT family this patch knows in Forge Neo"
-    if hasattr(model, "inner_forward"):  # lllyasviel's Forge (backend/nn/flux.py, chroma.py): blocks called directly
-        return f"{record.name}'s loop in this Forge calls its blocks directly (no block hook; Forge Neo has one)"
+        return f"{type(model).__name__} is no DiT family this patch knows in {'this Forge' if forge else 'Forge Neo'}"
     if layout_named(record.name) is None:
         return f"{record.name} has no block layout in this patch"
-    if not (hasattr(patcher, "set_model_patch_replace") and hasattr(patcher, "add_object_patch")):
+    needs = ("add_object_patch",) if forge else ("set_model_patch_replace", "add_object_patch")
+    if not all(hasattr(patcher, name) for name in needs):
         return "this Forge has no block replacements on its patcher"
     sampler, scheduler = getattr(p, "sampler_name", None), getattr(p, "scheduler", None)
     if not keeps_the_picture_with(sampler, scheduler, dit=True):
@@ -174,7 +270,8 @@ def install_neo(patcher, settings, p, percent_to_sigma) -> PassDitReuse | None:
     if why_not(patcher, p) is not None:
         return None
     model = patcher.model.diffusion_model
-    record = dit_families.of_model("neo", model)
+    forge = is_lllyasviels_forge(model)
+    record = family_of(model)
     layout = layout_named(record.name)
     keys = block_keys(model, layout)
     first, last = DIT_OUTER_BLOCKS
@@ -190,7 +287,13 @@ def install_neo(patcher, settings, p, percent_to_sigma) -> PassDitReuse | None:
     full_below = full_below_noise(getattr(p, "sampler_name", None))
     owner = PassDitReuse(p, patcher, record, span, layout.streams, noise_range, full_below)
     patches = getattr(patcher, "object_patches", None) or {}
-    if layout.hook == "dit":
+    if forge:  # its loop calls the blocks directly: each span block's forward, an object patch of this clone
+        lists = dict(layout.lists)
+        for position, (block_type, index) in enumerate(span):
+            name = f"diffusion_model.{lists[block_type]}.{index}.forward"
+            layer = getattr(model, lists[block_type])[index]
+            patcher.add_object_patch(name, ForgeSpanForward(owner, position, layer, patches.get(name)))
+    elif layout.hook == "dit":
         replaced = replacements(patcher)
         for position, (block_type, index) in enumerate(span):
             block = SpanBlock(owner, position, replaced.get((block_type, index)))

@@ -12,10 +12,10 @@ event alike (the WebUI's paste-back of generation parameters), and once when the
 the controls on values saved in ui-config.json). ``gr.update(visible=...)``, ``change``, the page's ``load`` and
 every constructor argument used here exist in gradio 3.41 (WebUI v1.10.1) and gradio 4 (Forge) alike.
 
-With a DiT loaded in Forge Neo, the script runs the family's default (reuse across steps, no ToDo): the accordion
-then shows the controls that act there (``webui_args.DIT_CONTROLS``) and a line naming the family. The loaded model
-is read when the page loads, when the accordion is ticked and at every choice (a model switched later shows at the
-next of these).
+With a DiT loaded in Forge Neo or lllyasviel's Forge, the script runs the family's default (reuse across steps, no
+ToDo): the accordion then shows the controls that act there (``webui_args.DIT_CONTROLS``) and a line naming the
+family. The loaded model is read when the page loads, when the accordion is ticked and at every choice (a model
+switched later shows at the next of these).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from ..shared import dit_families
 from .args import ARG_NAMES, ARGS, VISIBILITY_INPUTS, controls_shown_on
+from .dit_reuse import family_of
 
 # Controls shown outside the "Advanced" accordion, in ARGS order.
 MAIN = ("method", "ratio", "downsample_factor", "hr_same", "hr_ratio", "hr_downsample_factor", "hr_only")
@@ -97,15 +97,14 @@ def _page_being_built():
 
 
 def loaded_dit_family() -> str | None:
-    """The DiT family whose default the script runs on the model the WebUI holds (Forge Neo), or None (a UNet, no
-    model yet, or a DiT it leaves alone). Reads ``modules.sd_models.model_data.sd_model``, never loading a model."""
+    """The DiT family whose default the script runs on the model the WebUI holds (Forge Neo, lllyasviel's Forge),
+    or None (a UNet, no model yet, or a DiT it leaves alone). Reads ``modules.sd_models.model_data.sd_model``,
+    never loading a model."""
     sd_models = sys.modules.get("modules.sd_models")
     sd_model = getattr(getattr(sd_models, "model_data", None), "sd_model", None)
     unet = getattr(getattr(sd_model, "forge_objects", None), "unet", None)
     model = getattr(getattr(unet, "model", None), "diffusion_model", None)
-    if model is None or hasattr(model, "inner_forward"):  # lllyasviel's Forge: its DiTs are generated unchanged
-        return None
-    record = dit_families.of_model("neo", model)
+    record = family_of(model)
     return record.name if record is not None else None
 
 
