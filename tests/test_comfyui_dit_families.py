@@ -1,8 +1,8 @@
 """The DiTs added since Flux.1 and Wan 2.1, in real ComfyUI with tiny random-weight models of each family's own
-class (``hosts/comfy_host.py``, ``DIT_TINY``): reuse across steps through the one door (``dit_block_hook.LAYOUTS``, a
-row per family) on Flux.2, Qwen-Image, HunyuanVideo 1.5, LTX-Video and Chroma Radiance; the families that hand no
-block to ComfyUI's block hook get it through an instance forward of each span block (Lumina 2, Z-Image, Cosmos
-Predict2 and Anima) or pass through unchanged, with the reason in the log (HiDream, OmniGen2)."""
+class (``hosts/comfy_host.py``, ``DIT_TINY``): reuse across steps through the one door (each family's
+``BlockLayout`` in its registry record) on Flux.2, Qwen-Image, HunyuanVideo 1.5, LTX-Video and Chroma Radiance; the
+families that hand no block to ComfyUI's block hook get it through an instance forward of each span block (Lumina 2,
+Z-Image, Cosmos Predict2 and Anima) or pass through unchanged, with the reason in the log (HiDream, OmniGen2)."""
 
 from __future__ import annotations
 

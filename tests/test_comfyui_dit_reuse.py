@@ -344,7 +344,7 @@ def test_the_log_says_what_was_computed(node_classes, dits, caplog):
 def test_variants_that_add_between_blocks_are_not_reused(name):
     """VACE adds hints between blocks, which a skipped span would count twice; S2V, HuMo and Animate add inputs of
     their own between blocks; Z-Image, HiDream, Cosmos and OmniGen2 have no block hook: no span there (Wan's
-    variants still get ToDo), and the log has the reason. Each derives from a class ``LAYOUTS`` knows, or has
+    variants still get ToDo), and the log has the reason. Each derives from a class the registry knows, or has
     blocks of the names it would look for."""
     wan = type("WanModel", (torch.nn.Module,), {"blocks": [1, 2, 3, 4]})
     assert dit_reuse.block_keys(wan()) is not None

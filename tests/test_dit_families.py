@@ -56,13 +56,17 @@ def test_a_host_the_registry_does_not_know_is_an_error():
 
 
 def test_every_hosts_door_reads_its_families_from_the_registry():
-    """The block hook's layouts (ComfyUI's and Neo's) are one per registry family; every diffusers transformer
-    class with a layout or ToDo processors belongs to the family the registry names for it."""
+    """Every family with ComfyUI classes has its block layout in its record (the block hook's, ComfyUI's and
+    Neo's), found by the record's names; every diffusers transformer class with a layout or ToDo processors belongs
+    to the family the registry names for it."""
     from tome_core.hosts.shared import dit_block_hook
 
     records = {family.name: family for family in dit_families.FAMILIES}
-    layouts = [layout.family for layout in dit_block_hook.LAYOUTS]
-    assert sorted(layouts) == sorted(name for name in records if records[name].comfyui)
+    for record in records.values():
+        assert (record.blocks is not None) == bool(record.comfyui), record.name
+        for name in (record.name, *record.aliases):
+            assert dit_block_hook.layout_named(name) is record.blocks
+    assert dit_block_hook.layout_named("a family no record has") is None
     for class_name, layout in diffusers_dit_reuse.LAYOUTS.items():
         assert class_name in dit_families.family(layout.name).diffusers, class_name
     assert set(dit_attention.PROCESSORS) <= set(records)

@@ -6,16 +6,16 @@ plus its residual (output minus input) predicted from the last full calls (the e
 ``LayerReuseRun.start_span`` / ``predicted_span_output``, the UNets' prediction). Which calls run in full:
 ``NoiseSpacedSchedule``, one step in ``reuse_interval``, spaced evenly in the run's sigmas.
 
-Hook point (checked in ComfyUI 0.3.75; 0.8.0 the same): the forward loop of every family in ``LAYOUTS`` hands
+Hook point (checked in ComfyUI 0.3.75; 0.8.0 the same): the forward loop of every family with a block layout hands
 block ``i`` to ``transformer_options["patches_replace"]["dit"][(block_type, i)]`` when that key is set, with the
 block's inputs as a dict and ``{"original_block": ...}``, and reads the block's outputs back from the dict it
 returns. The patch sets such a replacement (``SpanBlock``) on every block of the span, on the clone's options
-only, wrapping a replacement another node put there before. A family is one row of ``LAYOUTS``: its block lists,
-the streams a block passes on and the order the model joins them in, and whether its last block must run. The
-argument names of each family's dict (``attention_mask`` or ``attn_mask``, ``vec`` as a tensor or Flux.2's tuple
-of modulations) never matter: a span block passes the dict on or runs the original block with it, and reads and
-writes only the streams. Families that hand no block to the hook, or add inputs between blocks outside it, are in
-``NO_REUSE`` with the reason the log gives.
+only, wrapping a replacement another node put there before. A family's layout is part of its registry record: its
+block lists, the streams a block passes on and the order the model joins them in, and whether its last block must
+run. The argument names of each family's dict (``attention_mask`` or ``attn_mask``, ``vec`` as a tensor or
+Flux.2's tuple of modulations) never matter: a span block passes the dict on or runs the original block with it,
+and reads and writes only the streams. Families that hand no block to the hook, or add inputs between blocks
+outside it, are in ``NO_REUSE`` with the reason the log gives.
 
 The sampling run, the step of each call and the batch layout come from the same wrappers as on the UNets
 (``layer_reuse.LayerReuseHooks``). A call computes every block (and records) where a step cache, a ControlNet,
@@ -36,7 +36,6 @@ from ...reuse.options import SHIPPED, ReuseOptions
 from ..shared import dit_families
 from ..shared.dit_block_hook import (
     PATCH_NAME,
-    BlockLayout,
     SpanBlock,
     SpanForward,
     layout_named,
@@ -44,6 +43,7 @@ from ..shared.dit_block_hook import (
 )
 from ..shared.dit_block_hook import block_keys as hook_block_keys
 from ..shared.dit_block_hook import replacements as _replacements
+from ..shared.dit_families import BlockLayout
 from .dit import class_names
 from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerInjection, LayerReuseHooks
 
@@ -52,7 +52,7 @@ log = logging.getLogger("tome_patch")
 INJECTION_KEY = "tome_patch_dit_reuse"  # the span's forwards of a family without a block hook
 
 
-# Families that run every block, and why (the log says it). Checked before ``LAYOUTS``: most derive from a class
+# Families that run every block, and why (the log says it). Checked before the registry: most derive from a class
 # there.
 NO_REUSE = {
     "VaceWanModel": "VACE adds its hints between blocks, outside the block hook, which a skipped span would miss",

@@ -3,76 +3,27 @@
 
 Both hosts' loops (ComfyUI 0.3.75 / 0.8.0 ``comfy/ldm``; Forge Neo neo-2.26 ``backend/nn``, a port of ComfyUI's)
 hand block ``i`` to that key when it is set, with the block's inputs as a dict and ``{"original_block": ...}``,
-and read the block's outputs back from the dict it returns. A family is one row of ``LAYOUTS`` (by the family
-registry's name): its block lists, the streams a block passes on and the order the model joins them in, whether its
-last block must run, and whether the host's loop has the hook at all. The argument names of each family's dict
-never matter: a span block passes the dict on or runs the original block with it, and reads and writes only the
-streams.
+and read the block's outputs back from the dict it returns. A family's ``BlockLayout`` is part of its registry
+record (``dit_families``): its block lists, the streams a block passes on and the order the model joins them in,
+whether its last block must run, and whether the host's loop has the hook at all. The argument names of each
+family's dict never matter: a span block passes the dict on or runs the original block with it, and reads and
+writes only the streams.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ...reuse import SkippableLayer
+from . import dit_families
+from .dit_families import BlockLayout
 
 PATCH_NAME = "dit"  # transformer_options["patches_replace"]["dit"]
 BLOCK_PATCHES = ("double_block", "single_block")  # transformer_options["patches"]: run after each block
 
 
-@dataclass(frozen=True)
-class BlockLayout:
-    """How one DiT family hands its blocks to ``patches_replace["dit"]``: a row of ``LAYOUTS``, not a class."""
-
-    family: str  # the family registry's name (``dit_families``): the layout of its ComfyUI classes
-    lists: tuple[tuple[str, str], ...]  # (block type, attribute of the block list), in call order
-    # The streams each block passes on, in the order the model joins them where its single blocks take one joined
-    # stream (Flux ``cat((txt, img))``, HunyuanVideo ``cat((img, txt))``). Not a stream: the text a block only
-    # reads (Wan's and LTX-Video's ``txt``).
-    streams: tuple[str, ...]
-    last_block_runs: bool = False  # the last block runs at every call (SD3's returns no text stream)
-    # How the door reaches the blocks: "dit", the block hook (``patches_replace["dit"]``); "forward", for a family
-    # whose loop hands no block to the hook: each span block gets an instance ``forward`` while the patcher has the
-    # model loaded (a patcher injection, as the UNets' layer reuse), whose first positional argument is the one
-    # stream and whose return value the stream after the block.
-    hook: str = "dit"
-
-
-# Every family whose blocks reuse can skip: a row per family of the registry (its ComfyUI and Neo classes lay out
-# their blocks alike; checked in ComfyUI 0.3.75 and 0.8.0, Neo's Flux in neo-2.26).
-LAYOUTS = (
-    # Flux.1, Flux.2 (the same class with global modulation: its ``vec`` is a tuple, which passes through),
-    # Kontext (reference tokens after the image, in the same stream), Chroma and Chroma Radiance (Flux's blocks;
-    # Radiance's pixel-space head runs after them, at every call).
-    BlockLayout(
-        "Flux",
-        (("double_block", "double_blocks"), ("single_block", "single_blocks")),
-        ("txt", "img"),
-    ),
-    BlockLayout("SD3", (("double_block", "joint_blocks"),), ("txt", "img"), last_block_runs=True),
-    BlockLayout("Wan", (("double_block", "blocks"),), ("img",)),
-    # Qwen-Image and Qwen-Image Edit (its reference latents are tokens of the image stream); blocks return
-    # ``(txt, img)``, which the hook's ``block_wrap`` turns into the dict.
-    BlockLayout("Qwen-Image", (("double_block", "transformer_blocks"),), ("txt", "img")),
-    # HunyuanVideo 1.0 and 1.5, HunyuanImage 2.1: image before text in the joined stream of the single blocks.
-    BlockLayout(
-        "HunyuanVideo",
-        (("double_block", "double_blocks"), ("single_block", "single_blocks")),
-        ("img", "txt"),
-    ),
-    BlockLayout("LTX-Video", (("double_block", "transformer_blocks"),), ("img",)),
-    # Lumina 2 and Z-Image (``NextDiT``): no block hook, one joined stream of caption and image tokens through
-    # ``layers`` (called as ``layer(x, mask, freqs_cis, adaln_input, transformer_options=...)``); the context and
-    # noise refiners before them run at every call.
-    BlockLayout("Lumina 2", (("layer", "layers"),), ("img",), hook="forward"),
-    # Cosmos Predict2 and Anima (``MiniTrainDIT``): no block hook, one stream of (batch, frames, h, w, channels)
-    # tokens through ``blocks`` (called as ``block(x, t_embedding, crossattn_emb, **block_kwargs)``).
-    BlockLayout("Cosmos Predict2", (("layer", "blocks"),), ("img",), hook="forward"),
-)
-
-
 def layout_named(family: str) -> BlockLayout | None:
-    return next((layout for layout in LAYOUTS if layout.family == family), None)
+    """The block layout of the family a host door calls ``family`` (its registry record's), or None."""
+    record = dit_families.family(family)
+    return record.blocks if record is not dit_families.OTHER else None
 
 
 def block_keys(diffusion_model, layout: BlockLayout) -> list[tuple[str, int]] | None:

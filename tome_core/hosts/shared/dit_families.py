@@ -10,13 +10,32 @@ the real models' curves").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...reuse.plans import DEFAULT_EXTRAPOLATE
 from ...reuse.schedules import StepChangeCurve, StepCountSchedule
 from . import step_change_curves as published
 
 HOSTS = ("comfyui", "diffusers", "neo", "forge")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How a family's ComfyUI and Forge Neo classes lay out and call their blocks (``dit_block_hook`` reaches them
+    by it); part of the family's record."""
+
+    lists: tuple[tuple[str, str], ...]  # (block type, attribute of the block list), in call order
+    # The streams each block passes on, in the order the model joins them where its single blocks take one joined
+    # stream (Flux ``cat((txt, img))``, HunyuanVideo ``cat((img, txt))``). Not a stream: the text a block only
+    # reads (Wan's and LTX-Video's ``txt``).
+    streams: tuple[str, ...]
+    last_block_runs: bool = False  # the last block runs at every call (SD3's returns no text stream)
+    # How a door reaches the blocks: "dit", the block hook (``patches_replace["dit"]``); "forward", for a family
+    # whose loop hands no block to the hook: each span block gets an instance ``forward`` while the patcher has the
+    # model loaded (a patcher injection, as the UNets' layer reuse), whose first positional argument is the one
+    # stream and whose return value the stream after the block.
+    hook: str = "dit"
+    family: str = ""  # the record's name (set by the record)
 
 
 @dataclass(frozen=True)
@@ -39,6 +58,12 @@ class DitFamily:
     # full wherever reuse would accumulate more error on it (None: the noise-spaced plan alone).
     curve: StepChangeCurve | None = None
     curve_of: str = ""  # whose curve it is, for the log and the docs
+    # How its ComfyUI and Neo classes lay out their blocks (None: reuse cannot reach them).
+    blocks: BlockLayout | None = None
+
+    def __post_init__(self):
+        if self.blocks is not None and self.blocks.family != self.name:
+            object.__setattr__(self, "blocks", replace(self.blocks, family=self.name))
 
     def classes(self, host: str) -> tuple[str, ...]:
         if host not in HOSTS:
@@ -71,24 +96,36 @@ FAMILIES = (
         comfyui=("Flux", "Chroma"), diffusers=("FluxTransformer2DModel", "Flux2Transformer2DModel"),
         neo=("IntegratedFluxTransformer2DModel", "IntegratedChromaTransformer2DModel"),
         forge=("IntegratedFluxTransformer2DModel", "IntegratedChromaTransformer2DModel"),
+        # Flux.1, Flux.2 (the same class with global modulation: its ``vec`` is a tuple, which passes through),
+        # Kontext (reference tokens after the image, in the same stream), Chroma and Chroma Radiance (Flux's
+        # blocks; Radiance's pixel-space head runs after them, at every call).
+        blocks=BlockLayout((("double_block", "double_blocks"), ("single_block", "single_blocks")), ("txt", "img")),
     ),
     DitFamily(
         "SD3", auto_intervals=((0, 3), (40, 4)), curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)",
         comfyui=("MMDiT",), diffusers=("SD3Transformer2DModel",),
+        blocks=BlockLayout((("double_block", "joint_blocks"),), ("txt", "img"), last_block_runs=True),
     ),
     DitFamily(
         "Qwen-Image", auto_intervals=((0, 3), (40, 4)), extrapolate=1.0, curve=QWEN_IMAGE_CURVE, curve_of="Qwen-Image",
         comfyui=("QwenImageTransformer2DModel",), diffusers=("QwenImageTransformer2DModel",),
         neo=("QwenImageTransformer2DModel",),
+        # Qwen-Image and Edit (its reference latents are tokens of the image stream); blocks return ``(txt, img)``,
+        # which the hook's ``block_wrap`` turns into the dict.
+        blocks=BlockLayout((("double_block", "transformer_blocks"),), ("txt", "img")),
     ),
     DitFamily(
         "Lumina 2", aliases=("Z-Image",), auto_intervals=((0, 3), (40, 4)), todo_min_image_tokens=2304,
         curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)",
         comfyui=("NextDiT",), diffusers=("ZImageTransformer2DModel",), neo=("NextDiT",),
+        # No block hook: one joined stream of caption and image tokens through ``layers`` (called as
+        # ``layer(x, mask, freqs_cis, adaln_input, ...)``); the refiners before them run at every call.
+        blocks=BlockLayout((("layer", "layers"),), ("img",), hook="forward"),
     ),
     DitFamily(
         "Wan", auto_intervals=((0, 5),), curve=WAN_CURVE, curve_of="Wan 2.1 T2V 14B",
         comfyui=("WanModel",), diffusers=("WanTransformer3DModel",), neo=("WanModel",),
+        blocks=BlockLayout((("double_block", "blocks"),), ("img",)),
     ),
     # Cosmos Predict2 and Anima (an image model trained from Cosmos Predict2 2B; ComfyUI's and Neo's Anima classes
     # derive from ``MiniTrainDIT``): no reference and no published curve, so an image DiT's (Flux's) interval and
@@ -97,15 +134,21 @@ FAMILIES = (
         "Cosmos Predict2", aliases=("Anima",), auto_intervals=((0, 3), (40, 4)),
         curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family: an image DiT)",
         comfyui=("MiniTrainDIT",), neo=("MiniTrainDIT",),
+        # No block hook: one stream of (batch, frames, h, w, channels) tokens through ``blocks`` (called as
+        # ``block(x, t_embedding, crossattn_emb, **block_kwargs)``).
+        blocks=BlockLayout((("layer", "blocks"),), ("img",), hook="forward"),
     ),
     DitFamily(
         "HunyuanVideo", auto_intervals=((0, 4),), curve=HUNYUAN_VIDEO_CURVE, curve_of="HunyuanVideo",
         comfyui=("HunyuanVideo",), diffusers=("HunyuanVideo15Transformer3DModel",),
+        # HunyuanVideo 1.0 and 1.5, HunyuanImage 2.1: image before text in the single blocks' joined stream.
+        blocks=BlockLayout((("double_block", "double_blocks"), ("single_block", "single_blocks")), ("img", "txt")),
     ),
     DitFamily(
         "LTX-Video", auto_intervals=((0, 4),), todo_min_image_tokens=4096,
         curve=HUNYUAN_VIDEO_CURVE, curve_of="HunyuanVideo (nearest family)",
         comfyui=("LTXVModel",), diffusers=("LTXVideoTransformer3DModel",),
+        blocks=BlockLayout((("double_block", "transformer_blocks"),), ("img",)),
     ),
 )  # fmt: skip
 # A DiT no record names (a family a host door knows before it has a record): Flux's interval and curve.
