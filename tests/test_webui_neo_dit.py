@@ -258,14 +258,24 @@ def comfyui_sample(node_classes, model, family):
     return comfy_host.sample_dit(comfy_host.patch_with_node(node_classes, model), family, SHAPE, steps=STEPS, cfg=1.0)
 
 
-def test_lllyasviels_forge_without_the_samplers_sigmas_plans_by_step(host, monkeypatch):
-    """A Forge sampler that gives no sigmas (its timestep samplers): the plan is spaced by step rather than by noise,
-    still guarded by the family's curve; it reuses and leaves nothing behind."""
+class OtherSchedule(neo_host.ForgeSampler):
+    """A sampler whose ``get_sigmas`` is not the schedule the pass samples."""
+
+    def get_sigmas(self, p, steps):
+        return super().get_sigmas(p, steps) * 1.1
+
+
+@pytest.mark.parametrize("sampler", ("none", "another schedule"))
+def test_lllyasviels_forge_without_the_samplers_sigmas_plans_by_step(host, sampler, monkeypatch):
+    """A Forge sampler that gives no sigmas (its timestep samplers), or sigmas the pass's calls do not have: the
+    plan is spaced by step rather than by noise, still guarded by the family's curve; it reuses and leaves nothing
+    behind."""
     from tome_core.hosts.shared import dit_families
 
     forge = neo_host.forge_model("flux", depth=2, depth_single_blocks=2)
     made = comfy_host.recorded_plans(monkeypatch)
-    p = neo_host.forge_processing(forge, DEFAULTS, steps=STEPS, sampler=object())
+    given = object() if sampler == "none" else OtherSchedule(forge)
+    p = neo_host.forge_processing(forge, DEFAULTS, steps=STEPS, sampler=given)
     out = neo_host.process_images(host, p, "flux", shape=SHAPE)
     (plan,) = made
     assert plan == dit_families.family("Flux").auto_schedule().for_run(STEPS).full

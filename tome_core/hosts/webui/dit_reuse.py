@@ -123,18 +123,23 @@ class PassDitReuse(PassReuse):
         self.begin_call(self.run, step, key, allowed=allowed, position=sigma)
 
     def _forge_step(self, sigma) -> tuple[int | None, int, list[float] | None]:
-        """(step, steps, the pass's sigmas or None) in lllyasviel's Forge: the step from the WebUI's
-        ``cfg_denoiser`` callbacks (``PassReuse.on_cfg_denoiser``), the sigmas from the pass's sampler where it
-        gives them and the call's sigma is the one at its step (else None: the plan is spaced by step)."""
+        """(step, steps, the pass's sigmas or None) in lllyasviel's Forge, where the sampler hands the model no
+        list of the pass's sigmas: they come from the pass's sampler (``sampler_sigmas``), kept for the pass where
+        its first call's sigma is among them, and then the step from each call's noise level as in Neo (a second
+        order sampler's extra calls fall on the next step's sigma or off the schedule). Without them, the step
+        from the WebUI's ``cfg_denoiser`` callbacks (``PassReuse.on_cfg_denoiser``) and a plan spaced by step."""
         if self.step is None:
             return None, 0, None
         step, steps = self.step
         if self.forge_sigmas is None or self.forge_sigmas[0] != steps:
-            self.forge_sigmas = (steps, sampler_sigmas(self.p, steps))
+            sigmas = sampler_sigmas(self.p, steps)
+            if sigmas is not None and (sigma is None or step_of(sigmas, sigma) is None):
+                sigmas = None  # not the schedule this pass samples
+            self.forge_sigmas = (steps, sigmas)
         sigmas = self.forge_sigmas[1]
-        if sigmas is not None and (sigma is None or step_of(sigmas, sigma) != step):
-            sigmas = None
-        return step, steps, sigmas
+        if sigmas is None:
+            return step, steps, None
+        return (step_of(sigmas, sigma) if sigma is not None else None), steps, sigmas
 
     def _drop_run(self) -> None:
         if self.run is not None:
