@@ -330,6 +330,23 @@ def test_a_whole_model_wrapper_such_as_spectrum_makes_every_block_run(host, flux
     assert_clean(wrapped)
 
 
+def test_a_call_without_its_noise_level_runs_in_full(flux):
+    """A call whose ``transformer_options`` carry no ``sigmas`` (a host that calls the model another way) is no step
+    of the pass: it runs every block, makes no run and raises nothing."""
+    from tome_core.hosts.webui import dit_reuse as webui_dit_reuse
+
+    p = neo_host.processing(flux, DEFAULTS, steps=12)
+    settings = webui_args.parse_args(DEFAULTS).settings_for_pass(False, 0)
+    owner = webui_dit_reuse.install_neo(flux.clone(), settings, p, None)
+    try:
+        owner.step = (0, 12)  # the WebUI's callbacks announced step 0 (as in lllyasviel's Forge)
+        for options in ({}, {"sampling_sigmas": torch.linspace(1, 0, 13)}):
+            owner.begin_dit_call(torch.zeros(1, 16, 9, 13), options)
+            assert owner.run is None and owner.layer_run() is None
+    finally:
+        webui_layer_reuse.end_pass()
+
+
 def test_an_error_mid_sampling_leaves_nothing_for_the_next_job(host, flux, monkeypatch):
     off, _ = neo_job(host, flux, script_args(enabled=False), steps=12)
     calls = {"n": 0}

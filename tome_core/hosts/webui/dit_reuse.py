@@ -66,7 +66,7 @@ class PassDitReuse(PassReuse):
         self.streams = streams
         self.blocks: dict = {}  # key -> SpanBlock, to tell ours from another patch's replacement
         self.full_below = full_below
-        self.run_sigmas: list[float] | None = None
+        self.run_sigmas: tuple | None = None  # (steps, sigmas) the current run was made for
         self.warned: set[str] = set()
         self.refiner = _refiner_of(p)  # the refiner the job has switched to (None: none yet)
         self.forge_sigmas: tuple | None = None  # lllyasviel's Forge: (steps, the pass's sigmas or None)
@@ -92,7 +92,7 @@ class PassDitReuse(PassReuse):
         return run
 
     def begin_dit_call(self, x, options: dict) -> None:
-        """A model call starts, with Neo's ``transformer_options``: its step from its noise level."""
+        """A model call starts, with the host's ``transformer_options``: its step from its noise level."""
         if self.finished or x is None:
             return
         if (getattr(self.patcher, "model_options", None) or {}).get("model_function_wrapper") is not None:
@@ -101,8 +101,10 @@ class PassDitReuse(PassReuse):
             return
         sigma = _largest(options.get("sigmas"))
         sigmas = call_sigmas(options.get("sampling_sigmas"))
-        if sigmas:
-            step, steps = (step_of(sigmas, sigma) if sigma is not None else None), len(sigmas)
+        if sigma is None:  # a call without its noise level: not one of this pass's steps
+            step = None
+        elif sigmas:
+            step, steps = step_of(sigmas, sigma), len(sigmas)
         else:  # lllyasviel's Forge hands the model no list of the pass's sigmas
             step, steps, sigmas = self._forge_step(sigma)
         if step is None:  # not a call of this pass's schedule: it runs in full, and the cache goes
@@ -122,7 +124,7 @@ class PassDitReuse(PassReuse):
         allowed = self.noise_range.contains(sigma) and sigma >= self.run.full_below
         self.begin_call(self.run, step, key, allowed=allowed, position=sigma)
 
-    def _forge_step(self, sigma) -> tuple[int | None, int, list[float] | None]:
+    def _forge_step(self, sigma: float) -> tuple[int | None, int, list[float] | None]:
         """(step, steps, the pass's sigmas or None) in lllyasviel's Forge, where the sampler hands the model no
         list of the pass's sigmas: they come from the pass's sampler (``sampler_sigmas``), kept for the pass where
         its first call's sigma is among them, and then the step from each call's noise level as in Neo (a second
@@ -133,13 +135,13 @@ class PassDitReuse(PassReuse):
         step, steps = self.step
         if self.forge_sigmas is None or self.forge_sigmas[0] != steps:
             sigmas = sampler_sigmas(self.p, steps)
-            if sigmas is not None and (sigma is None or step_of(sigmas, sigma) is None):
+            if sigmas is not None and step_of(sigmas, sigma) is None:
                 sigmas = None  # not the schedule this pass samples
             self.forge_sigmas = (steps, sigmas)
         sigmas = self.forge_sigmas[1]
         if sigmas is None:
             return step, steps, None
-        return (step_of(sigmas, sigma) if sigma is not None else None), steps, sigmas
+        return step_of(sigmas, sigma), steps, sigmas
 
     def _drop_run(self) -> None:
         if self.run is not None:
