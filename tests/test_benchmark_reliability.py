@@ -79,9 +79,9 @@ def test_a_quiet_run_is_not_marked_busy_and_its_verdict_matches_its_figures(tmp_
     before = bench_load.sample(1.0)
     if before.busy():
         pytest.skip(f"machine busy before the test ({before.describe()}): no quiet run can be checked here")
-    # Two minutes at most: a quiet 2-core machine is within the limit after 30-45 s (it then stops), a CI VM
-    # was still at ±8% after one minute.
-    done = run_benchmark(tmp_path, *FLAGS, "--repeats", "3", "--max-minutes", "2", "--spread", str(LIMIT))
+    # One minute at most (the suite's time): a quiet 2-core machine is within the limit after 30-45 s (it then
+    # stops); one that is not by then ends with a spread reason, which the checks below allow where it is true.
+    done = run_benchmark(tmp_path, *FLAGS, "--repeats", "3", "--max-minutes", "1", "--spread", str(LIMIT))
     assert done.returncode == 0, done.stderr[-3000:]
     report = read(tmp_path)
     load = report["machine_load"]
