@@ -235,9 +235,8 @@ class LayerReuseRun:
             call.entry.outputs.clear()
             call.entry.shapes.clear()
         if call.reuse and self.first_block_guard is not None and self._span_input_moved(call.entry, joined_input):
-            self.reused_calls -= 1
+            self.compute_in_full()
             self.guarded_calls += 1
-            call.reuse = False
         if not call.reuse:
             # A copy: the host may change its tensors in place later in the call (ControlNet residuals).
             call.span_input = joined_input.detach().clone()

@@ -294,24 +294,20 @@ def install_neo(patcher, settings, p, percent_to_sigma) -> PassDitReuse | None:
     full_below = full_below_noise(getattr(p, "sampler_name", None))
     owner = PassDitReuse(p, patcher, record, span, layout.streams, noise_range, full_below)
     patches = getattr(patcher, "object_patches", None) or {}
-    if forge:  # its loop calls the blocks directly: each span block's forward, an object patch of this clone
-        lists = dict(layout.lists)
-        for position, (block_type, index) in enumerate(span):
-            name = f"diffusion_model.{lists[block_type]}.{index}.forward"
-            layer = getattr(model, lists[block_type])[index]
-            patcher.add_object_patch(name, ForgeSpanForward(owner, position, layer, patches.get(name)))
-    elif layout.hook == "dit":
+    if layout.hook == "dit" and not forge:
         replaced = replacements(patcher)
         for position, (block_type, index) in enumerate(span):
             block = SpanBlock(owner, position, replaced.get((block_type, index)))
             owner.blocks[(block_type, index)] = block
             patcher.set_model_patch_replace(block, PATCH_NAME, block_type, index)
-    else:  # no hook in the loop (Z-Image / Lumina 2): each span layer's forward, an object patch of this clone
+    else:  # no hook reaches the blocks (Neo's Z-Image and Anima; Forge's loops call them directly): each span
+        # block's forward, an object patch of this clone
+        forward = ForgeSpanForward if forge else SpanForward
         lists = dict(layout.lists)
         for position, (block_type, index) in enumerate(span):
             name = f"diffusion_model.{lists[block_type]}.{index}.forward"
             layer = getattr(model, lists[block_type])[index]
-            patcher.add_object_patch(name, SpanForward(owner, position, layer, patches.get(name)))
+            patcher.add_object_patch(name, forward(owner, position, layer, patches.get(name)))
     inner = patches.get(_FORWARD)
     patcher.add_object_patch(_FORWARD, DitCallBoundary(owner, model, inner))
     return _activate(owner)
@@ -329,14 +325,9 @@ def remove_neo(patcher) -> None:
                 replaced[key] = value.previous
     patches = getattr(patcher, "object_patches", None) or {}
     for name, value in list(patches.items()):
-        if isinstance(value, SpanForward) and isinstance(value.owner, PassDitReuse):
+        ours = isinstance(value, SpanForward) and isinstance(value.owner, PassDitReuse)
+        if ours or isinstance(value, DitCallBoundary):
             if value.inner is None:
                 del patches[name]
             else:
                 patches[name] = value.inner
-    value = patches.get(_FORWARD)
-    if isinstance(value, DitCallBoundary):
-        if value.inner is None:
-            del patches[_FORWARD]
-        else:
-            patches[_FORWARD] = value.inner
