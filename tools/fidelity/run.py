@@ -691,7 +691,7 @@ def evaluate_model(name: str, args, log) -> dict:
     from tools.fidelity.reference import data, models
 
     base, encoder = models.load_reference(name)
-    classifier = models.load_classifier()
+    classifier = models.load_classifier(name)
     video = models.is_video(name)
     # A clip's metrics are its frames' (SSIM, attributes, FD), each frame an image, plus its motion.
     frames, per_frame = models.as_images(name)

@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--open-scenes", type=float, default=0.0, help="judge against real scenes opened up so (train.py's option)"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's choice)")
+    parser.add_argument(
+        "--chart", default=None, help="also draw each model's ratios beside the published real curve (a PNG path)"
+    )
     parser.add_argument("--out", default=str(ROOT / "results"))
     return parser.parse_args(argv)
 
@@ -106,7 +109,11 @@ REAL_QWEN_RATIOS = {
     40: 0.992, 45: 0.805, 47: 0.75, 48: 0.609, 49: 0.551,
 }  # fmt: skip
 # The published 50-step curve each reference is compared with at 50 steps (Wan's for any other).
-REAL_CURVES = {"ref-wan": ("Wan 2.1 1.3B", REAL_WAN_RATIOS), "ref-qwen": ("Qwen-Image", REAL_QWEN_RATIOS)}
+REAL_CURVES = {
+    "ref-wan": ("Wan 2.1 1.3B", REAL_WAN_RATIOS),
+    "ref-qwen": ("Qwen-Image", REAL_QWEN_RATIOS),
+    "ref-qwen-v2": ("Qwen-Image", REAL_QWEN_RATIOS),
+}
 
 
 class ResidualRecorder:
@@ -191,13 +198,49 @@ def gate(norm_ratio: list[float]) -> dict:
     }
 
 
+def chart(result: dict, path: Path) -> None:
+    """Each model's ratio per step (as a share of the run, so 28 and 50 steps share an axis) beside the published
+    real curves at the same step count: Flux.1's at 28 steps, Qwen-Image's and Wan's at 50."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = result["steps"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    published = []
+    if result.get("real_flux_norm_ratio") and steps == 28:
+        published.append(("real Flux.1-dev (published)", dict(enumerate(result["real_flux_norm_ratio"]))))
+    if steps == 50:
+        published += [
+            ("real Qwen-Image (published)", REAL_QWEN_RATIOS),
+            ("real Wan 2.1 1.3B (published)", REAL_WAN_RATIOS),
+        ]
+    for label, curve in published:
+        points = sorted(curve.items())
+        ax.plot([s for s, _ in points], [r for _, r in points], "k--" if "Flux" in label else "k:", label=label)
+    for name, record in result["models"].items():
+        ax.plot(range(steps), record["norm_ratio"], marker=".", label=name)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel(f"step of {steps}")
+    ax.set_ylabel("||residual_t|| / ||residual_t-1|| (MagCache's ratio)")
+    probe = result["probe"]
+    ax.set_title(f"CFG {probe['cfg']}, {probe['prompts']} prompts x {probe['seeds']} seeds, {probe['over_prompts']}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def judge(name: str, images: torch.Tensor, labels: torch.Tensor, open_scenes: float = 0.0) -> dict:
     """Attribute accuracy and Frechet distance to 1024 real scenes (``open_scenes``: opened up so, as the model was
     trained), as the fidelity benchmark judges samples."""
     from tools.fidelity.reference import data, models
     from tools.fidelity.run import PROMPT_SEED, FrechetDistance, attribute_accuracy
 
-    classifier = models.load_classifier()
+    classifier = models.load_classifier(name)
     frames, per_frame = models.as_images(name)
     real, real_prompts = models.samples(
         name, 1024 // per_frame, models.train_size(name), torch.Generator().manual_seed(PROMPT_SEED + 1)
@@ -322,6 +365,8 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step-change.json").write_text(json.dumps(result, indent=1))
+    if args.chart:
+        chart(result, Path(args.chart))
     return result
 
 

@@ -343,7 +343,7 @@ def main(argv=None) -> dict:
     )
     # A clip's metrics are its frames' (SSIM, attributes, FD), each frame an image, plus its motion.
     frames, per_frame = models.as_images(args.model)
-    classifier = models.load_classifier()
+    classifier = models.load_classifier(args.model)
     every = data.all_prompts().as_tensor()
     prompts = every[torch.randperm(len(every), generator=torch.Generator().manual_seed(PROMPT_SEED))[: args.prompts]]
     labels = prompts.repeat(args.seeds, 1).repeat_interleave(per_frame, 0)

@@ -233,3 +233,55 @@ def frames_of(clips: torch.Tensor) -> torch.Tensor:
 def to_rgb(images: torch.Tensor) -> torch.Tensor:
     """Colour channels mapped to [0, 1] for viewing and for image metrics."""
     return ((images[:, :3] + 1.0) / 2.0).clamp(0.0, 1.0)
+
+
+# The second generation of scenes (the ``-v2`` references): drawn at twice the latent size, opened up at three
+# scales, brought to zero mean and unit variance per channel and folded 2x2 into 16 channels, so that a latent token
+# (2x2 patches) carries 64 values as a real Flux.1 latent's does, and what the prompt decides is a minority of the
+# picture, as in a real photograph's latent: the prompted mean of a scene holds about 0.4 of its norm where the
+# first generation's holds 0.84 (and its step-0 prediction 86% of the final one). See docs/dit.md.
+FOLD = 2  # pixels per side folded into channels
+FOLDED_CHANNELS = CHANNELS * FOLD * FOLD
+OPEN_V2 = ((4, 0.5), (12, 0.25), (32, 0.12))  # (cells, amount) of the unprompted fields: light, shading, grain
+# The opened-up scenes' mean and standard deviation per channel (colour, colour, colour, relief), measured once on
+# 4096 scenes (seed 0) at 64 px, rounded; they play the part of a VAE's shift and scale factor.
+V2_MEAN = (-0.249, -0.254, -0.247, -0.464)
+V2_STD = (0.622, 0.613, 0.620, 0.649)
+
+
+def fold(images: torch.Tensor) -> torch.Tensor:
+    """(N, C, 2H, 2W) -> (N, 4C, H, W): each 2x2 block of pixels into channels."""
+    return F.pixel_unshuffle(images, FOLD)
+
+
+def unfold(latents: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``fold``."""
+    return F.pixel_shuffle(latents, FOLD)
+
+
+def _per_channel(values, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype).view(1, -1, 1, 1)
+
+
+def open_up_v2(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``open_up`` at each of ``OPEN_V2``'s scales."""
+    for cells, amount in OPEN_V2:
+        images = open_up(images, amount, generator, cells)
+    return images
+
+
+def v2_latents(images: torch.Tensor) -> torch.Tensor:
+    """Opened-up scenes at twice the latent size -> the ``-v2`` references' 16-channel latents."""
+    return fold((images - _per_channel(V2_MEAN, images)) / _per_channel(V2_STD, images))
+
+
+def v2_scenes(latents: torch.Tensor) -> torch.Tensor:
+    """The ``-v2`` references' latents -> the scenes they stand for (4 channels at twice the size)."""
+    scenes = unfold(latents)
+    return scenes * _per_channel(V2_STD, scenes) + _per_channel(V2_MEAN, scenes)
+
+
+def batch_v2(n: int, size: int, generator: torch.Generator) -> tuple[torch.Tensor, Prompts]:
+    """``n`` random prompts and their ``-v2`` latents of ``size`` x ``size`` (scenes of twice that)."""
+    prompts = random_prompts(n, generator)
+    return v2_latents(open_up_v2(render(prompts, size * FOLD, generator), generator)), prompts

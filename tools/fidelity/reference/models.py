@@ -110,7 +110,16 @@ FLUX_CONFIGS["ref-flux2"] = {
     "default_ref_method": "index",
     "ref_index_scale": 10.0,
 }
-FLUX2_TEXT_TOKENS = 512  # model_base.Flux2.extra_conds' target_text_len
+FLUX2_TEXT_TOKENS = 512
+# The second generation (``-v2``): the same layouts on the 16-channel latents of ``data.batch_v2`` (scenes of 64 px
+# folded 2x2, opened up, at unit variance), so a 2x2 patch is 64 values as in real Flux.1, whose 16-channel latent
+# format (``comfy.latent_formats.Flux``) ComfyUI then keeps; trained with logit-normal time sampling through the
+# family's shift, as Flux.1 and SD3 are. ``ref-flux-v2``: ref-flux-deep's 4 double and 8 single blocks.
+FLUX_CONFIGS["ref-flux-v2"] = {
+    **FLUX_CONFIGS["ref-flux-deep"],
+    "in_channels": data.FOLDED_CHANNELS,
+    "out_channels": data.FOLDED_CHANNELS,
+}  # model_base.Flux2.extra_conds' target_text_len
 # ComfyUI's detected-config dict of the Wan 2.1 video reference (comfy/model_detection.py, "wan2.1", t2v): 8
 # blocks of self-attention over every frame's tokens, cross-attention to the prompt and an MLP, as Wan 2.1 1.3B
 # has 30. One clip is CLIP_FRAMES latent frames (Wan 2.1's 17 video frames) of CLIP_SIZE x CLIP_SIZE.
@@ -153,19 +162,43 @@ QWEN_CONFIGS = {
         "axes_dims_rope": [4, 14, 14],
     },
 }
+# ``ref-qwen-v2``: ref-qwen on the second generation's 16-channel latents (2x2 patches of 64 values, as real
+# Qwen-Image's 16-channel latents of Wan 2.1's format give its 64-wide patches).
+QWEN_CONFIGS["ref-qwen-v2"] = {
+    **QWEN_CONFIGS["ref-qwen"],
+    "in_channels": data.FOLDED_CHANNELS * 4,
+    "out_channels": data.FOLDED_CHANNELS,
+}
 MODELS = (*FAMILIES, *FLUX_CONFIGS, *WAN_CONFIGS, *QWEN_CONFIGS)
 # The blocks of the real model each DiT reference stands for (Flux.1: 19 double + 38 single; Wan 2.1 1.3B: 30;
 # Qwen-Image: 60): a step cache's work on the reference is converted to that depth
 # (``tools.fidelity.work.at_depth``).
 # Flux.2 dev: 8 double + 48 single (diffusers' Flux2Transformer2DModel defaults; ComfyUI counts them from the
 # weights).
-FULL_DEPTH = {"ref-flux": 57, "ref-flux-deep": 57, "ref-wan": 30, "ref-qwen": 60, "ref-flux2": 56}
+FULL_DEPTH = {
+    "ref-flux": 57,
+    "ref-flux-deep": 57,
+    "ref-flux-v2": 57,
+    "ref-wan": 30,
+    "ref-qwen": 60,
+    "ref-qwen-v2": 60,
+    "ref-flux2": 56,
+}
 
 
 def _known(name: str) -> str:
     if name not in MODELS:
         raise ValueError(f"unknown reference model {name!r}; choose from {', '.join(MODELS)}")
     return name
+
+
+def is_v2(name: str) -> bool:
+    """True for the second generation of references (16-channel latents of ``data.batch_v2``)."""
+    return _known(name).endswith("-v2")
+
+
+def latent_channels(name: str) -> int:
+    return data.FOLDED_CHANNELS if is_v2(name) else data.CHANNELS
 
 
 def is_flux(name: str) -> bool:
@@ -200,11 +233,12 @@ def train_size(name: str) -> int:
 
 def latent_shape(name: str, n: int, size: int) -> tuple[int, ...]:
     """The shape of an empty latent of ``n`` samples at ``size``: images, or clips of CLIP_FRAMES frames."""
+    channels = latent_channels(name)
     if is_video(name):
-        return (n, data.CHANNELS, CLIP_FRAMES, size, size)
+        return (n, channels, CLIP_FRAMES, size, size)
     if is_qwen(name):  # ComfyUI's empty latent for Qwen-Image is one frame of Wan 2.1's 3-D format
-        return (n, data.CHANNELS, 1, size, size)
-    return (n, data.CHANNELS, size, size)
+        return (n, channels, 1, size, size)
+    return (n, channels, size, size)
 
 
 def as_images(name: str):
@@ -213,7 +247,9 @@ def as_images(name: str):
     if is_video(name):
         return data.frames_of, CLIP_FRAMES
     if is_qwen(name):  # one frame per sample
-        return data.frames_of, 1
+        return ((lambda samples: data.v2_scenes(data.frames_of(samples))) if is_v2(name) else data.frames_of), 1
+    if is_v2(name):  # the 64 px scenes the latents stand for
+        return data.v2_scenes, 1
     return (lambda samples: samples), 1
 
 
@@ -222,8 +258,10 @@ def samples(name: str, n: int, size: int, generator: torch.Generator):
     if is_video(name):
         return data.clip_batch(n, size, CLIP_FRAMES, generator)
     if is_qwen(name):
-        scenes, prompts = data.batch(n, size, generator)
+        scenes, prompts = (data.batch_v2 if is_v2(name) else data.batch)(n, size, generator)
         return scenes.unsqueeze(2), prompts
+    if is_v2(name):
+        return data.batch_v2(n, size, generator)
     return data.batch(n, size, generator)
 
 
@@ -256,18 +294,23 @@ class PromptEncoder(nn.Module):
         return torch.tensor([len(values) for values in data.ATTRIBUTES.values()]).expand(n, -1).clone()
 
 
-def scene_latent_format():
-    """Flux's latent format (scale 0.3611, shift 0.1159) for 4-channel latents: the scenes are the model's
-    working space, and ComfyUI's empty latent keeps their 4 channels instead of being widened to Flux's 16."""
+def _preview_factors(channels: int) -> list[list[float]]:
+    """Previews: the colour channels as they are (a folded latent's four sub-pixels averaged), relief left out."""
+    per = channels // data.CHANNELS
+    return [[1.0 / per if c // per == rgb else 0.0 for rgb in range(3)] for c in range(channels)]
+
+
+def scene_latent_format(channels: int = data.CHANNELS):
+    """Flux's latent format (scale 0.3611, shift 0.1159) on the scenes' latents: they are the model's working
+    space, and ComfyUI's empty latent has their channels (the first generation's 4, or Flux's own 16)."""
     import comfy.latent_formats
 
     class SceneFlux(comfy.latent_formats.Flux):
-        latent_channels = data.CHANNELS
+        latent_channels = channels
 
         def __init__(self):
             super().__init__()
-            # Previews: the colour channels as they are, the relief channel left out.
-            self.latent_rgb_factors = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+            self.latent_rgb_factors = _preview_factors(channels)
             self.latent_rgb_factors_bias = [0.0, 0.0, 0.0]
             self.taesd_decoder_name = None
 
@@ -289,19 +332,19 @@ def scene_flux2_format():
     return SceneFlux2()
 
 
-def scene_video_format():
-    """Wan 2.1's latent format for 4-channel clips, with the scenes as they are (mean 0, scale 1): the clips are
-    the model's working space."""
+def scene_video_format(channels: int = data.CHANNELS):
+    """Wan 2.1's latent format for the scenes' clips (4 channels, or the second generation's 16), with the
+    latents as they are (mean 0, scale 1): they are the model's working space."""
     import comfy.latent_formats
 
     class SceneWan(comfy.latent_formats.Wan21):
-        latent_channels = data.CHANNELS
+        latent_channels = channels
 
         def __init__(self):  # Wan21's own __init__ sets its 16 channels' statistics
             self.scale_factor = 1.0
-            self.latents_mean = torch.zeros(1, data.CHANNELS, 1, 1, 1)
-            self.latents_std = torch.ones(1, data.CHANNELS, 1, 1, 1)
-            self.latent_rgb_factors = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+            self.latents_mean = torch.zeros(1, channels, 1, 1, 1)
+            self.latents_std = torch.ones(1, channels, 1, 1, 1)
+            self.latent_rgb_factors = _preview_factors(channels)
             self.latent_rgb_factors_bias = [0.0, 0.0, 0.0]
             self.taesd_decoder_name = None
 
@@ -331,7 +374,7 @@ def build_qwen_model(name: str):
     config = comfy.model_detection.model_config_from_unet_config(dict(QWEN_CONFIGS[name]))
     if type(config) is not comfy.supported_models.QwenImage:
         raise RuntimeError(f"ComfyUI detected {type(config).__name__} for {name}, not Qwen-Image")
-    config.latent_format = scene_video_format()  # Qwen-Image's latents are Wan 2.1's
+    config.latent_format = scene_video_format(latent_channels(name))  # Qwen-Image's latents are Wan 2.1's
     config.set_inference_dtype(torch.float32, None)
     return config.get_model({}, device="cpu")
 
@@ -346,7 +389,7 @@ def build_flux_model(name: str):
     expected = comfy.supported_models.Flux2 if is_flux2(name) else comfy.supported_models.Flux
     if type(config) is not expected:
         raise RuntimeError(f"ComfyUI detected {type(config).__name__} for {name}, not {expected.__name__}")
-    config.latent_format = scene_flux2_format() if is_flux2(name) else scene_latent_format()
+    config.latent_format = scene_flux2_format() if is_flux2(name) else scene_latent_format(latent_channels(name))
     config.set_inference_dtype(torch.float32, None)
     return config.get_model({}, device="cpu")
 
@@ -469,7 +512,12 @@ class ClassifierFeatures(nn.Module):
         return self.classifier.features(images)
 
 
-def load_classifier() -> AttributeClassifier:
+def classifier_file(name: str | None = None) -> str:
+    """The classifier that judges a reference's scenes: the second generation's opened-up scenes have their own."""
+    return "classifier-v2.safetensors" if name is not None and is_v2(name) else "classifier.safetensors"
+
+
+def load_classifier(name: str | None = None) -> AttributeClassifier:
     classifier = AttributeClassifier()
-    classifier.load_state_dict(load_file(str(WEIGHTS / "classifier.safetensors")))
+    classifier.load_state_dict(load_file(str(WEIGHTS / classifier_file(name))))
     return classifier.eval()

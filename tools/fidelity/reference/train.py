@@ -77,7 +77,12 @@ RECIPES = {
     "ref-wan": (2000, 1e-3),
     "ref-qwen": (2000, 1e-3),
     "ref-flux2": (2000, 1e-3),
+    "ref-flux-v2": (2000, 1e-3),
+    "ref-qwen-v2": (2000, 1e-3),
 }
+# Flow time as each model is trained where ``--time-sampling`` does not say: the second generation as Flux.1 and
+# SD3 are (logit-normal through the shift), the first uniformly over the schedule's table.
+TIME_SAMPLING = {"ref-flux-v2": "logit-normal", "ref-qwen-v2": "logit-normal"}
 
 
 def parse_args(argv=None):
@@ -93,12 +98,20 @@ def parse_args(argv=None):
     parser.add_argument("--models", default="ref-sd1,ref-sdxl,ref-flux")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it)")
     parser.add_argument("--no-classifier", action="store_true", help="keep the committed classifier")
+    parser.add_argument(
+        "--classifier-scenes",
+        choices=("v1", "v2"),
+        default="v1",
+        help="the scenes the classifier learns: the first generation's (classifier) or the opened-up 64 px ones the "
+        "-v2 references draw (classifier-v2)",
+    )
     parser.add_argument("--init-from", default=None, help="start from these saved weights (a reference's file)")
     parser.add_argument(
         "--time-sampling",
         choices=("table", "logit-normal"),
-        default="table",
-        help="flow time: uniform over the schedule's table, or SD3/Flux's logit-normal(0, 1) through the shift",
+        default=None,
+        help="flow time: uniform over the schedule's table, or SD3/Flux's logit-normal(0, 1) through the shift "
+        "(default: the model's, TIME_SAMPLING)",
     )
     parser.add_argument(
         "--distill-cfg", type=float, default=0.0, help="guidance distillation at this CFG (needs --init-from)"
@@ -236,6 +249,18 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+def classifier_batch(which: str, n: int, generator: torch.Generator) -> tuple:
+    """(scenes, prompts) of the generation a classifier judges (the second's at 64 px)."""
+    if which == "v2":
+        latents, prompts = data.batch_v2(n, models.TRAIN_SIZE, generator)
+        return data.v2_scenes(latents), prompts
+    return data.batch(n, models.TRAIN_SIZE, generator)
+
+
+def classifier_name(scenes: str) -> str:
+    return "classifier-v2" if scenes == "v2" else "classifier"
+
+
 def train_classifier(args) -> dict:
     torch.manual_seed(args.seed)
     classifier = models.AttributeClassifier()
@@ -245,7 +270,7 @@ def train_classifier(args) -> dict:
     for step in range(args.classifier_steps):
         for group in optimiser.param_groups:
             group["lr"] = lr_at(step, args.classifier_steps, 2e-3, warmup=50)
-        images, prompts = data.batch(64, models.TRAIN_SIZE, generator)
+        images, prompts = classifier_batch(args.classifier_scenes, 64, generator)
         # Robust to what a sampler leaves behind: a little noise and blur.
         images = images + torch.randn(images.shape, generator=generator) * 0.08 * torch.rand(1, generator=generator)
         if torch.rand(1, generator=generator) < 0.3:
@@ -260,14 +285,14 @@ def train_classifier(args) -> dict:
     classifier.eval()
     test_gen = torch.Generator().manual_seed(args.seed + 2)
     with torch.no_grad():
-        images, prompts = data.batch(1024, models.TRAIN_SIZE, test_gen)
+        images, prompts = classifier_batch(args.classifier_scenes, 1024, test_gen)
         predicted = torch.stack([out.argmax(1) for out in classifier(images)], dim=1)
     correct = predicted == prompts.as_tensor()
     accuracy = {name: correct[:, i].float().mean().item() for i, name in enumerate(data.ATTRIBUTES)}
     log(f"classifier accuracy on 1024 fresh scenes: {accuracy}")
     models.WEIGHTS.mkdir(parents=True, exist_ok=True)
     weights = {k: v.contiguous() for k, v in classifier.state_dict().items()}
-    save_file(weights, str(models.WEIGHTS / "classifier.safetensors"))
+    save_file(weights, str(models.WEIGHTS / f"{classifier_name(args.classifier_scenes)}.safetensors"))
     return {"steps": args.classifier_steps, "final_loss": loss.item(), "accuracy_on_real": accuracy}
 
 
@@ -321,6 +346,7 @@ def train_model(name: str, args) -> dict:
     sigmas_table = base.model_sampling.sigmas.float()
     generator = torch.Generator().manual_seed(args.seed + 10)
     size = models.train_size(name)
+    time_sampling = args.time_sampling or TIME_SAMPLING.get(name, "table")
     recipe = {"steps": steps, "lr": peak_lr, "batch": args.batch, "seed": args.seed, "threads": args.threads}
     defaults = parse_args([])  # a fine-tune's options are its recipe's too (a committed recipe's states still match)
     recipe.update({key: getattr(args, key) for key in FINE_TUNE if getattr(args, key) != getattr(defaults, key)})
@@ -336,7 +362,7 @@ def train_model(name: str, args) -> dict:
         indices = prompts.as_tensor()
         drop = torch.rand(args.batch, generator=generator) < CFG_DROPOUT
         indices = torch.where(drop.view(-1, 1), models.PromptEncoder.empty(args.batch), indices)
-        t, table = draw_times(name, base, sigmas_table, args.batch, args.time_sampling, generator)
+        t, table = draw_times(name, base, sigmas_table, args.batch, time_sampling, generator)
         eps = torch.randn(x0.shape, generator=generator)
         x_in, timestep, target, weight = noised_pair(flow, table, t, x0, eps)
         if flow:
@@ -371,6 +397,7 @@ def train_model(name: str, args) -> dict:
         "lr": peak_lr,
         "seed": args.seed,
         "train_size": size,
+        "time_sampling": time_sampling,
         "final_loss_last_500": round(final, 5),
         "minutes": round((time.time() - started) / 60, 1),
     }
@@ -390,9 +417,10 @@ def main(argv=None) -> dict:
     summary = {"command": "python -m tools.fidelity.reference.train", "args": vars(args), "torch": torch.__version__}
     if not args.no_classifier:
         summary["classifier"] = train_classifier(args)
-    for name in args.models.split(","):
+    names = [name for name in args.models.split(",") if name]  # --models "": the classifier alone
+    for name in names:
         summary[name] = train_model(name, args)
-    out = models.WEIGHTS / f"training-{args.models.replace(',', '+')}.json"
+    out = models.WEIGHTS / f"training-{'+'.join(names) or classifier_name(args.classifier_scenes)}.json"
     out.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

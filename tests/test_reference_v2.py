@@ -1,0 +1,82 @@
+"""The second generation of reference models (``-v2``): their scenes leave most of the picture to chance, as a real
+photograph's latent does, their latents have a real Flux.1 latent's shape (16 channels, 64 values per 2x2 patch),
+and ComfyUI's own detection takes the models for the families they stand for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tools.fidelity.reference import data, models
+
+
+def prompted_share(latents_of, prompts: torch.Tensor, per_prompt: int = 96) -> float:
+    """The norm of a prompt's mean latent over the root mean square norm of its latents, averaged over
+    ``prompts``: how much of a latent the prompt decides (1: all of it)."""
+    generator = torch.Generator().manual_seed(3)
+    shares = []
+    for row in prompts:
+        latents = latents_of(data.Prompts.from_tensor(row.expand(per_prompt, -1)), generator)
+        shares.append(float(latents.mean(0).norm() / latents.flatten(1).norm(dim=1).square().mean().sqrt()))
+    return sum(shares) / len(shares)
+
+
+def test_folding_is_undone_exactly():
+    scenes = torch.randn(2, data.CHANNELS, 64, 64, generator=torch.Generator().manual_seed(0))
+    latents = data.fold(scenes)
+    assert latents.shape == (2, data.FOLDED_CHANNELS, 32, 32)
+    assert torch.equal(data.unfold(latents), scenes)
+    assert torch.allclose(data.v2_scenes(data.v2_latents(scenes)), scenes, atol=1e-6)
+
+
+def test_v2_latents_are_standardised_and_mostly_unprompted():
+    latents, _ = data.batch_v2(512, 32, torch.Generator().manual_seed(1))
+    assert latents.shape == (512, data.FOLDED_CHANNELS, 32, 32)
+    # V2_MEAN / V2_STD were measured on 4096 other scenes: over 512 the channels stay within sampling error.
+    assert latents.mean(dim=(0, 2, 3)).abs().max() < 0.05
+    assert (latents.std(dim=(0, 2, 3)) - 1.0).abs().max() < 0.05
+    prompts = data.all_prompts().as_tensor()[::48]  # 8 prompts spread over the attributes
+
+    def first(p, g):
+        return data.render(p, 32, g)
+
+    def second(p, g):
+        return data.v2_latents(data.open_up_v2(data.render(p, 64, g), g))
+
+    # The first generation's prompt decides most of a scene (measured 0.84); the second's leaves most to chance
+    # (measured 0.40), as the real models' first steps need: their prediction's norm grows while the picture is
+    # decided.
+    assert prompted_share(first, prompts) > 0.75
+    assert prompted_share(second, prompts) < 0.5
+
+
+def test_v2_classifier_reads_the_opened_up_scenes():
+    if not (models.WEIGHTS / "classifier-v2.safetensors").exists():
+        pytest.skip("classifier-v2 missing from the checkout")
+    from tools.fidelity.run import attribute_accuracy
+
+    latents, prompts = data.batch_v2(256, 32, torch.Generator().manual_seed(5))
+    scenes = data.v2_scenes(latents)
+    assert attribute_accuracy(models.load_classifier("ref-flux-v2"), scenes, prompts.as_tensor())["mean"] >= 0.9
+    # The first generation's classifier, trained on plain scenes, misreads them: the reason for a second one.
+    assert attribute_accuracy(models.load_classifier(), scenes, prompts.as_tensor())["mean"] < 0.85
+
+
+@pytest.mark.parametrize(("name", "config_class"), [("ref-flux-v2", "Flux"), ("ref-qwen-v2", "QwenImage")])
+def test_v2_models_are_detected_from_their_weights_as_their_family(name, config_class):
+    from tools.common.host import setup_comfy
+
+    setup_comfy("cpu")
+    import comfy.model_detection
+
+    base = models.build_base_model(name)
+    state = {f"model.diffusion_model.{k}": v for k, v in base.diffusion_model.state_dict().items()}
+    config = comfy.model_detection.model_config_from_unet(state, "model.diffusion_model.")
+    assert type(config).__name__ == config_class
+    assert base.latent_format.latent_channels == data.FOLDED_CHANNELS == 16  # Flux.1's and Qwen-Image's latents
+    tokens_in = base.diffusion_model.img_in.in_features  # both layouts: a linear layer on 2x2 patches
+    assert tokens_in == 64
+    shape = models.latent_shape(name, 2, 32)
+    assert shape[1] == 16
+    frames, per_sample = models.as_images(name)
+    assert frames(torch.zeros(shape)).shape == (2 * per_sample, data.CHANNELS, 64, 64)
