@@ -1,6 +1,7 @@
-"""Smoke test of the Qwen-Image and Flux.2 reference models (``ref-qwen``, ``ref-flux2``): built by ComfyUI's own
-detection as those families, their committed weights load, and ComfyUI's KSampler samples them; the fidelity
-benchmark's DiT rows run on them (reuse across steps, First Block Cache) with every block counted.
+"""Smoke test of the Qwen-Image and Flux.2 reference models (``ref-qwen``, ``ref-flux2``, and the second
+generation's ``ref-qwen-v2`` and ``ref-flux-v2``): built by ComfyUI's own detection as those families, their
+committed weights load, and ComfyUI's KSampler samples them; the fidelity benchmark's DiT rows run on them (reuse
+across steps, First Block Cache) with every block counted.
 
 A few seconds: two prompts, few steps. The full runs are in docs/dit.md.
 """
@@ -22,7 +23,12 @@ def _weights(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "config_class", "model_class"),
-    [("ref-qwen", "QwenImage", "QwenImageTransformer2DModel"), ("ref-flux2", "Flux2", "Flux")],
+    [
+        ("ref-qwen", "QwenImage", "QwenImageTransformer2DModel"),
+        ("ref-flux2", "Flux2", "Flux"),
+        ("ref-qwen-v2", "QwenImage", "QwenImageTransformer2DModel"),
+        ("ref-flux-v2", "Flux", "Flux"),
+    ],
 )
 def test_reference_is_built_as_its_family_and_samples_one_step(name, config_class, model_class):
     from tools.common.host import setup_comfy
@@ -51,7 +57,8 @@ def test_reference_is_built_as_its_family_and_samples_one_step(name, config_clas
         (out,) = comfy_nodes.common_ksampler(patcher, 0, 1, 4.0, "euler", "normal", positive, negative, latent)
     frames, per_sample = models.as_images(name)
     images = frames(patcher.model.process_latent_in(out["samples"]))
-    assert images.shape == (2 * per_sample, 4, size, size)
+    scene = size * 2 if models.is_v2(name) else size  # the second generation's latents fold 64 px scenes
+    assert images.shape == (2 * per_sample, 4, scene, scene)
     assert torch.isfinite(images).all() and images.std() > 0
 
 

@@ -36,7 +36,7 @@ def test_a_short_video_run_records_every_step(tmp_path):
     assert len(record["norm_ratio"]) == 4 and record["relative_change"][1] > 0.0
 
 
-@pytest.mark.parametrize("name", ["ref-qwen", "ref-flux2"])
+@pytest.mark.parametrize("name", ["ref-qwen", "ref-flux2", "ref-qwen-v2", "ref-flux-v2"])
 def test_the_new_references_record_every_step(tmp_path, name):
     """Qwen-Image's image stream (its blocks return text and image apart) and Flux.2's joined streams."""
     if not (models.WEIGHTS / f"{name}.safetensors").exists():
@@ -79,7 +79,9 @@ def test_the_probe_of_flux_dev_runs_at_cfg_1_on_the_image_tokens(tmp_path):
         pytest.skip("ref-flux weights missing from the checkout")
     argv = ["--models", "ref-flux", "--steps", "4", "--prompts", "2", "--cfg", "1", "--seeds", "2"]
     argv += ["--tokens", "image", "--over-prompts", "median", "--judge", "--out", str(tmp_path)]
+    argv += ["--chart", str(tmp_path / "curve.png")]
     record = step_change.main(argv)["models"]["ref-flux"]
+    assert (tmp_path / "curve.png").stat().st_size > 10_000  # the curve beside real Flux.1's, drawn
     assert len(record["norm_ratio"]) == 4 and all(0.2 < r < 2.0 for r in record["norm_ratio"])
     assert set(record["gate"]) == {"least_1_3", "product_first_20pct", "middle_deviation"}
     assert 0.0 <= record["accuracy"] <= 1.0 and record["frechet"] > 0.0
