@@ -17,7 +17,11 @@ product over the first 20% of the steps, and the mean |1 - ratio| over the middl
 steps), beside real Flux.1's at 28 steps. ``--judge``: the samples' attribute accuracy and Frechet distance to real
 scenes (as the fidelity benchmark judges them), so that a model that no longer draws its scenes shows.
 ``--weights`` measures a fine-tune's weights (``python -m tools.fidelity.reference.train --out-dir``), ``--shift``
-samples at another shift than the family's default (ComfyUI's ModelSamplingFlux node at the sampled size).
+samples at another shift than the family's default (``--shift size``: a Flux.1 layout at ComfyUI's ModelSamplingFlux
+node's shift for the sampled size, as the curve gate asks). ``--chart`` draws the curves beside the published ones.
+
+The curve gate (docs/dit.md, "The second generation"): ``--cfg 1 --tokens image --seeds 2 --over-prompts median
+--shift size --judge`` at 28 steps (and at 50 for Qwen-Image, beside its published curve).
 
 The video reference (``--models ref-wan --steps 50``, sampled with ``uni_pc`` and the ``simple`` scheduler as Wan
 users sample in ComfyUI): the residual of Wan's block stack, beside real Wan 2.1 1.3B's ratios at 50 steps as
@@ -66,10 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--shift",
-        type=float,
         default=None,
-        help="the schedule's shift (Flux: mu) instead of the model's default; ComfyUI's ModelSamplingFlux node gives "
-        "Flux.1 mu 0.5 at 256x256 px (the references' 32x32 latents, 256 tokens), 1.15 at 1024x1024",
+        help="the schedule's shift (Flux: mu) instead of the model's default: a number, or 'size': the Flux.1 "
+        "layouts at ComfyUI's ModelSamplingFlux node's shift for the sampled size (mu 0.5 at 256x256 px, the "
+        "references' 32x32 latents; 1.15 at 1024x1024), the others at their default",
     )
     parser.add_argument("--judge", action="store_true", help="attribute accuracy and FD of the samples")
     parser.add_argument(
@@ -81,6 +85,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default=str(ROOT / "results"))
     return parser.parse_args(argv)
+
+
+def flux_node_shift(latent_size: int, base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+    """ComfyUI's ModelSamplingFlux node's shift for a square image of ``latent_size`` latent pixels: linear in the
+    count of 2x2 tokens, ``base_shift`` at 256 tokens, ``max_shift`` at 4096."""
+    tokens = (latent_size // 2) ** 2
+    return base_shift + (max_shift - base_shift) * (tokens - 256) / (4096 - 256)
+
+
+def probe_shift(name: str, shift: str | None, latent_size: int) -> float | None:
+    """The shift ``--shift`` asks of ``name`` (None: the model's default)."""
+    from tools.fidelity.reference import models
+
+    if shift is None:
+        return None
+    if shift == "size":
+        flux1 = models.is_flux(name) and not models.is_flux2(name)
+        return flux_node_shift(latent_size) if flux1 else None
+    return float(shift)
 
 
 def real_flux_ratios() -> list[float] | None:
@@ -267,8 +290,9 @@ def measure(name: str, args) -> dict:
         raise ValueError(f"{name} is not a DiT reference model")
     weights = Path(args.weights) / f"{name}.safetensors" if args.weights else None
     base, encoder = models.load_reference(name, weights)
-    if args.shift is not None:
-        base.model_sampling.set_parameters(shift=args.shift)
+    shift = probe_shift(name, args.shift, models.train_size(name) * args.scale)
+    if shift is not None:
+        base.model_sampling.set_parameters(shift=shift)
     cpu = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
     every = data.all_prompts().as_tensor()
