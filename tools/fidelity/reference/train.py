@@ -33,6 +33,10 @@ What is trained, in order:
    ``Flux2``'s shift 2.02); ``ref-qwen``'s scenes as one-frame 3-D latents, ``ref-flux2``'s prompt padded to
    512 tokens, as ComfyUI feeds them.
 
+6. the second generation (``--models ref-flux-v2`` / ``ref-qwen-v2``) as ``ref-flux-deep`` / ``ref-qwen`` on the
+   16-channel latents of ``data.batch_v2``, with logit-normal time sampling (``TIME_SAMPLING``); their classifier
+   with ``--models "" --classifier-scenes v2``.
+
 Fine-tunes of a DiT reference (experiments on how its residual changes from step to step, not the committed
 recipe): ``--init-from`` starts from saved weights (the average starts there too); ``--time-sampling
 logit-normal`` draws the flow time as SD3 and Flux do (``sigmoid(u)``, ``u ~ N(0, 1)``, through the family's shift)
