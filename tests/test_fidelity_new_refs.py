@@ -70,7 +70,8 @@ def qwen_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("fidelity-qwen")
     # 12 steps: reuse across steps reuses from 10 steps on.
     argv = ["--models", "ref-qwen", "--scales", "1", "--prompts", "2", "--seeds", "1", "--steps", "12"]
-    argv += ["--only", "=ours reuse every 3,=First Block Cache 0.2,TaylorSeer,broken", "--broken"]
+    argv += ["--only", "=ours reuse every 3,=First Block Cache 0.2,TaylorSeer,=MagCache 0.24 (calibrated),broken"]
+    argv += ["--broken"]
     argv += ["--real", "64", "--grid", "2", "--out", str(out), "--threads", "1"]
     return fidelity.main(argv)["ref-qwen"], out
 
@@ -81,7 +82,8 @@ def _row(report, name):
 
 def test_qwen_reference_has_the_dit_rows(qwen_report):
     report, out = qwen_report
-    rows = ["unpatched", "ours reuse every 3", "First Block Cache 0.2", "TaylorSeer-style every 5"]
+    rows = ["unpatched", "ours reuse every 3", "MagCache 0.24 (calibrated)", "First Block Cache 0.2"]
+    rows += ["TaylorSeer-style every 5"]
     assert [r["row"] for r in report["records"]] == [*rows, "broken (shifted tokens)"]
     assert _row(report, "unpatched")["identical_to_unpatched"]
     broken = _row(report, "broken (shifted tokens)")
@@ -95,6 +97,10 @@ def test_qwen_reference_has_the_dit_rows(qwen_report):
     assert reuse["ssim"] > broken["ssim"]
     assert _row(report, "First Block Cache 0.2")["work"]["call_share"] == 1.0  # its first block always runs
     assert _row(report, "TaylorSeer-style every 5")["work"]["token_share"] < 1.0
+    # MagCache skips whole calls' blocks (its first block too), calibrated by a run that is neither timed nor counted.
+    magcache = _row(report, "MagCache 0.24 (calibrated)")
+    assert magcache["work"]["token_share"] < 1.0 and min(magcache["work"]["block_shares"]) < 1.0
+    assert magcache["work"]["block_shares"][0] == magcache["work"]["block_shares"][-1]
     assert report["full_depth"] == 60
     table = (out / "fidelity-ref-qwen.md").read_text()
     assert "at 60 blocks" in table

@@ -7,6 +7,15 @@
   skipped and their cached residual is added to the first block's output; otherwise every block runs and the
   caches are renewed. Written here on ComfyUI's ``patches_replace["dit"]`` block replacements, one state per
   batch layout (``uuids``), dropped when the noise level goes up (a new sampling run).
+- **MagCache, calibrated on the reference** (the idea of Ma et al.'s MagCache and diffusers' ``MagCacheConfig``):
+  every block is skipped at a call where the residual of the whole stack (last block's output minus first block's
+  input) is predicted well enough by the last computed one: along the run the calibrated step-to-step ratios of
+  that residual's norm are multiplied up since the last computed call, their distance from 1 summed, and a call is
+  skipped while that sum stays under ``threshold`` and fewer than ``max_skips`` calls in a row were skipped; the
+  first ``retention`` of the steps run in full (diffusers' defaults: 3 and 0.2). The ratios come from an unpatched
+  run of the reference at the benchmark's own settings on prompts the benchmark does not report
+  (``magcache_ratios``), as MagCache's authors calibrate each model; the real models' published ratios would make
+  it a straw man on a reference whose curve differs.
 - **TaylorSeer-style forecast** (diffusers' ``TaylorSeerCacheConfig`` defaults: every 5th call computed, the
   first 3 too, first order): every block is forecast at the other calls, from the last two computed ones, one
   whole step along the line (no damping, no block kept running, no call kept full at low noise). Built from
@@ -101,6 +110,103 @@ def first_block_cache_patch(threshold: float) -> Callable:
         diffusion_model = clone.model.diffusion_model
         keys = dit_reuse.block_keys(diffusion_model)
         cache = FirstBlockCache(keys, threshold, dit_reuse.block_streams(diffusion_model))
+        for position, (block_type, index) in enumerate(keys):
+            clone.set_model_patch_replace(cache.replacement(position), PATCH_NAME, block_type, index)
+        return clone
+
+    return patch
+
+
+class MagCache:
+    """The block replacements of one patched clone (see the module docstring); one state per batch layout."""
+
+    def __init__(self, keys: list, ratios: list[float], threshold: float, streams: tuple[str, ...] = ("txt", "img")):
+        self.keys = keys
+        self.ratios = ratios  # calibrated, one per step of a run of len(ratios) steps; the first is 1
+        self.threshold = threshold
+        self.max_skips = 3
+        self.retention = 0.2
+        self.streams = streams
+        self.states: dict = {}
+        self.last_sigma = None
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def ratio_at(self, step: int, steps: int) -> float:
+        """The calibrated ratio at ``step`` of a run of ``steps``, read at the same share of the run."""
+        if steps == len(self.ratios):
+            return self.ratios[step]
+        where = step * (len(self.ratios) - 1) / max(1, steps - 1)
+        low = min(int(where), len(self.ratios) - 2)
+        return self.ratios[low] + (where - low) * (self.ratios[low + 1] - self.ratios[low])
+
+    def _state(self, args) -> dict:
+        options = args.get("transformer_options") or {}
+        sigmas = options.get("sigmas")
+        sigma = float(sigmas.max()) if sigmas is not None else None
+        if sigma is not None and self.last_sigma is not None and sigma > self.last_sigma:
+            self.states.clear()  # the noise went up: another sampling run
+        self.last_sigma = sigma
+        layout = tuple(str(u) for u in options.get("uuids") or ())
+        state = self.states.setdefault(layout, {"residual": None, "ratio": 1.0, "error": 0.0, "skips": 0})
+        state["step"] = None
+        schedule = options.get("sample_sigmas")
+        if sigma is not None and schedule is not None:
+            state["step"] = int((schedule[:-1].float() - sigma).abs().argmin())
+            state["steps"] = len(schedule) - 1
+        return state
+
+    def _decide(self, state: dict, shape) -> bool:
+        step = state["step"]
+        usable = (
+            step is not None
+            and step >= self.retention * state["steps"]
+            and state["residual"] is not None
+            and state["residual"].shape == shape
+        )
+        if usable:
+            state["ratio"] *= self.ratio_at(step, state["steps"])
+            state["error"] += abs(1.0 - state["ratio"])
+            state["skips"] += 1
+            if state["error"] < self.threshold and state["skips"] <= self.max_skips:
+                return True
+        state.update(ratio=1.0, error=0.0, skips=0)
+        return False
+
+    def replacement(self, position: int) -> Callable:
+        last = len(self.keys) - 1
+
+        def block(args, extra):
+            state = self.states_for(args) if position == 0 else self._current
+            if position == 0:
+                state["input"] = _joined(args, self.streams).clone()  # blocks may add to their input in place
+                state["skip"] = self._decide(state, state["input"].shape)
+            if state["skip"]:
+                if position < last:
+                    return {k: args[k] for k in ("img", "txt") if k in args}
+                return _split(state["input"] + state["residual"], args, self.streams)
+            out = extra["original_block"](args)
+            if position == last:
+                state["residual"] = _joined(out, self.streams) - state["input"]
+            return out
+
+        return block
+
+    def states_for(self, args) -> dict:
+        self._current = self._state(args)
+        return self._current
+
+
+def magcache_patch(threshold: float, ratios_of: Callable) -> Callable:
+    """A fidelity row's patch: MagCache at ``threshold`` with the ratios ``ratios_of(model)`` calibrates."""
+    from tome_core.hosts.comfyui import dit_reuse
+
+    def patch(model):
+        clone = model.clone()
+        diffusion_model = clone.model.diffusion_model
+        keys = dit_reuse.block_keys(diffusion_model)
+        cache = MagCache(keys, ratios_of(model), threshold, dit_reuse.block_streams(diffusion_model))
         for position, (block_type, index) in enumerate(keys):
             clone.set_model_patch_replace(cache.replacement(position), PATCH_NAME, block_type, index)
         return clone

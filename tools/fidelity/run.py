@@ -98,6 +98,8 @@ class FidelityRow:
     enter: Callable[[], None] = lambda: None
     leave: Callable[[], None] = lambda: None
     settings: dict = field(default_factory=dict)
+    # Work done before the row is sampled, neither timed nor counted (MagCache's calibration run).
+    prepare: Callable = lambda patcher: None
 
 
 def node_patch(node_cls, **inputs) -> Callable:
@@ -383,7 +385,12 @@ def broken_dit_patch(model):
 
 
 def dit_rows(
-    nodes: dict, variants: bool = False, video: bool = False, args=None, other_step: float | None = None
+    nodes: dict,
+    variants: bool = False,
+    video: bool = False,
+    args=None,
+    other_step: float | None = None,
+    ratios_of: Callable | None = None,
 ) -> list[FidelityRow]:
     """The rows of a DiT (Flux, Flux.2, Wan, Qwen-Image): ours through the node, and on the image models ToMe
     through attention (``dit_tome``), which the nodes do not offer on DiTs; the other rows patch UNets only.
@@ -436,7 +443,7 @@ def dit_rows(
             row = ours(nodes, name, method="todo", downsample_factor=1.0, reuse_interval=interval)
             row.enter, row.leave = (lambda: compact_slopes(0)), (lambda: compact_slopes(None))
             rows.append(row)
-    return rows + step_cache_rows(FLUX_STEP_CACHE_THRESHOLDS) + dit_peer_rows()
+    return rows + step_cache_rows(FLUX_STEP_CACHE_THRESHOLDS) + dit_peer_rows(ratios_of)
 
 
 _COMPACT_DEFAULTS: dict = {}
@@ -451,11 +458,17 @@ def compact_slopes(threshold: int | None) -> None:
             module.COMPACT_SLOPE_BYTES = _COMPACT_DEFAULTS[name] if threshold is None else threshold
 
 
-def dit_peer_rows() -> list[FidelityRow]:
-    """The published DiT step caches ComfyUI does not ship (``dit_peers``: measured, not offered)."""
+def dit_peer_rows(ratios_of: Callable | None = None) -> list[FidelityRow]:
+    """The published DiT step caches ComfyUI does not ship (``dit_peers``: measured, not offered); MagCache where
+    ``ratios_of(model)`` gives its calibration."""
     from tools.fidelity import dit_peers
 
     rows = []
+    for threshold in (0.06, 0.12, 0.24) if ratios_of else ():  # diffusers' default; its authors' Flux settings
+        settings = {"threshold": threshold, "max_skips": 3, "retention": 0.2, "ratios": "calibrated"}
+        patch = dit_peers.magcache_patch(threshold, ratios_of)
+        name = f"MagCache {threshold} (calibrated)"
+        rows.append(FidelityRow(name, "peer", patch, settings=settings, prepare=ratios_of))
     for threshold in (0.08, 0.12, 0.2):  # 0.08 and 0.12: the published Flux.1-dev figures (1.55x, 1.91x)
         settings = {"threshold": threshold}
         rows.append(
@@ -535,7 +548,8 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
     if models.is_dit(name):  # Flux, Flux.2, Wan, Qwen-Image: the same rows (the family comes from the model)
         # The step the family does not take, as variants: half on Flux (its own is whole), whole on the others.
         other_step = 0.5 if models.is_flux(name) else 1.0
-        rows = dit_rows(nodes, args.variants, models.is_video(name), args, other_step)
+        ratios_of = magcache_calibration(name, args)
+        rows = dit_rows(nodes, args.variants, models.is_video(name), args, other_step, ratios_of)
         return keep_asked_rows(rows, args, broken_dit_patch)
     family = models.FAMILIES[name]
     finest = 1 if family.depth[0] else 2  # the finest level that has attention
@@ -559,6 +573,48 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
         if row is not None:
             rows.append(row)
     return keep_asked_rows(rows, args)
+
+
+def magcache_calibration(name: str, args, prompts: int = 4) -> Callable:
+    """``ratios_of(model)``: MagCache's calibration of the reference (the step-to-step ratio of its block stack's
+    residual on the image tokens, as ``step_change`` measures it) from one unpatched run at the benchmark's steps,
+    CFG, sampler and scheduler, on ``prompts`` prompts the benchmark does not report; once per model."""
+    calibrated: dict = {}
+
+    def ratios_of(model) -> list[float]:
+        key = id(model.model)
+        if key not in calibrated:
+            calibrated[key] = calibrate_magcache(name, model, args, prompts)
+        return calibrated[key]
+
+    return ratios_of
+
+
+def calibrate_magcache(name: str, model, args, prompts: int) -> list[float]:
+    import nodes as comfy_nodes
+
+    from tools.fidelity import step_change
+    from tools.fidelity.reference import data, models
+
+    _, encoder = models.load_reference(name)
+    every = data.all_prompts().as_tensor()
+    order = torch.randperm(len(every), generator=torch.Generator().manual_seed(PROMPT_SEED))
+    chosen = every[order[args.prompts : args.prompts + prompts]]  # after the reported ones: none of them
+    size = models.train_size(name)
+    positive = conditioning(name, model.model, encoder, chosen, size)
+    negative = conditioning(name, model.model, encoder, models.PromptEncoder.empty(1), size)
+    latent = {"samples": torch.zeros(models.latent_shape(name, prompts, size))}
+    recorder = step_change.ResidualRecorder(model.model.diffusion_model, image_tokens=True)
+    try:
+        with torch.no_grad():
+            comfy_nodes.common_ksampler(
+                model, 0, args.steps, args.cfg, args.sampler, args.scheduler, positive, negative, latent
+            )
+    finally:
+        recorder.remove()
+    per_step = len(recorder.residuals) // args.steps  # cond and uncond in one call or two
+    streams = [step_change.ratios(recorder.residuals[k::per_step])["norm_ratio"] for k in range(per_step)]
+    return [sum(values) / len(values) for values in zip(*streams, strict=True)]
 
 
 def conditioning(name: str, base_model, encoder, prompt_indices: torch.Tensor, size: int) -> list:
@@ -726,6 +782,7 @@ def evaluate_model(name: str, args, log) -> dict:
         baseline = None
         for row in rows:
             log(f"{name} {size}x{size}: {row.name} ...")
+            row.prepare(patcher)
             with count_work(row, patcher) as work:
                 images, wall, cpu_s = sample_row(row, patcher, positive, negative, shape, args)
             if baseline is None:
