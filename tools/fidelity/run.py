@@ -17,8 +17,9 @@ Output: ``results/fidelity-<model>.md`` and ``.json``, a speed-versus-fidelity c
 
 On the Flux reference model (``ref-flux``) the rows are unpatched, ours through the same node (ToDo 2 and 3, and
 ToDo 2 in the first 60% of the steps only), and ToMe through attention at 0.5 and 0.25 (``dit_tome``: measured,
-not offered by the nodes on DiTs); the UNet-only rows (tomesd, TomePatchModel, the ToDo reference patch, block
-scope) do not apply.
+not offered by the nodes on DiTs), reuse across steps (every N and the default), and the step caches: ComfyUI's
+EasyCache and LazyCache, and (``dit_peers``) First Block Cache, a TaylorSeer-style forecast and MagCache calibrated
+on the reference; the UNet-only rows (tomesd, TomePatchModel, the ToDo reference patch, block scope) do not apply.
 
 Our rows force the reduction at every size (``skip_when_slower`` off): the reference models' token grids are
 smaller than the sizes where the shipped defaults switch the reduction on, and the question here is what the
