@@ -46,20 +46,43 @@ def _split(joined: torch.Tensor, args: dict, streams: tuple[str, ...]) -> dict:
     return dict(zip(present, joined.split([args[k].shape[1] for k in present], 1), strict=True))
 
 
-class FirstBlockCache:
-    """The block replacements of one patched clone (see the module docstring)."""
+def _skipped(args: dict, position: int, last: int, output: Callable, streams: tuple[str, ...]) -> dict:
+    """A skipped block's result: an inner one passes its input on, the last gives the stack's predicted output
+    (``output()``, the joined streams)."""
+    if position < last:
+        return {k: args[k] for k in ("img", "txt") if k in args}
+    return _split(output(), args, streams)
+
+
+def _replace_every_block(model, make_cache: Callable):
+    """A clone of ``model`` whose every block is replaced by ``make_cache(keys, streams)``'s replacements."""
+    from tome_core.hosts.comfyui import dit_reuse
+
+    clone = model.clone()
+    diffusion_model = clone.model.diffusion_model
+    keys = dit_reuse.block_keys(diffusion_model)
+    cache = make_cache(keys, dit_reuse.block_streams(diffusion_model))
+    for position, (block_type, index) in enumerate(keys):
+        clone.set_model_patch_replace(cache.replacement(position), PATCH_NAME, block_type, index)
+    return clone
+
+
+class BlockCache:
+    """What a whole-stack step cache keeps for one patched clone: one state per batch layout (``uuids``), all
+    dropped when the noise level goes up (a new sampling run)."""
 
     def __init__(self, keys: list, threshold: float, streams: tuple[str, ...] = ("txt", "img")):
         self.keys = keys
         self.streams = streams  # what the blocks pass on (Wan: ``img`` only; its ``txt`` is the prompt it reads)
         self.threshold = threshold
-        self.states: dict = {}  # batch layout -> {"head", "rest", "skip"}
+        self.states: dict = {}
         self.last_sigma = None
 
     def __deepcopy__(self, memo):
         return self
 
-    def _state(self, args) -> dict:
+    def _layout_state(self, args, fresh: dict) -> tuple[dict, dict, float | None]:
+        """(this call's batch layout's state, a copy of ``fresh`` where new; the call's options; its sigma)."""
         options = args.get("transformer_options") or {}
         sigmas = options.get("sigmas")
         sigma = float(sigmas.max()) if sigmas is not None else None
@@ -67,7 +90,14 @@ class FirstBlockCache:
             self.states.clear()  # the noise went up: another sampling run
         self.last_sigma = sigma
         layout = tuple(str(u) for u in options.get("uuids") or ())
-        return self.states.setdefault(layout, {"head": None, "rest": None, "skip": False})
+        return self.states.setdefault(layout, dict(fresh)), options, sigma
+
+
+class FirstBlockCache(BlockCache):
+    """The block replacements of one patched clone (see the module docstring)."""
+
+    def _state(self, args) -> dict:
+        return self._layout_state(args, {"head": None, "rest": None, "skip": False})[0]
 
     def replacement(self, position: int) -> Callable:
         last = len(self.keys) - 1
@@ -90,9 +120,7 @@ class FirstBlockCache:
                 state["out"] = _joined(out, self.streams)
                 return out
             if state["skip"]:
-                if position < last:
-                    return {k: args[k] for k in ("img", "txt") if k in args}
-                return _split(state["out"] + state["rest"], args, self.streams)
+                return _skipped(args, position, last, lambda: state["out"] + state["rest"], self.streams)
             out = extra["original_block"](args)
             if position == last:
                 state["rest"] = _joined(out, self.streams) - state["out"]
@@ -103,35 +131,21 @@ class FirstBlockCache:
 
 def first_block_cache_patch(threshold: float) -> Callable:
     """A fidelity row's patch: First Block Cache at ``threshold`` on a Flux or Wan model (every block replaced)."""
-    from tome_core.hosts.comfyui import dit_reuse
 
     def patch(model):
-        clone = model.clone()
-        diffusion_model = clone.model.diffusion_model
-        keys = dit_reuse.block_keys(diffusion_model)
-        cache = FirstBlockCache(keys, threshold, dit_reuse.block_streams(diffusion_model))
-        for position, (block_type, index) in enumerate(keys):
-            clone.set_model_patch_replace(cache.replacement(position), PATCH_NAME, block_type, index)
-        return clone
+        return _replace_every_block(model, lambda keys, streams: FirstBlockCache(keys, threshold, streams))
 
     return patch
 
 
-class MagCache:
-    """The block replacements of one patched clone (see the module docstring); one state per batch layout."""
+class MagCache(BlockCache):
+    """The block replacements of one patched clone (see the module docstring)."""
 
     def __init__(self, keys: list, ratios: list[float], threshold: float, streams: tuple[str, ...] = ("txt", "img")):
-        self.keys = keys
+        super().__init__(keys, threshold, streams)
         self.ratios = ratios  # calibrated, one per step of a run of len(ratios) steps; the first is 1
-        self.threshold = threshold
         self.max_skips = 3
         self.retention = 0.2
-        self.streams = streams
-        self.states: dict = {}
-        self.last_sigma = None
-
-    def __deepcopy__(self, memo):
-        return self
 
     def ratio_at(self, step: int, steps: int) -> float:
         """The calibrated ratio at ``step`` of a run of ``steps``, read at the same share of the run."""
@@ -142,14 +156,8 @@ class MagCache:
         return self.ratios[low] + (where - low) * (self.ratios[low + 1] - self.ratios[low])
 
     def _state(self, args) -> dict:
-        options = args.get("transformer_options") or {}
-        sigmas = options.get("sigmas")
-        sigma = float(sigmas.max()) if sigmas is not None else None
-        if sigma is not None and self.last_sigma is not None and sigma > self.last_sigma:
-            self.states.clear()  # the noise went up: another sampling run
-        self.last_sigma = sigma
-        layout = tuple(str(u) for u in options.get("uuids") or ())
-        state = self.states.setdefault(layout, {"residual": None, "ratio": 1.0, "error": 0.0, "skips": 0})
+        fresh = {"residual": None, "ratio": 1.0, "error": 0.0, "skips": 0}
+        state, options, sigma = self._layout_state(args, fresh)
         state["step"] = None
         schedule = options.get("sample_sigmas")
         if sigma is not None and schedule is not None:
@@ -183,9 +191,7 @@ class MagCache:
                 state["input"] = _joined(args, self.streams).clone()  # blocks may add to their input in place
                 state["skip"] = self._decide(state, state["input"].shape)
             if state["skip"]:
-                if position < last:
-                    return {k: args[k] for k in ("img", "txt") if k in args}
-                return _split(state["input"] + state["residual"], args, self.streams)
+                return _skipped(args, position, last, lambda: state["input"] + state["residual"], self.streams)
             out = extra["original_block"](args)
             if position == last:
                 state["residual"] = _joined(out, self.streams) - state["input"]
@@ -200,16 +206,9 @@ class MagCache:
 
 def magcache_patch(threshold: float, ratios_of: Callable) -> Callable:
     """A fidelity row's patch: MagCache at ``threshold`` with the ratios ``ratios_of(model)`` calibrates."""
-    from tome_core.hosts.comfyui import dit_reuse
 
     def patch(model):
-        clone = model.clone()
-        diffusion_model = clone.model.diffusion_model
-        keys = dit_reuse.block_keys(diffusion_model)
-        cache = MagCache(keys, ratios_of(model), threshold, dit_reuse.block_streams(diffusion_model))
-        for position, (block_type, index) in enumerate(keys):
-            clone.set_model_patch_replace(cache.replacement(position), PATCH_NAME, block_type, index)
-        return clone
+        return _replace_every_block(model, lambda keys, streams: MagCache(keys, ratios_of(model), threshold, streams))
 
     return patch
 
