@@ -461,6 +461,15 @@ def save_reference(name: str, unet_state: dict, encoder_state: dict, info: dict)
     return path
 
 
+def trained_steps(path) -> int:
+    """The optimiser steps behind a saved reference: its own run's and those of the weights it started from."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as weights:
+        metadata = weights.metadata() or {}
+    return int(metadata.get("steps", 0)) + int(metadata.get("steps_before", 0))
+
+
 def load_reference(name: str, path: Path | None = None):
     """(ComfyUI BaseModel with trained weights, PromptEncoder) of a committed reference model, or of the weights
     at ``path`` (a file ``save_reference`` wrote for ``name``'s layout)."""

@@ -405,6 +405,8 @@ def train_model(name: str, args) -> dict:
         "final_loss_last_500": round(final, 5),
         "minutes": round((time.time() - started) / 60, 1),
     }
+    if args.init_from:  # a fine-tune or continuation: which weights it started from (the file's name, no folder)
+        info.update(init_from=Path(args.init_from).name, steps_before=models.trained_steps(args.init_from))
     save_average(name, ema, init_state, steps, info)
     resume_path(name).unlink(missing_ok=True)
     log(f"{name}: saved, final loss {final:.4f}")
