@@ -239,9 +239,10 @@ def chart(result: dict, path: Path) -> None:
             ("real Qwen-Image (published)", REAL_QWEN_RATIOS),
             ("real Wan 2.1 1.3B (published)", REAL_WAN_RATIOS),
         ]
+    styles = iter(("k--", "k:", "k-."))
     for label, curve in published:
         points = sorted(curve.items())
-        ax.plot([s for s, _ in points], [r for _, r in points], "k--" if "Flux" in label else "k:", label=label)
+        ax.plot([s for s, _ in points], [r for _, r in points], next(styles), label=label)
     for name, record in result["models"].items():
         ax.plot(range(steps), record["norm_ratio"], marker=".", label=name)
     ax.axhline(1.0, color="grey", lw=0.5)
