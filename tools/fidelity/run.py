@@ -594,8 +594,8 @@ def magcache_calibration(name: str, args, prompts: int = 4) -> Callable:
 def calibrate_magcache(name: str, model, args, prompts: int) -> list[float]:
     import nodes as comfy_nodes
 
-    from tools.fidelity import step_change
     from tools.fidelity.reference import data, models
+    from tools.fidelity.residuals import ResidualRecorder, ratios
 
     _, encoder = models.load_reference(name)
     every = data.all_prompts().as_tensor()
@@ -605,7 +605,7 @@ def calibrate_magcache(name: str, model, args, prompts: int) -> list[float]:
     positive = conditioning(name, model.model, encoder, chosen, size)
     negative = conditioning(name, model.model, encoder, models.PromptEncoder.empty(1), size)
     latent = {"samples": torch.zeros(models.latent_shape(name, prompts, size))}
-    recorder = step_change.ResidualRecorder(model.model.diffusion_model, image_tokens=True)
+    recorder = ResidualRecorder(model.model.diffusion_model, image_tokens=True)
     try:
         with torch.no_grad():
             comfy_nodes.common_ksampler(
@@ -614,7 +614,7 @@ def calibrate_magcache(name: str, model, args, prompts: int) -> list[float]:
     finally:
         recorder.remove()
     per_step = len(recorder.residuals) // args.steps  # cond and uncond in one call or two
-    streams = [step_change.ratios(recorder.residuals[k::per_step])["norm_ratio"] for k in range(per_step)]
+    streams = [ratios(recorder.residuals[k::per_step])["norm_ratio"] for k in range(per_step)]
     return [sum(values) / len(values) for values in zip(*streams, strict=True)]
 
 

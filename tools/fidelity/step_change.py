@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from tools.fidelity.residuals import ResidualRecorder, per_sample_ratios, ratios
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -137,67 +139,6 @@ REAL_CURVES = {
     "ref-qwen": ("Qwen-Image", REAL_QWEN_RATIOS),
     "ref-qwen-v2": ("Qwen-Image", REAL_QWEN_RATIOS),
 }
-
-
-class ResidualRecorder:
-    """Hooks on a ComfyUI Flux or Wan model: the stack's input at its first block, its output after its last,
-    one residual per model call."""
-
-    def __init__(self, diffusion_model, image_tokens: bool = False):
-        self.residuals: list[torch.Tensor] = []
-        self._input = None
-        self._text_tokens = 0
-        self.image_tokens = image_tokens  # Flux: the image tokens of the joined stream only
-        self.image_only = hasattr(diffusion_model, "transformer_blocks")  # Qwen-Image: (txt, img) apart
-        if hasattr(diffusion_model, "double_blocks"):
-            first, last = diffusion_model.double_blocks[0], diffusion_model.single_blocks[-1]
-        elif self.image_only:
-            first, last = diffusion_model.transformer_blocks[0], diffusion_model.transformer_blocks[-1]
-        else:  # Wan: one stream through ``blocks``
-            first, last = diffusion_model.blocks[0], diffusion_model.blocks[-1]
-        self.handles = [
-            first.register_forward_pre_hook(self._on_input, with_kwargs=True),
-            last.register_forward_hook(self._on_output),
-        ]
-
-    def _on_input(self, module, args, kwargs):
-        if self.image_only:
-            joined = kwargs["hidden_states"]
-        else:
-            joined = args[0] if args else torch.cat((kwargs["txt"], kwargs["img"]), 1)
-            self._text_tokens = 0 if args else kwargs["txt"].shape[1]
-        if self.image_tokens:
-            joined = joined[:, self._text_tokens :]
-        self._input = joined.detach().clone()
-
-    def _on_output(self, module, args, output):
-        if self.image_only:
-            output = output[1]  # (text, image)
-        if self.image_tokens:
-            output = output[:, self._text_tokens :]
-        self.residuals.append((output.detach() - self._input).float())
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
-
-
-def ratios(residuals: list[torch.Tensor]) -> dict:
-    """MagCache's ratio (mean over tokens of the norm ratio) and the relative change, per step after the first."""
-    norm_ratio, change = [1.0], [None]
-    for previous, current in zip(residuals, residuals[1:], strict=False):
-        per_token = current.norm(dim=-1) / (previous.norm(dim=-1) + 1e-8)
-        norm_ratio.append(float(per_token.mean()))
-        change.append(float((current - previous).norm() / previous.norm()))
-    return {"norm_ratio": norm_ratio, "relative_change": change}
-
-
-def per_sample_ratios(residuals: list[torch.Tensor]) -> torch.Tensor:
-    """(steps, samples): MagCache's ratio of each sample (the mean over its tokens), 1 at the first step."""
-    rows = [torch.ones(len(residuals[0]))]
-    for previous, current in zip(residuals, residuals[1:], strict=False):
-        rows.append((current.norm(dim=-1) / (previous.norm(dim=-1) + 1e-8)).flatten(1).mean(dim=1))
-    return torch.stack(rows)
 
 
 def over_prompts(per_sample: torch.Tensor, seeds: int, how: str) -> list[float]:
