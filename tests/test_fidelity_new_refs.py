@@ -71,6 +71,7 @@ def qwen_report(tmp_path_factory):
     # 12 steps: reuse across steps reuses from 10 steps on.
     argv = ["--models", "ref-qwen", "--scales", "1", "--prompts", "2", "--seeds", "1", "--steps", "12"]
     argv += ["--only", "=ours reuse every 3,=First Block Cache 0.2,TaylorSeer,=MagCache 0.24 (calibrated),broken"]
+    argv[-1] += ",=cache-dit fixed plan fast"
     argv += ["--broken"]
     argv += ["--real", "64", "--grid", "2", "--out", str(out), "--threads", "1"]
     return fidelity.main(argv)["ref-qwen"], out
@@ -83,7 +84,7 @@ def _row(report, name):
 def test_qwen_reference_has_the_dit_rows(qwen_report):
     report, out = qwen_report
     rows = ["unpatched", "ours reuse every 3", "MagCache 0.24 (calibrated)", "First Block Cache 0.2"]
-    rows += ["TaylorSeer-style every 5"]
+    rows += ["cache-dit fixed plan fast", "TaylorSeer-style every 5"]
     assert [r["row"] for r in report["records"]] == [*rows, "broken (shifted tokens)"]
     assert _row(report, "unpatched")["identical_to_unpatched"]
     broken = _row(report, "broken (shifted tokens)")
@@ -101,6 +102,10 @@ def test_qwen_reference_has_the_dit_rows(qwen_report):
     magcache = _row(report, "MagCache 0.24 (calibrated)")
     assert magcache["work"]["token_share"] < 1.0 and min(magcache["work"]["block_shares"]) < 1.0
     assert magcache["work"]["block_shares"][0] == magcache["work"]["block_shares"][-1]
+    # cache-dit's fast plan computes 7 of 12 steps (111010010011); the others run the first block only.
+    fixed = _row(report, "cache-dit fixed plan fast")["work"]
+    assert fixed["call_share"] == 1.0 and fixed["block_shares"][0] == 1.0
+    assert fixed["block_shares"][1:] == pytest.approx([7 / 12] * (len(fixed["block_shares"]) - 1))
     assert report["full_depth"] == 60
     table = (out / "fidelity-ref-qwen.md").read_text()
     assert "at 60 blocks" in table

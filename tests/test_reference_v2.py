@@ -80,3 +80,28 @@ def test_v2_models_are_detected_from_their_weights_as_their_family(name, config_
     assert shape[1] == 16
     frames, per_sample = models.as_images(name)
     assert frames(torch.zeros(shape)).shape == (2 * per_sample, data.CHANNELS, 64, 64)
+
+
+def test_the_unet_v2_keeps_sdxls_four_channels():
+    """``ref-sdxl-v2``: the opened-up, standardised scenes at the latent's own size, not folded (an SDXL latent has
+    4 channels), on ``ref-sdxl``'s layout; the second classifier reads them at that size."""
+    from tools.common.host import setup_comfy
+
+    setup_comfy("cpu")
+    latents, prompts = models.samples("ref-sdxl-v2", 256, 32, torch.Generator().manual_seed(6))
+    assert latents.shape == (256, data.CHANNELS, 32, 32)
+    assert latents.mean(dim=(0, 2, 3)).abs().max() < 0.1  # standardised by statistics measured at 64 px
+    assert (latents.std(dim=(0, 2, 3)) - 1.0).abs().max() < 0.1
+    frames, per_sample = models.as_images("ref-sdxl-v2")
+    scenes = frames(latents)
+    assert torch.allclose(data.v2_latents(scenes, folded=False), latents, atol=1e-5)
+    if (models.WEIGHTS / "classifier-v2.safetensors").exists():
+        from tools.fidelity.run import attribute_accuracy
+
+        accuracy = attribute_accuracy(models.load_classifier("ref-sdxl-v2"), scenes, prompts.as_tensor())
+        assert accuracy["mean"] >= 0.95  # measured 0.985 on 512 such scenes
+    import comfy.model_base
+
+    base = models.build_base_model("ref-sdxl-v2")  # ComfyUI's SDXL class, v-prediction, as ``ref-sdxl``
+    assert type(base) is comfy.model_base.SDXL and base.model_type == comfy.model_base.ModelType.V_PREDICTION
+    assert base.latent_format.latent_channels == data.CHANNELS

@@ -16,6 +16,10 @@
   run of the reference at the benchmark's own settings on prompts the benchmark does not report
   (``magcache_ratios``), as MagCache's authors calibrate each model; the real models' published ratios would make
   it a straw man on a reference whose curve differs.
+- **cache-dit's fixed plans** (``steps_mask``'s ``mask_policy`` slow, medium, fast and ultra: 18, 15, 11 and 8
+  computed steps of 28, the first 4 to 8 among them, stretched or cut to other step counts as cache-dit does,
+  the last step always computed): at a step the plan caches, the first block runs and the other blocks' cached
+  residual is added (cache-dit's DBCache with one front block, F1B0; its default F8B0 runs 8 blocks there).
 - **TaylorSeer-style forecast** (diffusers' ``TaylorSeerCacheConfig`` defaults: every 5th call computed, the
   first 3 too, first order): every block is forecast at the other calls, from the last two computed ones, one
   whole step along the line (no damping, no block kept running, no call kept full at low noise). Built from
@@ -93,11 +97,26 @@ class BlockCache:
         return self.states.setdefault(layout, dict(fresh)), options, sigma
 
 
+def _step_of(options: dict, sigma: float | None) -> tuple[int | None, int | None]:
+    """(this call's step, the run's steps) from the sampler's sigmas ComfyUI passes in the options; Nones where
+    they are missing."""
+    schedule = options.get("sample_sigmas")
+    if sigma is None or schedule is None:
+        return None, None
+    return int((schedule[:-1].float() - sigma).abs().argmin()), len(schedule) - 1
+
+
 class FirstBlockCache(BlockCache):
     """The block replacements of one patched clone (see the module docstring)."""
 
     def _state(self, args) -> dict:
-        return self._layout_state(args, {"head": None, "rest": None, "skip": False})[0]
+        state, options, sigma = self._layout_state(args, {"head": None, "rest": None, "skip": False})
+        state["step"], state["steps"] = _step_of(options, sigma)
+        return state
+
+    def _reuses(self, state: dict, head: torch.Tensor, previous: torch.Tensor) -> bool:
+        """Whether this call takes the cached rest: its first block's residual moved less than the threshold."""
+        return float((head - previous).abs().mean() / previous.abs().mean()) < self.threshold
 
     def replacement(self, position: int) -> Callable:
         last = len(self.keys) - 1
@@ -113,7 +132,7 @@ class FirstBlockCache(BlockCache):
                     previous is not None
                     and state["rest"] is not None
                     and previous.shape == head.shape
-                    and float((head - previous).abs().mean() / previous.abs().mean()) < self.threshold
+                    and self._reuses(state, head, previous)
                 )
                 if not state["skip"]:
                     state["head"] = head
@@ -158,11 +177,7 @@ class MagCache(BlockCache):
     def _state(self, args) -> dict:
         fresh = {"residual": None, "ratio": 1.0, "error": 0.0, "skips": 0}
         state, options, sigma = self._layout_state(args, fresh)
-        state["step"] = None
-        schedule = options.get("sample_sigmas")
-        if sigma is not None and schedule is not None:
-            state["step"] = int((schedule[:-1].float() - sigma).abs().argmin())
-            state["steps"] = len(schedule) - 1
+        state["step"], state["steps"] = _step_of(options, sigma)
         return state
 
     def _decide(self, state: dict, shape) -> bool:
@@ -202,6 +217,96 @@ class MagCache(BlockCache):
     def states_for(self, args) -> dict:
         self._current = self._state(args)
         return self._current
+
+
+# cache-dit's fixed 28-step plans (``steps_mask``'s ``mask_policy``): runs of computed and of cached steps, in turn
+# from step 0 (CALIBRATIONS.md section 5).
+CACHE_DIT_PLANS = {
+    "slow": ((8, 3, 3, 2, 1, 1), (1, 2, 2, 2, 3)),
+    "medium": ((6, 2, 2, 2, 2, 1), (1, 3, 3, 3, 3)),
+    "fast": ((6, 1, 1, 1, 1, 1), (1, 3, 4, 5, 4)),
+    "ultra": ((4, 1, 1, 1, 1), (2, 5, 6, 7)),
+}
+# Its plans for runs of 10 to 15 steps (distilled models), cut to the run's length.
+CACHE_DIT_SHORT_PLANS = {
+    "slow": ((4, 2, 2, 2, 1), (1, 1, 1, 1)),
+    "medium": ((4, 2, 1, 1, 1), (1, 1, 2, 2)),
+    "fast": ((3, 1, 1, 1, 1), (1, 2, 2, 3)),
+    "ultra": ((2, 1, 1, 1, 1), (1, 2, 3, 3)),
+}
+PLAN_STEPS = 28
+
+
+def _plan_length(runs: list[list[int]]) -> int:
+    return sum(runs[0]) + sum(runs[1])
+
+
+def _stretched(runs: list[list[int]], steps: int) -> None:
+    """Longer runs for more than 28 steps, as cache-dit stretches its plans: round after round, each pair of runs
+    grows by half its 28-step length times steps / 28 (at least 1), the computed one first, and the last computed
+    run by one, until the plan covers ``steps``."""
+    base = [list(runs[0]), list(runs[1])]
+    grow = steps / PLAN_STEPS * 0.5
+    while _plan_length(runs) < steps:
+        for i in range(min(len(runs[0]), len(runs[1]))):
+            for kind in (0, 1):
+                runs[kind][i] += max(int(base[kind][i] * grow), 1)
+                if _plan_length(runs) >= steps:
+                    return
+        runs[0][-1] += 1
+
+
+def _shortened(runs: list[list[int]], steps: int) -> None:
+    """Shorter runs, as cache-dit cuts its plans: one step off the last cached run, then off the last computed one,
+    in turn, until the plan is ``steps`` long."""
+    while _plan_length(runs) > steps:
+        for kind in (1, 0):
+            if runs[kind]:
+                runs[kind][-1] -= 1
+                if runs[kind][-1] == 0:
+                    runs[kind].pop()
+            if _plan_length(runs) <= steps:
+                return
+
+
+def cache_dit_plan(policy: str, steps: int) -> list[bool]:
+    """Which of ``steps`` steps cache-dit's fixed plan ``policy`` computes (True): from 16 steps the 28-step plan
+    stretched or cut to ``steps``, from 10 its short plan cut, the last step always computed."""
+    if steps < 10:
+        raise ValueError(f"cache-dit's fixed plans are measured here from 10 steps, not {steps}")
+    runs = [list(run) for run in (CACHE_DIT_PLANS if steps >= 16 else CACHE_DIT_SHORT_PLANS)[policy]]
+    if steps > PLAN_STEPS:
+        _stretched(runs, steps)
+    _shortened(runs, steps)
+    plan: list[bool] = []
+    for i in range(max(len(runs[0]), len(runs[1]))):  # a cut plan may end in cached runs only
+        plan += [True] * (runs[0][i] if i < len(runs[0]) else 0) + [False] * (runs[1][i] if i < len(runs[1]) else 0)
+    plan = plan[:steps]
+    plan[-1] = True
+    return plan
+
+
+class FixedPlanCache(FirstBlockCache):
+    """cache-dit's fixed plans on its DBCache (F1B0): the first block runs at every call; at a step the plan
+    caches, the other blocks are skipped and their cached residual added, whatever the first block says."""
+
+    def __init__(self, keys: list, policy: str, streams: tuple[str, ...] = ("txt", "img")):
+        super().__init__(keys, 0.0, streams)
+        self.policy = policy
+
+    def _reuses(self, state: dict, head: torch.Tensor, previous: torch.Tensor) -> bool:
+        if state["step"] is None:
+            return False
+        return not cache_dit_plan(self.policy, state["steps"])[state["step"]]
+
+
+def cache_dit_plan_patch(policy: str) -> Callable:
+    """A fidelity row's patch: cache-dit's fixed plan ``policy`` (every block replaced)."""
+
+    def patch(model):
+        return _replace_every_block(model, lambda keys, streams: FixedPlanCache(keys, policy, streams))
+
+    return patch
 
 
 def magcache_patch(threshold: float, ratios_of: Callable) -> Callable:

@@ -65,6 +65,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--first-seed", type=int, default=0, help="the first seed (another set of seeds: unpatched's own spread)"
     )
+    parser.add_argument(
+        "--first-prompt",
+        type=int,
+        default=0,
+        help="where the prompts start in the fixed shuffled list (another set: 16 for the second 16, where settings "
+        "are chosen before they are reported on the first)",
+    )
     parser.add_argument("--steps", type=int, default=12, help="sampling steps")
     parser.add_argument("--sampler", default="euler", help="ComfyUI sampler name (euler, euler_ancestral, heun, ...)")
     parser.add_argument("--scheduler", default="normal", help="ComfyUI scheduler name (normal, karras, ...)")
@@ -480,6 +487,10 @@ def dit_peer_rows(ratios_of: Callable | None = None) -> list[FidelityRow]:
                 settings=settings,
             )
         )
+    for policy in dit_peers.CACHE_DIT_PLANS:  # cached steps run the first block (DBCache F1B0)
+        settings = {"policy": policy, "Fn_compute_blocks": 1, "Bn_compute_blocks": 0}
+        patch = dit_peers.cache_dit_plan_patch(policy)
+        rows.append(FidelityRow(f"cache-dit fixed plan {policy}", "peer", patch, settings=settings))
     settings = {"interval": 5, "first": 3, "order": 1}
     rows.append(
         FidelityRow("TaylorSeer-style every 5", "peer", dit_peers.taylorseer_style_patch(5, 3), settings=settings)
@@ -600,7 +611,8 @@ def calibrate_magcache(name: str, model, args, prompts: int) -> list[float]:
     _, encoder = models.load_reference(name)
     every = data.all_prompts().as_tensor()
     order = torch.randperm(len(every), generator=torch.Generator().manual_seed(PROMPT_SEED))
-    chosen = every[order[args.prompts : args.prompts + prompts]]  # after the reported ones: none of them
+    after = args.first_prompt + args.prompts  # after the reported ones: none of them
+    chosen = every[order[after : after + prompts]]
     size = models.train_size(name)
     positive = conditioning(name, model.model, encoder, chosen, size)
     negative = conditioning(name, model.model, encoder, models.PromptEncoder.empty(1), size)
@@ -757,7 +769,7 @@ def evaluate_model(name: str, args, log) -> dict:
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
     generator = torch.Generator().manual_seed(PROMPT_SEED)
     every = data.all_prompts().as_tensor()
-    prompts = every[torch.randperm(len(every), generator=generator)[: args.prompts]]
+    prompts = every[torch.randperm(len(every), generator=generator)[args.first_prompt :][: args.prompts]]
     labels = prompts.repeat(args.seeds, 1)  # image i of seed s is prompt i
     real, _ = models.samples(name, args.real // per_frame, train_size, torch.Generator().manual_seed(PROMPT_SEED + 1))
     fresh, fresh_prompts = models.samples(name, len(labels), train_size, torch.Generator().manual_seed(PROMPT_SEED + 2))

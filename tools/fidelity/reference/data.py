@@ -270,18 +270,22 @@ def open_up_v2(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     return images
 
 
-def v2_latents(images: torch.Tensor) -> torch.Tensor:
-    """Opened-up scenes at twice the latent size -> the ``-v2`` references' 16-channel latents."""
-    return fold((images - _per_channel(V2_MEAN, images)) / _per_channel(V2_STD, images))
+def v2_latents(images: torch.Tensor, folded: bool = True) -> torch.Tensor:
+    """Opened-up scenes -> the ``-v2`` references' latents: standardised, and (``folded``, the DiTs) folded into
+    16 channels at half the size; the UNet's keep the 4 channels of an SD / SDXL latent."""
+    latents = (images - _per_channel(V2_MEAN, images)) / _per_channel(V2_STD, images)
+    return fold(latents) if folded else latents
 
 
 def v2_scenes(latents: torch.Tensor) -> torch.Tensor:
-    """The ``-v2`` references' latents -> the scenes they stand for (4 channels at twice the size)."""
-    scenes = unfold(latents)
+    """The ``-v2`` references' latents -> the scenes they stand for (4 channels; a folded latent's at twice the
+    size)."""
+    scenes = unfold(latents) if latents.shape[1] == FOLDED_CHANNELS else latents
     return scenes * _per_channel(V2_STD, scenes) + _per_channel(V2_MEAN, scenes)
 
 
-def batch_v2(n: int, size: int, generator: torch.Generator) -> tuple[torch.Tensor, Prompts]:
-    """``n`` random prompts and their ``-v2`` latents of ``size`` x ``size`` (scenes of twice that)."""
+def batch_v2(n: int, size: int, generator: torch.Generator, folded: bool = True) -> tuple[torch.Tensor, Prompts]:
+    """``n`` random prompts and their ``-v2`` latents of ``size`` x ``size`` (``folded``: scenes of twice that)."""
     prompts = random_prompts(n, generator)
-    return v2_latents(open_up_v2(render(prompts, size * FOLD, generator), generator)), prompts
+    scenes = open_up_v2(render(prompts, size * FOLD if folded else size, generator), generator)
+    return v2_latents(scenes, folded), prompts

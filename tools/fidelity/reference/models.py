@@ -61,6 +61,9 @@ FAMILIES = {
     "ref-sdxl": Family(
         "ref-sdxl", 32, (1, 2, 2), 1, (0, 2, 2), 2, CONTEXT_DIM, head_channels=32, linear=True, adm_channels=2816
     ),
+    "ref-sdxl-v2": Family(
+        "ref-sdxl-v2", 32, (1, 2, 2), 1, (0, 2, 2), 2, CONTEXT_DIM, head_channels=32, linear=True, adm_channels=2816
+    ),
 }
 # ComfyUI's detected-config dicts (comfy/model_detection.py, "image_model": "flux") of the Flux references.
 FLUX_CONFIGS = {
@@ -201,8 +204,14 @@ def is_v2(name: str) -> bool:
     return _known(name).endswith("-v2")
 
 
+def is_folded(name: str) -> bool:
+    """True for the second-generation DiTs, whose latents fold 2x2 pixels into 16 channels as Flux.1's and
+    Qwen-Image's do; the UNet ``ref-sdxl-v2`` keeps SDXL's 4 channels."""
+    return is_v2(name) and is_dit(name)
+
+
 def latent_channels(name: str) -> int:
-    return data.FOLDED_CHANNELS if is_v2(name) else data.CHANNELS
+    return data.FOLDED_CHANNELS if is_folded(name) else data.CHANNELS
 
 
 def is_flux(name: str) -> bool:
@@ -252,7 +261,7 @@ def as_images(name: str):
         return data.frames_of, CLIP_FRAMES
     if is_qwen(name):  # one frame per sample
         return ((lambda samples: data.v2_scenes(data.frames_of(samples))) if is_v2(name) else data.frames_of), 1
-    if is_v2(name):  # the 64 px scenes the latents stand for
+    if is_v2(name):  # the scenes the latents stand for
         return data.v2_scenes, 1
     return (lambda samples: samples), 1
 
@@ -265,7 +274,7 @@ def samples(name: str, n: int, size: int, generator: torch.Generator):
         scenes, prompts = (data.batch_v2 if is_v2(name) else data.batch)(n, size, generator)
         return scenes.unsqueeze(2), prompts
     if is_v2(name):
-        return data.batch_v2(n, size, generator)
+        return data.batch_v2(n, size, generator, folded=is_folded(name))
     return data.batch(n, size, generator)
 
 

@@ -83,6 +83,7 @@ RECIPES = {
     "ref-flux2": (2000, 1e-3),
     "ref-flux-v2": (2000, 1e-3),
     "ref-qwen-v2": (2000, 1e-3),
+    "ref-sdxl-v2": (2500, 1e-3),
 }
 # Flow time as each model is trained where ``--time-sampling`` does not say: the second generation as Flux.1 and
 # SD3 are (logit-normal through the shift), the first uniformly over the schedule's table.
