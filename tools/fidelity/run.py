@@ -446,6 +446,13 @@ def dit_rows(
                 name = f"ours reuse {'every ' if interval != 'default' else ''}{interval} + first-block guard {guard}"
                 changes = {"first_block_guard": guard}
                 rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
+        # The default's guard by the real model's curve at longer intervals where the curve is flat (every stretch
+        # still within the published threshold on the real curve), alone and with the first-block guard.
+        for interval in (4, 5, 6):
+            for guard in (None, 0.1):
+                name = f"ours reuse curve-guarded every {interval}" + (f" + first-block guard {guard}" if guard else "")
+                changes = {"curve_guarded": True, "first_block_guard": guard}
+                rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
         for interval in (3, 4, 6, 8):  # the slope in 4 bits, as large caches keep it, forced on the reference
             name = f"ours reuse every {interval} variant slope in 4 bits"
             row = ours(nodes, name, method="todo", downsample_factor=1.0, reuse_interval=interval)
@@ -506,6 +513,7 @@ def dit_reuse_variant(
     full_below=None,
     warm_up=0.0,
     first_block_guard=None,
+    curve_guarded=False,
 ) -> Callable:
     """DiT reuse across steps with engine defaults overridden: ``interval`` (every N, or "default": the family's
     plan, its interval guarded by the real model's curve), ``outer`` (blocks run at every call: at the start,
@@ -513,10 +521,11 @@ def dit_reuse_variant(
     the steps full at the start, as shipped before the schedule by noise), ``full_below`` (the noise below which
     every call runs in full, instead of the sampler's rule), ``warm_up`` (the share of the first steps run in full,
     within the interval's count), ``first_block_guard`` (a reusing call whose first block's output moved more than
-    this since the last full call runs in full)."""
+    this since the last full call runs in full), ``curve_guarded`` (every ``interval``, guarded by the family's
+    published curve as the default's interval is)."""
     from tome_core.hosts.comfyui import dit_reuse
     from tome_core.hosts.shared import dit_families
-    from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule
+    from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule, StepCountSchedule
     from tome_core.reuse.options import ReuseOptions
     from tome_core.schedule import NoiseRange
     from tools.fidelity import dit_peers
@@ -525,8 +534,11 @@ def dit_reuse_variant(
         clone = model.clone()
         every = 3 if interval == "default" else interval
         settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=every)
+        family = dit_families.of_model("comfyui", model.model.diffusion_model)
         if interval == "default":
-            schedule = dit_families.of_model("comfyui", model.model.diffusion_model).auto_schedule()
+            schedule = family.auto_schedule()
+        elif curve_guarded:
+            schedule = StepCountSchedule(((0, interval),), family.curve)
         elif fixed_intervals:
             schedule = IntervalSchedule(interval, full_start=0.1)
         else:
