@@ -638,6 +638,22 @@ def test_the_first_block_guard_runs_a_reusing_call_in_full_where_the_span_input_
     assert 0 < turned < sum(unguarded) and all(not g for g, u in zip(guarded, unguarded, strict=True) if not u)
 
 
+def test_a_schedules_own_first_block_guard_reaches_each_run_unless_the_hooks_set_one():
+    """A DiT family's default carries its guard in its schedule (``StepCountSchedule.first_block_guard``): every run
+    the hooks make takes it; a guard set on the hooks (a benchmark's variant) wins; none on either: no guard."""
+    from tome_core.reuse import LayerReuse, StepCountSchedule
+
+    guarded = LayerReuse(StepCountSchedule(((0, 4),), first_block_guard=0.1), layers=1)
+    assert guarded.new_run(12).first_block_guard == 0.1
+    guarded.first_block_guard = 0.2
+    assert guarded.new_run(12).first_block_guard == 0.2
+    assert LayerReuse(StepCountSchedule(((0, 4),)), layers=1).new_run(12).first_block_guard is None
+    assert "moved more than 0.1" in StepCountSchedule(((0, 4),), first_block_guard=0.1).describe()
+    for wrong in (0.0, -0.1):
+        with pytest.raises(ValueError, match="first_block_guard must be above 0"):
+            StepCountSchedule(((0, 4),), first_block_guard=wrong)
+
+
 def test_a_step_change_curve_counts_as_magcache_and_guards_the_fast_steps():
     """``StepChangeCurve``: MagCache's accumulated error (``acc *= ratio``, ``err += |1 - acc|``, reset at a full
     step), its nearest-step reading for another step count, and the guard that runs a step in full where a

@@ -46,7 +46,9 @@ class LayerReuse:
         run = LayerReuseRun(schedule, steps, self.layers, self.extrapolate if reach is None else reach)
         run.full_below = full_below
         run.order = self.order
-        run.first_block_guard = self.first_block_guard
+        # The hooks' own guard (a benchmark's variant) or the schedule's (a DiT family's default).
+        guard = self.first_block_guard
+        run.first_block_guard = guard if guard is not None else getattr(self.schedule, "first_block_guard", None)
         return run
 
     def begin_call(self, run: LayerReuseRun, step: int | None, key: object, allowed=True, position=None) -> bool:

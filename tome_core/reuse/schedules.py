@@ -224,10 +224,15 @@ class StepCountSchedule:
     # The model's published step-to-step change: the steps where a reused stretch would accumulate more error
     # than it allows run in full too (None: the noise-spaced plan alone).
     curve: StepChangeCurve | None = None
+    # A reusing call runs in full where the first block's output moved more than this since the last full call
+    # (``LayerReuseRun.first_block_guard``; None: no such guard). Read by ``LayerReuse.new_run``.
+    first_block_guard: float | None = None
 
     def __post_init__(self):
         if not self.intervals or self.intervals[0][0] != 0:
             raise ValueError(f"intervals must start at 0 steps, got {self.intervals!r}")
+        if self.first_block_guard is not None and not 0.0 < self.first_block_guard:
+            raise ValueError(f"first_block_guard must be above 0 (or None), got {self.first_block_guard!r}")
 
     def interval(self, steps: int) -> int:
         return [interval for start, interval in self.intervals if start <= steps][-1]
@@ -238,6 +243,11 @@ class StepCountSchedule:
         described = f"every {self.intervals[0][1]}" + (f" ({', '.join(later)})" if later else "")
         if self.curve is not None:
             described += " and wherever the real model's published step-to-step change asks for a full step"
+        if self.first_block_guard is not None:
+            described += (
+                f", each reusing step in full where the first block's output moved more than "
+                f"{self.first_block_guard:g} since the last full one"
+            )
         return described
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:

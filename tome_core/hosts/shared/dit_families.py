@@ -58,6 +58,9 @@ class DitFamily:
     # full wherever reuse would accumulate more error on it (None: the noise-spaced plan alone).
     curve: StepChangeCurve | None = None
     curve_of: str = ""  # whose curve it is, for the log and the docs
+    # A reusing step runs in full where the first block's output moved more than this since the last full step
+    # (None: no such guard); measured per family on a reference that passes the curve gate (docs/dit.md).
+    first_block_guard: float | None = None
     # How its ComfyUI and Neo classes lay out their blocks (None: reuse cannot reach them).
     blocks: BlockLayout | None = None
 
@@ -72,7 +75,7 @@ class DitFamily:
 
     def auto_schedule(self) -> StepCountSchedule:
         """The schedule ``dit_settings`` "auto" runs on this family."""
-        return StepCountSchedule(self.auto_intervals, self.curve)
+        return StepCountSchedule(self.auto_intervals, self.curve, self.first_block_guard)
 
 
 # MagCache's thresholds for each model are the ones its authors publish with the ratios (``step_change_curves``).
