@@ -120,14 +120,15 @@ def test_reuse_skips_the_span_at_the_schedules_reusing_steps_and_removal_is_exac
 
 
 # Each family's row in the measured table: a wrong family name would pick another row (or the default).
-AUTO_INTERVAL = {"flux2": 3, "qwen-image": 3, "z-image": 3, "hunyuanvideo-1.5": 4, "ltx-video": 4}
+AUTO_INTERVAL = {"flux2": 3, "qwen-image": 4, "z-image": 3, "hunyuanvideo-1.5": 4, "ltx-video": 4}
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_settings_run_the_familys_interval_and_no_todo(pipes, kind, monkeypatch, caplog):
     """``apply_patch(pipe)`` (``dit_settings`` auto): the family's schedule (``dit_families``; Z-Image every
-    3, as Lumina 2 in ComfyUI, guarded by the family's published curve), no ToDo. At 28 steps the intervals 3, 4
-    and 5 reuse different steps (under 25 steps, one in two whatever the interval)."""
+    3, as Lumina 2 in ComfyUI, guarded by the family's published curve; Qwen-Image every 4, guarded by its first
+    block), no ToDo. At 28 steps the intervals 3, 4 and 5 reuse different steps (under 25 steps, one in two
+    whatever the interval)."""
     _, family, label, calls = FAMILIES[kind]
     interval = AUTO_INTERVAL[kind]
     assert dict(dit_families.family(family).auto_intervals)[0] == interval
@@ -148,8 +149,14 @@ def test_no_settings_run_the_familys_interval_and_no_todo(pipes, kind, monkeypat
     levels = [float(sigma) for sigma in pipe.scheduler.sigmas[:28]]
     every_n = NoiseSpacedSchedule(interval).for_run(28, levels, run.full_below).full
     assert every_n != NoiseSpacedSchedule(interval + 1).for_run(28, levels, run.full_below).full
+    record = dit_families.family(family)
+    if record.first_block_guard is not None:  # Qwen-Image: every N, and the first block guards each reusing call
+        assert run.schedule.full == every_n and run.first_block_guard == record.first_block_guard
+        assert run.calls == 28 * calls and run.reused_calls == (28 - len(every_n)) * calls - run.guarded_calls
+        assert torch.isfinite(out).all()
+        return
     # On top of every N, the steps the real model's published curve needs in full (``dit_families``).
-    curve = dit_families.family(family).curve
+    curve = record.curve
     full = curve.guard(every_n, 28)
     assert run.schedule.full == full and every_n <= full
     assert max(curve.errors(full, 28)) <= curve.threshold

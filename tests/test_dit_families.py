@@ -27,8 +27,13 @@ def test_each_name_and_alias_finds_one_record_and_an_unknown_name_the_nearest():
     assert dit_families.OTHER.curve is dit_families.FLUX_CURVE  # the nearest family's curve, not none
     for family in dit_families.FAMILIES:
         schedule = family.auto_schedule()
-        assert isinstance(schedule, StepCountSchedule) and schedule.curve is family.curve is not None
+        assert isinstance(schedule, StepCountSchedule) and family.curve is not None
+        # A family's default is guarded by its first block where one was measured, by the real curve elsewhere.
+        guard = family.first_block_guard
+        assert (schedule.curve, schedule.first_block_guard) == ((None, guard) if guard else (family.curve, None))
         assert dit_families.auto_schedule(family.name) == schedule
+    guarded = [family.name for family in dit_families.FAMILIES if family.first_block_guard is not None]
+    assert guarded == ["Qwen-Image"]  # the one family with a reference that passes the curve gate
 
 
 @pytest.mark.parametrize(

@@ -101,7 +101,8 @@ def test_every_neo_family_reuses_with_comfyuis_plan_and_picture(host, family, sh
     """Neo's Qwen-Image, Wan and Chroma hand their blocks to the same hook as ComfyUI's (``backend/nn/qwen.py``,
     ``wan.py``, ``chroma.py``); Anima's loop (``anima.py``, ``MiniTrainDIT``) has none and gets an object patch on
     each span block's forward. Each: the family's default, the same full steps and output as ComfyUI's node on the
-    same weights (at CFG 1, one call a step; to float rounding), nothing left after the job."""
+    same weights (at CFG 1, one call a step; to float rounding; Qwen-Image's guard decides alike in both), nothing
+    left after the job."""
     model = neo_host.neo_model(family, **comfy_host.dit_blocks(family, 4))
     node_classes = comfy_host.load_our_package()
     made = comfy_host.recorded_plans(monkeypatch)
@@ -112,7 +113,9 @@ def test_every_neo_family_reuses_with_comfyuis_plan_and_picture(host, family, sh
     )
     assert len(made) == 2 and made[0] == made[1]
     (run,) = p._tome_patch_job.reuse_runs
-    assert run.reused_calls == STEPS - len(made[0]) > 0 and torch.isfinite(out).all()
+    # Qwen-Image's first-block guard turns some planned reusing calls into full ones, in Neo as in ComfyUI.
+    assert run.reused_calls == STEPS - len(made[0]) - run.guarded_calls > 0 and torch.isfinite(out).all()
+    assert (run.guarded_calls > 0) == (name == "Qwen-Image")
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     assert f"{name} ({type(model.model.diffusion_model).__name__})" in host_said(p)
     assert_clean(model)

@@ -55,11 +55,13 @@ class DitFamily:
     # ToDo's break-even with ``skip_when_slower``: it runs from this many image tokens (None: the engine's rule).
     todo_min_image_tokens: int | None = None
     # The real model's published step-to-step change and the threshold published with it: the default runs in
-    # full wherever reuse would accumulate more error on it (None: the noise-spaced plan alone).
+    # full wherever reuse would accumulate more error on it (None: the noise-spaced plan alone), unless the family
+    # has a first-block guard, which takes its place.
     curve: StepChangeCurve | None = None
     curve_of: str = ""  # whose curve it is, for the log and the docs
     # A reusing step runs in full where the first block's output moved more than this since the last full step
-    # (None: no such guard); measured per family on a reference that passes the curve gate (docs/dit.md).
+    # (None: no such guard, the curve guards); set only where a reference that passes the curve gate measured it
+    # (docs/dit.md, "The first-block guard on Qwen-Image").
     first_block_guard: float | None = None
     # How its ComfyUI and Neo classes lay out their blocks (None: reuse cannot reach them).
     blocks: BlockLayout | None = None
@@ -74,8 +76,12 @@ class DitFamily:
         return getattr(self, host)
 
     def auto_schedule(self) -> StepCountSchedule:
-        """The schedule ``dit_settings`` "auto" runs on this family."""
-        return StepCountSchedule(self.auto_intervals, self.curve, self.first_block_guard)
+        """The schedule ``dit_settings`` "auto" runs on this family: its interval, guarded by the first block's
+        output where the family has a guard measured on a reference that moves as the real model does, by the real
+        model's published curve where it has not (a constant from the authors' runs, not the user's)."""
+        if self.first_block_guard is not None:
+            return StepCountSchedule(self.auto_intervals, None, self.first_block_guard)
+        return StepCountSchedule(self.auto_intervals, self.curve)
 
 
 # MagCache's thresholds for each model are the ones its authors publish with the ratios (``step_change_curves``).
@@ -110,7 +116,9 @@ FAMILIES = (
         blocks=BlockLayout((("double_block", "joint_blocks"),), ("txt", "img"), last_block_runs=True),
     ),
     DitFamily(
-        "Qwen-Image", auto_intervals=((0, 3), (40, 4)), extrapolate=1.0, curve=QWEN_IMAGE_CURVE, curve_of="Qwen-Image",
+        # Every 4 with the first-block guard at 0.1, measured on ref-qwen-v2 at 20, 28 and 50 steps.
+        "Qwen-Image", auto_intervals=((0, 4),), extrapolate=1.0, curve=QWEN_IMAGE_CURVE, curve_of="Qwen-Image",
+        first_block_guard=0.1,
         comfyui=("QwenImageTransformer2DModel",), diffusers=("QwenImageTransformer2DModel",),
         neo=("QwenImageTransformer2DModel",),
         # Qwen-Image and Edit (its reference latents are tokens of the image stream); blocks return ``(txt, img)``,
