@@ -133,15 +133,19 @@ def test_gpu_table_whole_dit_runs(gpu_table):
     [entry] = result["dit_whole"]["models"]
     assert entry["model"] == "tiny-qwen-image" and entry["steps"] == 12 and result["dit_whole"]["skipped"] == []
     rows = {row["row"]: row for row in entry["rows"]}
-    assert list(rows) == ["unpatched", "ours default (dit_settings auto)", "ours every 3", "ours every 6"]
+    unguarded = "ours default's plan without its guard (every 4)"  # Qwen-Image's default guards by its first block
+    assert list(rows) == ["unpatched", "ours default (dit_settings auto)", unguarded, "ours every 3", "ours every 6"]
     unpatched = rows["unpatched"]
     assert unpatched["seconds"] > 0 and unpatched["seconds_again"] > 0 and unpatched["deviation"] == 0.0
     # CFG 4 with prompt and negative of one length: one call of batch 2 per step, every block in each.
     assert unpatched["model_calls"] == 12 and unpatched["full_steps"] == 12
-    for name in ("ours default (dit_settings auto)", "ours every 3", "ours every 6"):
+    for name in (unguarded, "ours every 3", "ours every 6"):
         row = rows[name]
         assert row["model_calls"] == 12 and row["full_steps"] < 12, name
         assert 0 < row["deviation"] < 1 and row["speedup"] > 0, name
+    # The guarded default: on random weights at most the plan's reuse, at least none.
+    default = rows["ours default (dit_settings auto)"]
+    assert rows[unguarded]["full_steps"] <= default["full_steps"] <= 12 and default["model_calls"] == 12
     assert rows["ours default (dit_settings auto)"]["settings"] == {"dit_settings": "auto"}
     table = (out / "gpu-table.md").read_text()
     assert "## Whole DiT runs" in table and "EasyCache is not timed" in table

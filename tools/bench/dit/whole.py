@@ -8,7 +8,10 @@ ComfyUI runs in its high-VRAM mode: the weights are made on the device and stay 
 them as not loaded yet and load part of them on each call). Rows, each one whole run of the family's steps:
 - unpatched (timed first and last: the speed-ups are against the mean of the two);
 - ours default: the node's defaults (``dit_settings`` auto: the family's reuse interval for the step count);
-- ours every N (``dit_settings`` "as set", ``downsample_factor`` 1) at the family's two other intervals.
+- ours every N (``dit_settings`` "as set", ``downsample_factor`` 1) at the family's two other intervals;
+- where the family's default guards its reusing steps by the first block's output (Qwen-Image), the default's plan
+  without the guard too: on random weights the guard runs most steps in full (the block outputs move as fast as
+  noise does), so the default's row is its worst case and this row its best.
 Every row first runs 2 steps untimed (first-call costs, kernel choice). Each row gives its seconds (CUDA events on
 a GPU), its peak memory above the weights and in all, its model calls and how many ran the blocks in full (calls
 of a block in the middle of the span), and its final latent's relative L2 to the unpatched run's (random weights:
@@ -201,11 +204,21 @@ def middle_block(diffusion_model) -> torch.nn.Module:
 def rows(patcher, name: str) -> list[tuple[str, object, dict]]:
     """(name, model, settings) of each row."""
     from tome_core import PatchSettings
+    from tome_core.hosts.comfyui import dit_reuse
     from tome_core.hosts.comfyui.patch import patch_model
+    from tome_core.hosts.shared import dit_families
 
     made = [("unpatched", patcher, {})]
     default = PatchSettings()
     made.append(("ours default (dit_settings auto)", patch_model(patcher, default), {"dit_settings": "auto"}))
+    record = dit_families.family(dit_reuse.layout_of(patcher.model.diffusion_model).family)
+    if record.first_block_guard is not None:
+        # On random weights the first block's output moves as fast as noise, so the guard runs most steps in full:
+        # the default's plan without the guard is its best case, the speed where a trained model moves slowly.
+        interval = record.auto_schedule().interval(MODELS[name]["steps"])
+        values = {"method": "todo", "downsample_factor": 1.0, "reuse_interval": interval, "dit_settings": "as set"}
+        title = f"ours default's plan without its guard (every {interval})"
+        made.append((title, patch_model(patcher, PatchSettings.from_values(**values)), values))
     for interval in MODELS[name]["intervals"]:
         values = {"method": "todo", "downsample_factor": 1.0, "reuse_interval": interval, "dit_settings": "as set"}
         made.append((f"ours every {interval}", patch_model(patcher, PatchSettings.from_values(**values)), values))
