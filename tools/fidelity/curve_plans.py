@@ -4,7 +4,8 @@ published step-to-step change.
 For every record of the family registry (``tome_core.hosts.shared.dit_families``) and each step count, on the
 noise levels ComfyUI samples the family with (its own model sampling and shift, the ``simple`` scheduler, the
 family's usual sampler), it prints the plan of reuse every N alone (the default before the curve guard) and the
-default's plan (guarded by the real model's curve), as strings of F (a full step) and . (a reusing one), with the
+default's plan (guarded by the real model's curve; Qwen-Image's by its first block's output while it runs, so
+its printed plan is the least it computes), as strings of F (a full step) and . (a reusing one), with the
 error MagCache's accumulation gives each on the real model's ratios (the largest over the run, against the
 threshold published with them) and the share of the work left (a reusing call runs the first block only).
 Needs no weights: only ComfyUI's model sampling classes. Writes ``results/curve-plans.json``.
@@ -90,9 +91,17 @@ def rows(step_counts) -> list[dict]:
                     "default_full": len(default),
                     "default_error": max(curve.errors(default, steps)),
                     "default_work": work(default, steps, depth),
+                    # Qwen-Image: the default's plan is the least it computes; the guard adds steps at run time.
+                    "first_block_guard": schedule.first_block_guard,
                 }
             )
     return out
+
+
+def guarded(row: dict) -> str:
+    """What the printed plan leaves out: the steps a first-block guard adds while the run goes."""
+    guard = row["first_block_guard"]
+    return "" if guard is None else f" + the steps whose first block's output moves more than {guard:g}"
 
 
 def main(argv=None) -> list[dict]:
@@ -110,7 +119,8 @@ def main(argv=None) -> list[dict]:
         print(
             f"| {r['family']} ({r['model']}, {r['sampler']}) | {r['steps']} | {r['curve']} ({r['threshold']}) | "
             f"`{r['every_n']}` ({r['every_n_full']} full) | {r['every_n_error']:.2f} | {r['every_n_work']:.2f}x | "
-            f"`{r['default']}` ({r['default_full']} full), {r['default_work']:.2f}x | {r['default_error']:.2f} |"
+            f"`{r['default']}` ({r['default_full']} full){guarded(r)}, {r['default_work']:.2f}x | "
+            f"{r['default_error']:.2f} |"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
