@@ -293,11 +293,15 @@ class FixedPlanCache(FirstBlockCache):
     def __init__(self, keys: list, policy: str, streams: tuple[str, ...] = ("txt", "img")):
         super().__init__(keys, 0.0, streams)
         self.policy = policy
+        self.plans: dict[int, list[bool]] = {}  # by the run's step count: made once, read at every call
 
     def _reuses(self, state: dict, head: torch.Tensor, previous: torch.Tensor) -> bool:
         if state["step"] is None:
             return False
-        return not cache_dit_plan(self.policy, state["steps"])[state["step"]]
+        steps = state["steps"]
+        if steps not in self.plans:
+            self.plans[steps] = cache_dit_plan(self.policy, steps)
+        return not self.plans[steps][state["step"]]
 
 
 def cache_dit_plan_patch(policy: str) -> Callable:
