@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--models",
         default="ref-sd1,ref-sdxl,ref-flux",
         help="reference models (ref-sd1, ref-sdxl, ref-flux, ref-flux-deep, ref-flux2, ref-wan, ref-qwen; the second "
-        "generation ref-qwen-v2, ref-flux-v2, ref-sdxl-v2)",
+        "generation ref-qwen-v2, ref-flux-v2, ref-sdxl-v2, ref-sd1-v2)",
     )
     parser.add_argument("--scales", default="1,2", help="image sizes as multiples of the training size")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per seed (one sampling batch)")

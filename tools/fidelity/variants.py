@@ -66,6 +66,24 @@ UNET_VARIANTS = (
     (3, {"any_sigmas": True, "kind": "noise", "full_first": 2, "full_end": 4, "todo": 2.0}),
     (3, {"any_sigmas": True, "kind": "noise", "full_first": 2, "full_end": 4, "full_below": 0.5, "todo": 2.0}),
     (3, {"any_sigmas": True, "full_start": 0.3, "full_end": 4, "short_run": 25, "min_steps": 10, "todo": 2.0}),
+    # The families' own plans (``plans.UNET_LONG_RUN_PLANS``: SD1.x's, then SDXL's) with the low-noise calls in full.
+    *(
+        (
+            3,
+            {
+                "any_sigmas": True,
+                "full_start": start,
+                "full_end": end,
+                "short_run": 25,
+                "min_steps": 10,
+                "extrapolate": reach,
+                "full_below": below,
+                "todo": 2.0,
+            },
+        )
+        for start, end, reach in ((0.12, 3, 0.75), (0.08, 4, 0.5))
+        for below in (1.0, 2.0)
+    ),
 )
 
 

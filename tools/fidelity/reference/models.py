@@ -58,6 +58,7 @@ FLUX_GUIDANCE = 3.5  # what ComfyUI feeds Flux.1-dev's guidance embedding when n
 
 FAMILIES = {
     "ref-sd1": Family("ref-sd1", 32, (1, 2, 2), 1, (1, 1, 1), 1, CONTEXT_DIM, head_channels=32),
+    "ref-sd1-v2": Family("ref-sd1-v2", 32, (1, 2, 2), 1, (1, 1, 1), 1, CONTEXT_DIM, head_channels=32),
     "ref-sdxl": Family(
         "ref-sdxl", 32, (1, 2, 2), 1, (0, 2, 2), 2, CONTEXT_DIM, head_channels=32, linear=True, adm_channels=2816
     ),
@@ -206,7 +207,7 @@ def is_v2(name: str) -> bool:
 
 def is_folded(name: str) -> bool:
     """True for the second-generation DiTs, whose latents fold 2x2 pixels into 16 channels as Flux.1's and
-    Qwen-Image's do; the UNet ``ref-sdxl-v2`` keeps SDXL's 4 channels."""
+    Qwen-Image's do; the UNets ``ref-sd1-v2`` / ``ref-sdxl-v2`` keep SD's 4 channels."""
     return is_v2(name) and is_dit(name)
 
 

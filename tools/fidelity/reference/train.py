@@ -71,7 +71,8 @@ EMA_DECAY = 0.998
 MIN_SNR_GAMMA = 5.0  # min-SNR loss weighting for v (arXiv 2303.09556): faster convergence on a small budget
 SAVE_EVERY = 250
 LOG_EVERY = 100
-FINE_TUNE = ("init_from", "time_sampling", "distill_cfg", "open_scenes", "warmup")  # the options of the fine-tunes
+# The options of the fine-tunes and experiments (each recorded with the weights).
+FINE_TUNE = ("init_from", "time_sampling", "distill_cfg", "open_scenes", "warmup", "no_pooled")
 # Per-model optimiser steps and peak learning rate, where ``--steps`` / ``--lr`` do not override them.
 RECIPES = {
     "ref-sd1": (1500, 1e-3),
@@ -84,6 +85,7 @@ RECIPES = {
     "ref-flux-v2": (2000, 1e-3),
     "ref-qwen-v2": (2000, 1e-3),
     "ref-sdxl-v2": (2500, 1e-3),
+    "ref-sd1-v2": (2500, 1e-3),
 }
 # Flow time as each model is trained where ``--time-sampling`` does not say: the second generation as Flux.1 and
 # SD3 are (logit-normal through the shift), the first uniformly over the schedule's table.
@@ -124,9 +126,16 @@ def parse_args(argv=None):
     parser.add_argument(
         "--open-scenes", type=float, default=0.0, help="an unprompted smooth field of this size on the scenes"
     )
+    parser.add_argument(
+        "--no-pooled",
+        action="store_true",
+        help="a Flux layout without the prompt in its modulation: the pooled vector held at zero (Qwen-Image has none)",
+    )
     parser.add_argument("--warmup", type=int, default=200, help="learning-rate warm-up steps")
     parser.add_argument("--out-dir", default=None, help="folder for the weights (default: the committed folder)")
     args = parser.parse_args(argv)
+    if args.no_pooled and any(not models.is_flux(name) for name in args.models.split(",") if name):
+        parser.error("--no-pooled is for the Flux layouts only (the pooled vector is Flux's y)")
     if args.distill_cfg and not args.init_from:
         parser.error("--distill-cfg needs --init-from (the teacher)")
     return args
@@ -174,6 +183,15 @@ def zero_start(name: str, diffusion_model) -> list[nn.Linear]:
     for block in diffusion_model.double_blocks:
         layers += [block.img_mod.lin, block.txt_mod.lin]
     return layers + [block.modulation.lin for block in diffusion_model.single_blocks]
+
+
+def hold_pooled_at_zero(encoder) -> None:
+    """Zero and freeze the prompt encoder's pooled projection: the saved file then feeds Flux's ``y`` zeros in
+    sampling as in training, and the prompt reaches the model through its text tokens alone."""
+    with torch.no_grad():
+        encoder.pool.weight.zero_()
+        encoder.pool.bias.zero_()
+    encoder.pool.requires_grad_(False)
 
 
 def initial_weights(name: str, seed: int):
@@ -345,6 +363,8 @@ def train_model(name: str, args) -> dict:
         net.load_state_dict(nn.ModuleDict({"unet": start.diffusion_model, "encoder": start_encoder}).state_dict())
         if args.distill_cfg:
             teacher = (start, start_encoder)
+    if args.no_pooled:
+        hold_pooled_at_zero(encoder)
     init_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY))
     optimiser = torch.optim.AdamW(net.parameters(), lr=peak_lr, weight_decay=0.01)
