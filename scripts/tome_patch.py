@@ -186,8 +186,8 @@ def _warn_if_the_sampler_keeps_reuse_off(p, settings, job: _Job) -> None:
         on = f" on the schedule {scheduler!r}" if scheduler and scheduler != "Automatic" else ""
         job.warn_once(
             f"reuse across steps is off with the sampler {getattr(p, 'sampler_name', None)!r}{on} (it keeps the "
-            "picture with Euler, Heun, DDIM and DPM++ SDE, not on Karras sigmas); every step runs in full, the token "
-            "reduction still applies."
+            "picture with Euler, Heun, DDIM and DPM++ SDE, not on Karras sigmas but for DPM++ 2M); every step runs "
+            "in full, the token reduction still applies."
         )
 
 

@@ -125,6 +125,27 @@ def test_samplers_it_does_not_keep_the_picture_with_run_every_step_in_full(
     assert torch.equal(out, host.sample(todo_only, "sd15", **options))
 
 
+def test_dpmpp_2m_on_karras_sigmas_reuses_with_every_call_below_sigma_1_in_full(node_classes, model):
+    """DPM++ 2M on Karras sigmas (the WebUI's default sampler; docs/step-reuse.md): the default takes the general
+    plan (14 full steps of 25, half the line; not the family's 12) and reuses at its reusing steps whose sigma is
+    1.0 or more, every call below runs in full; the picture is not ToDo 2 alone's."""
+    import comfy.samplers
+
+    default = host.patch_with_node(node_classes, model)
+    todo_only = host.patch_with_node(node_classes, model, reuse_interval=1)
+    (hooks,) = [w.__self__ for w in default.wrappers["apply_model"]["tome_patch_layer_reuse"]]
+    options = {"latent_hw": HW, "steps": 25, "batch": 2, "sampler": "dpmpp_2m", "scheduler": "karras"}
+    out = host.sample(default, "sd15", **options)
+    sigmas = comfy.samplers.calculate_sigmas(default.get_model_object("model_sampling"), "karras", 25)
+    run = hooks.last_run
+    assert (run.schedule.full_steps(25), run.extrapolate, hooks.schedule.full_steps(25)) == (14, 0.5, 12)
+    planned = [step for step in range(25) if not run.schedule.is_full(step, 25)]
+    kept = [step for step in planned if float(sigmas[step]) >= 1.0]
+    assert 0 < len(kept) < len(planned)  # the rule takes some of the plan's reusing steps, not all
+    assert (run.full_below, run.reused_calls) == (1.0, len(kept))
+    assert not torch.equal(out, host.sample(todo_only, "sd15", **options))
+
+
 def test_only_karras_sigmas_are_taken_for_karras(model):
     """The Karras check on the levels each of ComfyUI's schedulers gives (the model's sigma range, 12 steps)."""
     import comfy.samplers

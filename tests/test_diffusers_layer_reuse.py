@@ -245,6 +245,37 @@ def test_a_scheduler_it_does_not_keep_the_picture_with_runs_every_step_in_full(p
         pipe.scheduler = original
 
 
+def test_dpm_solver_plus_plus_2m_on_karras_sigmas_reuses_with_every_call_below_sigma_1_in_full(pipes):
+    """``DPMSolverMultistepScheduler`` at its defaults (DPM-Solver++ of order 2) with ``use_karras_sigmas``: the
+    general plan's (14 full steps of 25) reusing steps whose sigma is 1.0 or more reuse, every call below runs in
+    full (docs/step-reuse.md); without Karras sigmas, or at order 3, nothing is reused."""
+    import diffusers
+
+    pipe = pipeline(pipes, "txt2img")
+    original = pipe.scheduler
+    try:
+        for options, reuses in (
+            ({"use_karras_sigmas": True}, True),
+            ({}, False),
+            ({"use_karras_sigmas": True, "solver_order": 3}, False),
+        ):
+            pipe.scheduler = diffusers.DPMSolverMultistepScheduler.from_config(original.config, **options)
+            tome_core.apply_patch(pipe, **REUSE)
+            H.run(pipe, "txt2img", steps=25)
+            run = last_run(pipe)
+            if not reuses:
+                assert run is None, options
+                continue
+            plan = [step for step in range(25) if not run.schedule.is_full(step, 25)]
+            kept = [step for step in plan if float(pipe.scheduler.sigmas[step]) >= 1.0]
+            assert 0 < len(kept) < len(plan)
+            assert (run.steps, run.full_below, run.reused_calls) == (25, 1.0, len(kept))
+            assert (run.schedule.full_steps(25), run.extrapolate) == (14, 0.5)  # the general plan
+    finally:
+        tome_core.remove_patch(pipe)
+        pipe.scheduler = original
+
+
 def test_the_step_range_limits_reuse(pipes):
     """end_percent 0.5: only calls at timesteps above 499.5 (DDIM's 901 ... 501, steps 0-4) may reuse: 2 and 4."""
     pipe = pipeline(pipes, "txt2img")

@@ -699,3 +699,19 @@ def test_the_webuis_unipc_label_reuses_on_dits_only_with_its_corrector_rule():
     assert not keeps_the_picture_with("UniPC", "Karras", dit=True)
     assert full_below_noise("UniPC") == FULL_BELOW_NOISE_WITH_A_CORRECTOR == 0.5
     assert full_below_noise("Euler") == 0.0
+
+
+def test_dpmpp_2m_reuses_on_unets_on_karras_sigmas_only_with_its_low_noise_calls_in_full():
+    """DPM++ 2M (each host's name for it) on Karras sigmas: reuse runs on UNets, with every call below sigma 1.0 in
+    full; on other sigmas, and on DiTs, it stands down as before; UniPC's rule stays the DiTs'."""
+    from tome_core.reuse import FULL_BELOW_SIGMA_WITH_DPMPP_2M, full_below_noise, keeps_the_picture_with
+
+    for name in ("dpmpp_2m", "DPM++ 2M", "DPMSolverMultistepScheduler"):
+        assert keeps_the_picture_with(name, "karras") and keeps_the_picture_with(name, "Karras")
+        assert not keeps_the_picture_with(name, None) and not keeps_the_picture_with(name, "exponential")
+        assert not keeps_the_picture_with(name, "karras", dit=True)
+        assert full_below_noise(name, "karras", dit=False) == FULL_BELOW_SIGMA_WITH_DPMPP_2M == 1.0
+        assert full_below_noise(name, None, dit=False) == full_below_noise(name, "karras", dit=True) == 0.0
+    for name in ("dpmpp_2m_sde", "dpmpp_3m_sde", "euler"):  # not measured, or lose the picture on Karras sigmas
+        assert not keeps_the_picture_with(name, "karras")
+    assert full_below_noise("uni_pc", dit=False) == 0.0 and full_below_noise("uni_pc") == 0.5

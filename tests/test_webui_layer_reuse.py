@@ -105,21 +105,45 @@ def test_a_job_of_25_steps_takes_its_familys_plan(host, layout, extrapolate):
 @pytest.mark.parametrize(
     ("job_of", "said"),
     [
-        ({"sampler": "DPM++ 2M"}, "reuse across steps is off with the sampler 'DPM++ 2M'"),
+        ({"sampler": "DPM++ 2M", "scheduler": "Uniform"}, "reuse across steps is off with the sampler 'DPM++ 2M'"),
+        ({"sampler": "DPM2 a"}, "reuse across steps is off with the sampler 'DPM2 a'"),
         ({"scheduler": "Karras"}, "reuse across steps is off with the sampler 'Euler' on the schedule"),
+        ({"sampler": "DPM++ SDE"}, "reuse across steps is off with the sampler 'DPM++ SDE'"),  # Automatic: Karras
     ],
-    ids=("dpmpp-2m", "euler-karras"),
+    ids=("dpmpp-2m-uniform", "dpm2-a", "euler-karras", "dpmpp-sde-automatic"),
 )
 def test_a_sampler_it_does_not_keep_the_picture_with_runs_every_step_in_full(host, capsys, job_of, said):
-    """With "DPM++ 2M" (or any sampler but Euler, Heun, DDIM and DPM++ SDE), and with Euler on the "Karras"
-    schedule type (ref-sdxl 0.946), the pass reuses nothing: the output is that of reuse off, and the console says
-    why, once."""
+    """With "DPM++ 2M" off Karras sigmas (or any sampler but Euler, Heun, DDIM, DPM++ SDE and DPM++ 2M), and with
+    Euler on the "Karras" schedule type (ref-sdxl 0.946) or DPM++ SDE on "Automatic" (Karras sigmas for it), the
+    pass reuses nothing: the output is that of reuse off, and the console says why, once."""
     sd_model = SDModel(make_unet("sd1"))
     off, _ = job(host, sd_model, script_args(**{**REUSE, "reuse_interval": 1}), **job_of)
     capsys.readouterr()
     out, p = job(host, sd_model, script_args(**REUSE), **job_of)
     assert not runs_of(p) and torch.equal(out, off)
     assert capsys.readouterr().out.count(said) == 1
+
+
+@pytest.mark.parametrize(
+    "job_of",
+    [{"sampler": "DPM++ 2M"}, {"sampler": "DPM++ 2M", "scheduler": "Karras"}, {"sampler": "DPM++ 2M Karras"}],
+    ids=("automatic", "karras", "label-before-v1.9"),
+)
+def test_dpmpp_2m_on_karras_sigmas_reuses_with_every_call_below_sigma_1_in_full(host, job_of):
+    """The WebUI's default sampler: "DPM++ 2M" on "Automatic" (Karras sigmas for it), on "Karras", and the label
+    "DPM++ 2M Karras" of WebUIs before v1.9 take the general plan (14 full steps of 25, not the family's 12) and
+    reuse at its reusing steps whose sigma is 1.0 or more; every call below runs in full (docs/step-reuse.md)."""
+    from hosts.webui_host import SIGMAS
+
+    steps = tuple(range(999, 0, -40))
+    sd_model = SDModel(make_unet("sd1"))
+    _, p = job(host, sd_model, script_args(**REUSE), steps=steps, **job_of)
+    (run,) = runs_of(p)
+    assert (run.schedule.full_steps(25), run.extrapolate, run.full_below) == (14, 0.5, 1.0)  # the general plan
+    plan = [step for step in range(25) if not run.schedule.is_full(step, 25)]
+    kept = [step for step in plan if float(SIGMAS[steps[step]]) >= 1.0]
+    assert 0 < len(kept) < len(plan) and run.reused_calls == len(kept)
+    assert_clean(sd_model)
 
 
 def test_interval_1_is_bit_identical_and_installs_nothing(host):

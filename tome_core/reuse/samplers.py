@@ -37,18 +37,41 @@ SAMPLERS_WITH_A_CORRECTOR = frozenset({"unipcmultistepscheduler", "uni_pc", "uni
 FULL_BELOW_NOISE_WITH_A_CORRECTOR = 0.5
 
 
-def full_below_noise(sampler: str | None) -> float:
-    """The noise level below which every call of a run with ``sampler`` runs in full (0: none)."""
-    return FULL_BELOW_NOISE_WITH_A_CORRECTOR if (sampler or "").lower() in SAMPLERS_WITH_A_CORRECTOR else 0.0
+# On UNets only: DPM++ 2M (the WebUI's default sampler) on Karras sigmas (its default schedule there). Its two-step
+# update carries a reused call's error into the next step, most where the details form; with every call below this
+# sigma in full the plans keep the picture (docs/step-reuse.md, "DPM++ 2M on Karras sigmas"). diffusers' name
+# stands for DPMSolverMultistepScheduler as DPM++ 2M (the host checks its algorithm and order).
+UNET_SAMPLERS_WITH_LOW_NOISE_IN_FULL = frozenset({"dpmpp_2m", "dpm++ 2m", "dpmsolvermultistepscheduler"})
+LOW_NOISE_SCHEDULE = "karras"
+FULL_BELOW_SIGMA_WITH_DPMPP_2M = 1.0
+
+
+def _lower(name: str | None) -> str:
+    return (name or "").strip().lower()
+
+
+def _low_noise_in_full(sampler: str | None, schedule: str | None, dit: bool) -> bool:
+    on_its_schedule = _lower(schedule) == LOW_NOISE_SCHEDULE
+    return not dit and on_its_schedule and _lower(sampler) in UNET_SAMPLERS_WITH_LOW_NOISE_IN_FULL
+
+
+def full_below_noise(sampler: str | None, schedule: str | None = None, dit: bool = True) -> float:
+    """The noise level below which every call of a run with ``sampler`` on ``schedule`` runs in full, on a DiT
+    (``dit``: a flow sigma, 0 to 1) or a UNet (a sigma of its table); 0: none."""
+    if dit and _lower(sampler) in SAMPLERS_WITH_A_CORRECTOR:
+        return FULL_BELOW_NOISE_WITH_A_CORRECTOR
+    return FULL_BELOW_SIGMA_WITH_DPMPP_2M if _low_noise_in_full(sampler, schedule, dit) else 0.0
 
 
 def keeps_the_picture_with(sampler: str | None, schedule: str | None = None, dit: bool = False) -> bool:
     """Whether reuse across steps may run with ``sampler`` (a host's name for it) on the noise schedule
     ``schedule`` (a host's name, e.g. "karras"; None: the host's default), on a UNet or (``dit``) a DiT; unknown
-    sampler: no, in full."""
-    if schedule and schedule.strip().lower() in SCHEDULES_THAT_LOSE_THE_PICTURE:
+    sampler: no, in full. Where it may only with the low-noise calls in full, ``full_below_noise`` says so."""
+    if _low_noise_in_full(sampler, schedule, dit):
+        return True
+    if _lower(schedule) in SCHEDULES_THAT_LOSE_THE_PICTURE:
         return False
-    name = (sampler or "").strip().lower()
+    name = _lower(sampler)
     return bool(name) and (
         name in SAMPLERS_THAT_KEEP_THE_PICTURE or (dit and name in DIT_SAMPLERS_THAT_KEEP_THE_PICTURE)
     )

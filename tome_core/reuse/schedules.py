@@ -87,6 +87,11 @@ class RunLengthSchedule:
         return self.short.interval
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> IntervalSchedule:
+        # A run whose low-noise calls run in full (DPM++ 2M on Karras sigmas, ``samplers.full_below_noise``) keeps
+        # the general schedule: the long runs' plans were chosen with Euler, and with DPM++ 2M they lose more of the
+        # picture than it does (docs/step-reuse.md, "DPM++ 2M on Karras sigmas").
+        if full_below > 0:
+            return self.short
         return self.long if steps >= self.long_run else self.short
 
     def is_full(self, step: int, steps: int) -> bool:

@@ -78,15 +78,16 @@ class LayerReuseHooks(LayerReuse):
         if not keeps_the_picture_with(name, schedule, self.DIT):
             log.info(
                 "ToMe reuse across steps is off for this run: sampler %s%s is not one it keeps the picture with "
-                "(euler, heun, ddim, dpmpp_sde%s; not on karras sigmas); every step runs in full. ToDo/ToMe still "
-                "apply.",
+                "(euler, heun, ddim, dpmpp_sde%s; not on karras sigmas%s); every step runs in full. ToDo/ToMe "
+                "still apply.",
                 name or "(unknown)",
                 f" on {schedule} sigmas" if schedule else "",
                 ", and uni_pc on DiTs" if self.DIT else "",
+                "" if self.DIT else ", but dpmpp_2m on karras",
             )
             return executor(*args, **kwargs)
         sigmas = call_sigmas(raw_sigmas)
-        run = self.new_run(len(sigmas), sigmas, full_below_noise(name))
+        run = self.new_run(len(sigmas), sigmas, full_below_noise(name, schedule, self.DIT))
         return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
 
     def _ended(self, run) -> None:

@@ -156,16 +156,16 @@ class PipelineReuse(LayerReuse):
         scheduler, timesteps = self._scheduler_timesteps()
         if timesteps is None or timestep is None or not isinstance(sample, torch.Tensor):
             return None
-        config = getattr(scheduler, "config", None)
-        schedule = "karras" if getattr(config, "use_karras_sigmas", False) else None
-        if not keeps_the_picture_with(type(scheduler).__name__, schedule, self.DIT):  # every step in full
+        name, schedule = scheduler_name(scheduler), karras_or_none(scheduler)
+        if not keeps_the_picture_with(name, schedule, self.DIT):  # every step in full
             if self._refused is not type(scheduler):
                 self._refused = type(scheduler)
                 log.info(
                     "ToMe reuse across steps is off with %s%s (it keeps the picture with the Euler, flow-matching "
-                    "Euler, Heun, DDIM and DPM++ SDE schedulers, not on Karras sigmas); every step runs in full.",
-                    type(scheduler).__name__,
+                    "Euler, Heun, DDIM and DPM++ SDE schedulers, not on Karras sigmas%s); every step runs in full.",
+                    name,
                     " on Karras sigmas" if schedule else "",
+                    "" if self.DIT else ", and with DPM++ 2M on Karras sigmas",
                 )
             return None
         if self._timesteps is None or not self._timesteps.is_current(timesteps):
@@ -209,7 +209,8 @@ class PipelineReuse(LayerReuse):
             steps = len(self._timesteps.values) - first_step
             levels = [_sigma_of(scheduler, step, float(t)) for step, t in enumerate(self._timesteps.values)]
             levels = levels[first_step:] if None not in levels else None
-            self.run = self.new_run(steps, levels, full_below_noise(type(scheduler).__name__))
+            below = full_below_noise(scheduler_name(scheduler), karras_or_none(scheduler), self.DIT)
+            self.run = self.new_run(steps, levels, below)
 
     def _finish(self) -> None:
         run = self.run
@@ -225,6 +226,23 @@ class PipelineReuse(LayerReuse):
         self.run = None
         self._timesteps = None
         self._current = None
+
+
+def scheduler_name(scheduler) -> str:
+    """The scheduler's class name, the samplers' rule's name for it; a ``DPMSolverMultistepScheduler`` counts as
+    DPM++ 2M only as DPM-Solver++ of order 2 (its default), else its name says which it is."""
+    name = type(scheduler).__name__
+    config = getattr(scheduler, "config", None)
+    if name == "DPMSolverMultistepScheduler":
+        algorithm, order = getattr(config, "algorithm_type", None), getattr(config, "solver_order", None)
+        if algorithm != "dpmsolver++" or order != 2:
+            return f"{name} ({algorithm}, order {order})"
+    return name
+
+
+def karras_or_none(scheduler) -> str | None:
+    """ "karras" where the scheduler's sigmas are Karras sigmas (``use_karras_sigmas``), else None."""
+    return "karras" if getattr(getattr(scheduler, "config", None), "use_karras_sigmas", False) else None
 
 
 def _sigma_of(scheduler, step: int, timestep: float) -> float | None:

@@ -47,7 +47,7 @@ from ..shared.dit_block_hook import (
     replacements,
     why_every_block_runs,
 )
-from .layer_reuse import CallBoundary, PassReuse, _activate
+from .layer_reuse import CallBoundary, PassReuse, _activate, sampler_and_schedule
 
 _FORWARD = "diffusion_model.forward"
 
@@ -264,7 +264,7 @@ def why_not(patcher, p) -> str | None:
     needs = ("add_object_patch",) if forge else ("set_model_patch_replace", "add_object_patch")
     if not all(hasattr(patcher, name) for name in needs):
         return "this Forge has no block replacements on its patcher"
-    sampler, scheduler = getattr(p, "sampler_name", None), getattr(p, "scheduler", None)
+    sampler, scheduler = sampler_and_schedule(p)
     if not keeps_the_picture_with(sampler, scheduler, dit=True):
         return f"the sampler {sampler!r} is not one it keeps the picture with (Euler, Heun, DDIM, UniPC)"
     return None
@@ -291,7 +291,7 @@ def install_neo(patcher, settings, p, percent_to_sigma) -> PassDitReuse | None:
         noise_range = NoiseRange(0.0, 1.0, lambda q: q)
     else:
         noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
-    full_below = full_below_noise(getattr(p, "sampler_name", None))
+    full_below = full_below_noise(*sampler_and_schedule(p), dit=True)
     owner = PassDitReuse(p, patcher, record, span, layout.streams, noise_range, full_below)
     patches = getattr(patcher, "object_patches", None) or {}
     if layout.hook == "dit" and not forge:

@@ -48,6 +48,7 @@ from ...reuse import (
     SkippableLayer,
     attach_forwards,
     detach_forwards,
+    full_below_noise,
     keeps_the_picture_with,
     unet_schedule,
 )
@@ -88,10 +89,11 @@ def _noise_level(params) -> float | None:
 class PassReuse(LayerReuse):
     """One sampling pass's layer reuse: the owner of its ``SkippableLayer`` forwards."""
 
-    def __init__(self, p, schedule: IntervalSchedule, layers: int, noise_range: NoiseRange):
+    def __init__(self, p, schedule: IntervalSchedule, layers: int, noise_range: NoiseRange, full_below: float = 0.0):
         super().__init__(schedule, layers)
         self.p = p
         self.noise_range = noise_range
+        self.full_below = full_below  # the sigma below which every call runs in full (``low_noise_in_full``)
         self.step: tuple[int, int] | None = None  # (step, steps) of the denoiser call in progress
         self.sigma: float | None = None  # its noise level, where the prediction draws its line (None: the step)
         self.unet_calls = 0  # UNet calls made so far within that denoiser call
@@ -123,9 +125,10 @@ class PassReuse(LayerReuse):
             return
         step, steps = self.step
         if self.run is None or self.run.steps != steps:
-            self.run = self.new_run(steps)
+            self.run = self.new_run(steps, None, self.full_below)
         key = (position if layout is None else layout, tuple(x.shape), x.dtype)
         allowed = noise_level is None or self.noise_range.contains(noise_level)
+        allowed = allowed and (self.sigma is None or self.sigma >= self.full_below)
         self.begin_call(self.run, step, key, allowed=allowed, position=self.sigma)
 
     def end_call(self, failed: bool = False) -> LayerReuseRun | None:
@@ -145,11 +148,35 @@ class PassReuse(LayerReuse):
         return run
 
 
+# The schedule type "Automatic" gives a sampler whose own is not the model's (v1.10.1
+# modules/sd_samplers_kdiffusion.py ``samplers_k_diffusion``, the options' "scheduler"; Forge's and Neo's the same
+# file): only those the samplers' rule tells apart are named.
+AUTOMATIC_SCHEDULES = {"dpm++ 2m": "karras", "dpm++ sde": "karras"}
+KARRAS_LABEL = " karras"  # before v1.9 the label named the schedule: "DPM++ 2M Karras"
+
+
+def sampler_and_schedule(p) -> tuple[str | None, str | None]:
+    """The job's sampler and noise schedule, as the samplers' rule names them: ``p.sampler_name`` (the WebUI's
+    label: "Euler", "DPM++ 2M", ...; "DPM++ 2M Karras" before v1.9) and ``p.scheduler`` (since v1.9: "Automatic",
+    "Karras", ...; "Automatic" is the sampler's own)."""
+    sampler, scheduler = getattr(p, "sampler_name", None), getattr(p, "scheduler", None)
+    label = (sampler or "").strip()
+    if label.lower().endswith(KARRAS_LABEL):
+        return label[: -len(KARRAS_LABEL)], "karras"
+    if isinstance(scheduler, str) and scheduler.strip().lower() == "automatic":
+        return sampler, AUTOMATIC_SCHEDULES.get(label.lower())
+    return sampler, scheduler
+
+
 def sampler_keeps_the_picture(p) -> bool:
-    """Whether the job's sampler (``p.sampler_name``, the WebUI's label: "Euler", "Heun", "DDIM", ...) on its
-    schedule type (``p.scheduler`` since v1.9: "Automatic", "Karras", ...) is one that reuse across steps keeps
-    the picture with (``layer_reuse.SAMPLERS_THAT_KEEP_THE_PICTURE``, ``SCHEDULES_THAT_LOSE_THE_PICTURE``)."""
-    return keeps_the_picture_with(getattr(p, "sampler_name", None), getattr(p, "scheduler", None))
+    """Whether the job's sampler on its schedule type (``sampler_and_schedule``) is one that reuse across steps
+    keeps the picture with (``layer_reuse.keeps_the_picture_with``)."""
+    return keeps_the_picture_with(*sampler_and_schedule(p))
+
+
+def low_noise_in_full(p) -> float:
+    """The sigma below which every UNet call of job ``p`` runs in full (``layer_reuse.full_below_noise``)."""
+    return full_below_noise(*sampler_and_schedule(p), dit=False)
 
 
 def _schedule(settings, unet):
@@ -202,7 +229,7 @@ def install_ldm(unet, settings, p, num_timesteps: int = 1000) -> PassReuse | Non
     noise_range = NoiseRange(
         settings.start_percent, settings.end_percent, lambda q: timestep_of_percent(q, num_timesteps)
     )
-    owner = PassReuse(p, _schedule(settings, unet), len(layers), noise_range)
+    owner = PassReuse(p, _schedule(settings, unet), len(layers), noise_range, low_noise_in_full(p))
 
     def before(module, args, kwargs):
         x = args[0] if args else kwargs.get("x")
@@ -302,7 +329,7 @@ def install_forge(patcher, settings, p, percent_to_sigma) -> PassReuse | None:
         noise_range = NoiseRange(0.0, 1.0, lambda q: math.nan)
     else:
         noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
-    owner = PassReuse(p, _schedule(settings, unet), len(layers), noise_range)
+    owner = PassReuse(p, _schedule(settings, unet), len(layers), noise_range, low_noise_in_full(p))
     for index, (name, layer) in enumerate(layers):
         patcher.add_object_patch(f"diffusion_model.{name}.forward", SkippableLayer(owner, index, layer))
     inner = getattr(patcher, "object_patches", {}).get("diffusion_model.forward")
