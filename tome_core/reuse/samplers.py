@@ -39,7 +39,8 @@ FULL_BELOW_NOISE_WITH_A_CORRECTOR = 0.5
 
 # On UNets only: DPM++ 2M (the WebUI's default sampler) on Karras sigmas (its default schedule there). Its two-step
 # update carries a reused call's error into the next step, most where the details form; with every call below this
-# sigma in full the plans keep the picture (docs/step-reuse.md, "DPM++ 2M on Karras sigmas"). diffusers' name
+# sigma in full, on the general plan (``RunLengthSchedule.for_run``), it kept the picture (docs/step-reuse.md, "DPM++
+# 2M on Karras sigmas"). diffusers' name
 # stands for DPMSolverMultistepScheduler as DPM++ 2M (the host checks its algorithm and order).
 UNET_SAMPLERS_WITH_LOW_NOISE_IN_FULL = frozenset({"dpmpp_2m", "dpm++ 2m", "dpmsolvermultistepscheduler"})
 LOW_NOISE_SCHEDULE = "karras"
