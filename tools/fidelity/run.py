@@ -442,8 +442,8 @@ def dit_rows(
                 rows.append(ours(nodes, name, start_percent=start, **settings))
         # A guard on what every reusing call computes anyway (the first block's output, as First Block Cache
         # decides): where it moved more than the threshold since the last full call, the call runs in full.
-        for interval in (3, 4, "default"):
-            for guard in (0.05, 0.1, 0.2):
+        for interval in (3, 4, 6, "default"):
+            for guard in (0.05, 0.1, 0.15, 0.2):
                 name = f"ours reuse {'every ' if interval != 'default' else ''}{interval} + first-block guard {guard}"
                 changes = {"first_block_guard": guard}
                 rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
