@@ -181,13 +181,13 @@ def _patch_ldm(p, sd_model, settings, job: _Job) -> bool:
 
 
 def _warn_if_the_sampler_keeps_reuse_off(p, settings, job: _Job) -> None:
-    if settings.reuse_interval > 1 and not webui_layer_reuse.sampler_keeps_the_picture(p):
+    if settings.reuse_interval > 1 and not webui_layer_reuse.sampler_keeps_the_picture(p, settings.reuse_plan):
         scheduler = getattr(p, "scheduler", None)
         on = f" on the schedule {scheduler!r}" if scheduler and scheduler != "Automatic" else ""
         job.warn_once(
             f"reuse across steps is off with the sampler {getattr(p, 'sampler_name', None)!r}{on} (it keeps the "
-            "picture with Euler, Heun, DDIM and DPM++ SDE, not on Karras sigmas but for DPM++ 2M); every step runs "
-            "in full, the token reduction still applies."
+            "picture with Euler, Heun, DDIM and DPM++ SDE, not on Karras sigmas but for DPM++ 2M under the reuse "
+            "plan 'auto'); every step runs in full, the token reduction still applies."
         )
 
 

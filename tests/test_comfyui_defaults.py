@@ -146,6 +146,20 @@ def test_dpmpp_2m_on_karras_sigmas_reuses_with_every_call_below_sigma_1_in_full(
     assert not torch.equal(out, host.sample(todo_only, "sd15", **options))
 
 
+def test_dpmpp_2m_on_karras_sigmas_under_every_n_keeps_every_step_in_full(node_classes, model, caplog):
+    """A workflow saved with reuse_plan "every N" (or before that input existed, which reads as "every N") ran DPM++
+    2M on Karras sigmas with every step in full: it still does, bit for bit ToDo 2 alone, and the log says why."""
+    every_n = host.patch_with_node(node_classes, model, reuse_plan="every N")
+    todo_only = host.patch_with_node(node_classes, model, reuse_interval=1)
+    (hooks,) = [w.__self__ for w in every_n.wrappers["apply_model"]["tome_patch_layer_reuse"]]
+    options = {"latent_hw": HW, "steps": 25, "batch": 2, "sampler": "dpmpp_2m", "scheduler": "karras"}
+    with caplog.at_level("INFO", logger="tome_patch"):
+        out = host.sample(every_n, "sd15", **options)
+    assert hooks.last_run is None
+    assert any("sampler dpmpp_2m on karras sigmas is not one" in r.getMessage() for r in caplog.records)
+    assert torch.equal(out, host.sample(todo_only, "sd15", **options))
+
+
 def test_only_karras_sigmas_are_taken_for_karras(model):
     """The Karras check on the levels each of ComfyUI's schedulers gives (the model's sigma range, 12 steps)."""
     import comfy.samplers

@@ -276,6 +276,25 @@ def test_dpm_solver_plus_plus_2m_on_karras_sigmas_reuses_with_every_call_below_s
         pipe.scheduler = original
 
 
+def test_dpm_solver_plus_plus_2m_on_karras_sigmas_under_every_n_keeps_every_step_in_full(pipes):
+    """With ``reuse_plan`` "every N" (what a script written before the rule ran) DPM++ 2M on Karras sigmas keeps
+    every step in full: nothing reused, the output that of reuse off."""
+    import diffusers
+
+    pipe = pipeline(pipes, "txt2img")
+    original = pipe.scheduler
+    pipe.scheduler = diffusers.DPMSolverMultistepScheduler.from_config(original.config, use_karras_sigmas=True)
+    try:
+        tome_core.apply_patch(pipe, **{**REUSE, "reuse_interval": 1})
+        off = H.run(pipe, "txt2img", steps=25)
+        tome_core.apply_patch(pipe, **REUSE, reuse_plan="every N")
+        assert np.array_equal(H.run(pipe, "txt2img", steps=25), off)
+        assert last_run(pipe) is None
+    finally:
+        tome_core.remove_patch(pipe)
+        pipe.scheduler = original
+
+
 def test_the_step_range_limits_reuse(pipes):
     """end_percent 0.5: only calls at timesteps above 499.5 (DDIM's 901 ... 501, steps 0-4) may reuse: 2 and 4."""
     pipe = pipeline(pipes, "txt2img")

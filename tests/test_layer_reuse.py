@@ -715,3 +715,7 @@ def test_dpmpp_2m_reuses_on_unets_on_karras_sigmas_only_with_its_low_noise_calls
     for name in ("dpmpp_2m_sde", "dpmpp_3m_sde", "euler"):  # not measured, or lose the picture on Karras sigmas
         assert not keeps_the_picture_with(name, "karras")
     assert full_below_noise("uni_pc", dit=False) == 0.0 and full_below_noise("uni_pc") == 0.5
+    # Only under reuse_plan "auto": a job saved with "every N" ran this sampler in full and keeps doing so.
+    assert not keeps_the_picture_with("dpmpp_2m", "karras", plan="every N")
+    assert full_below_noise("dpmpp_2m", "karras", dit=False, plan="every N") == 0.0
+    assert keeps_the_picture_with("euler", plan="every N") and full_below_noise("uni_pc", plan="every N") == 0.5

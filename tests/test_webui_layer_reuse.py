@@ -146,6 +146,20 @@ def test_dpmpp_2m_on_karras_sigmas_reuses_with_every_call_below_sigma_1_in_full(
     assert_clean(sd_model)
 
 
+def test_dpmpp_2m_on_karras_sigmas_under_every_n_keeps_every_step_in_full(host, capsys):
+    """An infotext saved with the reuse plan "every N" (or before that setting existed, which reads as "every N")
+    ran the WebUI's default sampler with every step in full: it still does, the output that of reuse off."""
+    sd_model = SDModel(make_unet("sd1"))
+    steps = tuple(range(999, 0, -40))
+    off, _ = job(host, sd_model, script_args(**{**REUSE, "reuse_interval": 1}), steps=steps, sampler="DPM++ 2M")
+    capsys.readouterr()
+    args = script_args(**REUSE, reuse_plan="every N")
+    out, p = job(host, sd_model, args, steps=steps, sampler="DPM++ 2M")
+    assert not runs_of(p) and torch.equal(out, off)
+    assert capsys.readouterr().out.count("reuse across steps is off with the sampler 'DPM++ 2M'") == 1
+    assert_clean(sd_model)
+
+
 def test_interval_1_is_bit_identical_and_installs_nothing(host):
     sd_model = SDModel(make_unet("sd1"))
     baseline, _ = job(host, sd_model, script_args(enabled=False))

@@ -271,9 +271,10 @@ _SPEC_LIST += (
         choices=REUSE_PLANS,
         tooltip="ToMe and ToDo: with reuse_interval above 1, which steps of a UNet run every layer. auto (the "
         "default): at reuse_interval 3 from 25 steps, the plan measured for the UNet's family (SD1.x/SD2.x or "
-        "SDXL: 12 full steps of 25), otherwise as every N. every N: the first fifth of the steps, the last four "
-        "and one in N in between (14 of 25 at 3), as workflows saved before this input existed run. DiTs ignore "
-        "it (their full steps are spaced by the noise).",
+        "SDXL: 12 full steps of 25), otherwise as every N; DPM++ 2M on Karras sigmas: as every N with every call "
+        "below sigma 1 in full. every N: the first fifth of the steps, the last four and one in N in between (14 "
+        "of 25 at 3), and DPM++ 2M on Karras sigmas every step in full, as workflows saved before this input "
+        "existed run. DiTs ignore it (their full steps are spaced by the noise).",
     ),
 )
 

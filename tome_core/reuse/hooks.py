@@ -30,6 +30,8 @@ class LayerReuse:
         self.extrapolate = extrapolate
         self.order = 1  # see ``LayerReuseRun.order``
         self.first_block_guard: float | None = None  # see ``LayerReuseRun.first_block_guard``
+        # The UNet's ``reuse_plan``: which samplers it runs with (``samplers.keeps_the_picture_with``).
+        self.plan = "auto"
         self._current: LayerReuseRun | None = None
 
     def __deepcopy__(self, memo):

@@ -40,35 +40,43 @@ FULL_BELOW_NOISE_WITH_A_CORRECTOR = 0.5
 # On UNets only: DPM++ 2M (the WebUI's default sampler) on Karras sigmas (its default schedule there). Its two-step
 # update carries a reused call's error into the next step, most where the details form; with every call below this
 # sigma in full, on the general plan (``RunLengthSchedule.for_run``), it kept the picture (docs/step-reuse.md, "DPM++
-# 2M on Karras sigmas"). diffusers' name
-# stands for DPMSolverMultistepScheduler as DPM++ 2M (the host checks its algorithm and order).
+# 2M on Karras sigmas"). Only ``reuse_plan`` "auto" (the measured setting) runs it: a job saved with "every N", or
+# before that input existed, ran every step in full with this sampler and keeps its picture. diffusers' name stands
+# for DPMSolverMultistepScheduler as DPM++ 2M (the host checks its algorithm and order).
 UNET_SAMPLERS_WITH_LOW_NOISE_IN_FULL = frozenset({"dpmpp_2m", "dpm++ 2m", "dpmsolvermultistepscheduler"})
 LOW_NOISE_SCHEDULE = "karras"
 FULL_BELOW_SIGMA_WITH_DPMPP_2M = 1.0
+LOW_NOISE_PLAN = "auto"
 
 
 def _lower(name: str | None) -> str:
     return (name or "").strip().lower()
 
 
-def _low_noise_in_full(sampler: str | None, schedule: str | None, dit: bool) -> bool:
+def _low_noise_in_full(sampler: str | None, schedule: str | None, dit: bool, plan: str) -> bool:
     on_its_schedule = _lower(schedule) == LOW_NOISE_SCHEDULE
-    return not dit and on_its_schedule and _lower(sampler) in UNET_SAMPLERS_WITH_LOW_NOISE_IN_FULL
+    measured = plan == LOW_NOISE_PLAN and not dit
+    return measured and on_its_schedule and _lower(sampler) in UNET_SAMPLERS_WITH_LOW_NOISE_IN_FULL
 
 
-def full_below_noise(sampler: str | None, schedule: str | None = None, dit: bool = True) -> float:
+def full_below_noise(
+    sampler: str | None, schedule: str | None = None, dit: bool = True, plan: str = LOW_NOISE_PLAN
+) -> float:
     """The noise level below which every call of a run with ``sampler`` on ``schedule`` runs in full, on a DiT
-    (``dit``: a flow sigma, 0 to 1) or a UNet (a sigma of its table); 0: none."""
+    (``dit``: a flow sigma, 0 to 1) or a UNet (a sigma of its table) under ``reuse_plan`` ``plan``; 0: none."""
     if dit and _lower(sampler) in SAMPLERS_WITH_A_CORRECTOR:
         return FULL_BELOW_NOISE_WITH_A_CORRECTOR
-    return FULL_BELOW_SIGMA_WITH_DPMPP_2M if _low_noise_in_full(sampler, schedule, dit) else 0.0
+    return FULL_BELOW_SIGMA_WITH_DPMPP_2M if _low_noise_in_full(sampler, schedule, dit, plan) else 0.0
 
 
-def keeps_the_picture_with(sampler: str | None, schedule: str | None = None, dit: bool = False) -> bool:
+def keeps_the_picture_with(
+    sampler: str | None, schedule: str | None = None, dit: bool = False, plan: str = LOW_NOISE_PLAN
+) -> bool:
     """Whether reuse across steps may run with ``sampler`` (a host's name for it) on the noise schedule
-    ``schedule`` (a host's name, e.g. "karras"; None: the host's default), on a UNet or (``dit``) a DiT; unknown
-    sampler: no, in full. Where it may only with the low-noise calls in full, ``full_below_noise`` says so."""
-    if _low_noise_in_full(sampler, schedule, dit):
+    ``schedule`` (a host's name, e.g. "karras"; None: the host's default), on a UNet or (``dit``) a DiT, under
+    ``reuse_plan`` ``plan`` (UNets; "every N" keeps DPM++ 2M on Karras sigmas in full); unknown sampler: no, in
+    full. Where it may only with the low-noise calls in full, ``full_below_noise`` says so."""
+    if _low_noise_in_full(sampler, schedule, dit, plan):
         return True
     if _lower(schedule) in SCHEDULES_THAT_LOSE_THE_PICTURE:
         return False

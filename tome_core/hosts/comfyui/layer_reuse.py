@@ -75,7 +75,7 @@ class LayerReuseHooks(LayerReuse):
         name = sampler_name(args[2] if len(args) > 2 else kwargs.get("sampler"))
         raw_sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
         schedule = schedule_name(guider, raw_sigmas)
-        if not keeps_the_picture_with(name, schedule, self.DIT):
+        if not keeps_the_picture_with(name, schedule, self.DIT, self.plan):
             log.info(
                 "ToMe reuse across steps is off for this run: sampler %s%s is not one it keeps the picture with "
                 "(euler, heun, ddim, dpmpp_sde%s; not on karras sigmas%s); every step runs in full. ToDo/ToMe "
@@ -83,11 +83,11 @@ class LayerReuseHooks(LayerReuse):
                 name or "(unknown)",
                 f" on {schedule} sigmas" if schedule else "",
                 ", and uni_pc on DiTs" if self.DIT else "",
-                "" if self.DIT else ", but dpmpp_2m on karras",
+                "" if self.DIT else ", but dpmpp_2m on karras under reuse_plan auto",
             )
             return executor(*args, **kwargs)
         sigmas = call_sigmas(raw_sigmas)
-        run = self.new_run(len(sigmas), sigmas, full_below_noise(name, schedule, self.DIT))
+        run = self.new_run(len(sigmas), sigmas, full_below_noise(name, schedule, self.DIT, self.plan))
         return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
 
     def _ended(self, run) -> None:
@@ -181,6 +181,7 @@ def install(clone, settings, noise_range, options: ReuseOptions = SHIPPED) -> bo
     extrapolate = DEFAULT_EXTRAPOLATE if options.extrapolate is None else options.extrapolate
     hooks = LayerReuseHooks(schedule, len(layers), noise_range, extrapolate, options.by_sigma)
     hooks.order = options.order
+    hooks.plan = settings.reuse_plan
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)
     clone.set_injections(INJECTION_KEY, [LayerInjection(hooks, layers)])

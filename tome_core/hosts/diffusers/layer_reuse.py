@@ -157,7 +157,7 @@ class PipelineReuse(LayerReuse):
         if timesteps is None or timestep is None or not isinstance(sample, torch.Tensor):
             return None
         name, schedule = scheduler_name(scheduler), karras_or_none(scheduler)
-        if not keeps_the_picture_with(name, schedule, self.DIT):  # every step in full
+        if not keeps_the_picture_with(name, schedule, self.DIT, self.plan):  # every step in full
             if self._refused is not type(scheduler):
                 self._refused = type(scheduler)
                 log.info(
@@ -165,7 +165,7 @@ class PipelineReuse(LayerReuse):
                     "Euler, Heun, DDIM and DPM++ SDE schedulers, not on Karras sigmas%s); every step runs in full.",
                     name,
                     " on Karras sigmas" if schedule else "",
-                    "" if self.DIT else ", and with DPM++ 2M on Karras sigmas",
+                    "" if self.DIT else ", and with DPM++ 2M on Karras sigmas under reuse_plan 'auto'",
                 )
             return None
         if self._timesteps is None or not self._timesteps.is_current(timesteps):
@@ -209,7 +209,7 @@ class PipelineReuse(LayerReuse):
             steps = len(self._timesteps.values) - first_step
             levels = [_sigma_of(scheduler, step, float(t)) for step, t in enumerate(self._timesteps.values)]
             levels = levels[first_step:] if None not in levels else None
-            below = full_below_noise(scheduler_name(scheduler), karras_or_none(scheduler), self.DIT)
+            below = full_below_noise(scheduler_name(scheduler), karras_or_none(scheduler), self.DIT, self.plan)
             self.run = self.new_run(steps, levels, below)
 
     def _finish(self) -> None:
@@ -269,6 +269,7 @@ def install(unet, pipeline, settings, allowed: Callable[[float], bool]) -> bool:
         return False
     schedule = unet_schedule(settings.reuse_interval, attention_levels(unet), settings.reuse_plan)
     owner = PipelineReuse(pipeline, schedule, layers, allowed)
+    owner.plan = settings.reuse_plan
     attach_forwards(owner, [layer for _, layer in layers])
     unet.__dict__[_STATE] = owner
     unet.__dict__[_HOOKS] = (

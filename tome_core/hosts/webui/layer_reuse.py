@@ -168,15 +168,16 @@ def sampler_and_schedule(p) -> tuple[str | None, str | None]:
     return sampler, scheduler
 
 
-def sampler_keeps_the_picture(p) -> bool:
+def sampler_keeps_the_picture(p, plan: str = "auto") -> bool:
     """Whether the job's sampler on its schedule type (``sampler_and_schedule``) is one that reuse across steps
-    keeps the picture with (``layer_reuse.keeps_the_picture_with``)."""
-    return keeps_the_picture_with(*sampler_and_schedule(p))
+    keeps the picture with under ``reuse_plan`` ``plan`` (``layer_reuse.keeps_the_picture_with``)."""
+    return keeps_the_picture_with(*sampler_and_schedule(p), plan=plan)
 
 
-def low_noise_in_full(p) -> float:
-    """The sigma below which every UNet call of job ``p`` runs in full (``layer_reuse.full_below_noise``)."""
-    return full_below_noise(*sampler_and_schedule(p), dit=False)
+def low_noise_in_full(p, plan: str = "auto") -> float:
+    """The sigma below which every UNet call of job ``p`` runs in full under ``reuse_plan`` ``plan``
+    (``layer_reuse.full_below_noise``)."""
+    return full_below_noise(*sampler_and_schedule(p), dit=False, plan=plan)
 
 
 def _schedule(settings, unet):
@@ -223,13 +224,13 @@ def install_ldm(unet, settings, p, num_timesteps: int = 1000) -> PassReuse | Non
     """Give the WebUI's ``unet`` layer reuse for one pass of job ``p``; None where there is nothing to do."""
     remove_ldm(unet)
     layers = [layer for _, layer in inner_layers(unet, OUTER_BLOCKS)]
-    if settings.reuse_interval <= 1 or not layers or not sampler_keeps_the_picture(p):
+    if settings.reuse_interval <= 1 or not layers or not sampler_keeps_the_picture(p, settings.reuse_plan):
         return None
     # The WebUI's UNet receives the DDPM timestep (999 at the start of sampling, 0 at the end).
     noise_range = NoiseRange(
         settings.start_percent, settings.end_percent, lambda q: timestep_of_percent(q, num_timesteps)
     )
-    owner = PassReuse(p, _schedule(settings, unet), len(layers), noise_range, low_noise_in_full(p))
+    owner = PassReuse(p, _schedule(settings, unet), len(layers), noise_range, low_noise_in_full(p, settings.reuse_plan))
 
     def before(module, args, kwargs):
         x = args[0] if args else kwargs.get("x")
@@ -323,13 +324,13 @@ def install_forge(patcher, settings, p, percent_to_sigma) -> PassReuse | None:
     layers = inner_layers(unet, OUTER_BLOCKS)
     if settings.reuse_interval <= 1 or not layers or not hasattr(patcher, "add_object_patch"):
         return None
-    if not sampler_keeps_the_picture(p):
+    if not sampler_keeps_the_picture(p, settings.reuse_plan):
         return None
     if percent_to_sigma is None:
         noise_range = NoiseRange(0.0, 1.0, lambda q: math.nan)
     else:
         noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
-    owner = PassReuse(p, _schedule(settings, unet), len(layers), noise_range, low_noise_in_full(p))
+    owner = PassReuse(p, _schedule(settings, unet), len(layers), noise_range, low_noise_in_full(p, settings.reuse_plan))
     for index, (name, layer) in enumerate(layers):
         patcher.add_object_patch(f"diffusion_model.{name}.forward", SkippableLayer(owner, index, layer))
     inner = getattr(patcher, "object_patches", {}).get("diffusion_model.forward")
