@@ -147,10 +147,11 @@ def test_auto_reuses_on_the_new_families(node_classes, dits, family):
     assert counts[1] < counts[0]
 
 
-def test_qwen_images_default_is_every_4_guarded_by_its_first_block(node_classes, dits, monkeypatch):
-    """Qwen-Image's default (``dit_families``): every 4, no curve, each reusing call run in full where the first
-    block's output moved more than 0.1 since the last full call. At 28 steps the run's plan is every 4's, the run
-    carries the guard, and what the span blocks computed is the plan's full calls plus the ones the guard turned."""
+def test_qwen_images_default_is_every_8_with_the_line_guard(node_classes, dits, monkeypatch):
+    """Qwen-Image's default (``dit_families``): every 8, no curve, each reusing call run in full where the first
+    block's output lies more than 0.07 off the line through the last two full calls' outputs. At 28 steps the run's
+    plan is every 8's, the run carries the guard, and what the span blocks computed is the plan's full calls plus
+    the ones the guard turned."""
     family = "qwen_image"
     runs = []
     for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.hooks")]:
@@ -166,11 +167,12 @@ def test_qwen_images_default_is_every_4_guarded_by_its_first_block(node_classes,
     import comfy.samplers
 
     sigmas = comfy.samplers.calculate_sigmas(patched.get_model_object("model_sampling"), "normal", 28)
-    every_4 = NoiseSpacedSchedule(4).for_run(28, [float(s) for s in sigmas[:28]], run.full_below).full
-    assert run.schedule.full == every_4 and run.first_block_guard == 0.1
-    assert counts == [28] + [len(every_4) + run.guarded_calls] * (BLOCKS - 1)
-    # On random weights the first block's output moves fast: the guard turns most reusing calls, not all.
-    assert 0 < run.guarded_calls < 28 - len(every_4)
+    every_8 = NoiseSpacedSchedule(8).for_run(28, [float(s) for s in sigmas[:28]], run.full_below).full
+    assert run.schedule.full == every_8 and (run.first_block_guard, run.line_guard) == (None, 0.07)
+    assert counts == [28] + [len(every_8) + run.guarded_calls] * (BLOCKS - 1)
+    # On random weights the first block's output moves as noise does, off any line: the guard turns every reusing
+    # call (the engine's tests show a steady move reusing).
+    assert run.guarded_calls == 28 - len(every_8)
 
 
 def test_patches_after_each_block_run_every_block(node_classes, dits, caplog):

@@ -29,10 +29,12 @@ def test_each_name_and_alias_finds_one_record_and_an_unknown_name_the_nearest():
         schedule = family.auto_schedule()
         assert isinstance(schedule, StepCountSchedule) and family.curve is not None
         # A family's default is guarded by its first block where one was measured, by the real curve elsewhere.
-        guard = family.first_block_guard
-        assert (schedule.curve, schedule.first_block_guard) == ((None, guard) if guard else (family.curve, None))
+        guards = (family.first_block_guard, family.line_guard)
+        guarded = guards != (None, None)
+        assert schedule.curve is (None if guarded else family.curve)
+        assert (schedule.first_block_guard, schedule.line_guard) == guards
         assert dit_families.auto_schedule(family.name) == schedule
-    guarded = [family.name for family in dit_families.FAMILIES if family.first_block_guard is not None]
+    guarded = [family.name for family in dit_families.FAMILIES if family.auto_schedule().curve is None]
     assert guarded == ["Qwen-Image"]  # the one family with a reference that passes the curve gate
 
 

@@ -638,6 +638,40 @@ def test_the_first_block_guard_runs_a_reusing_call_in_full_where_the_span_input_
     assert 0 < turned < sum(unguarded) and all(not g for g, u in zip(guarded, unguarded, strict=True) if not u)
 
 
+def test_the_line_guard_lets_a_straight_move_reuse_and_stops_a_bend():
+    """``line_guard``: a reusing call runs in full where its span input lies off the line through the last two full
+    calls' inputs. An input that moves at a steady rate (1 a step, far more than 5% since the last full call)
+    stays on that line and reuses; one that zigzags off it runs in full; before two full calls exist it weighs the
+    move since the last one. With the guard on the move since the last full call too, either one runs a call in
+    full."""
+    from tome_core.reuse import LayerReuseRun, NoiseSpacedSchedule
+
+    def reuses(inputs, line=None, since_last=None):
+        run = LayerReuseRun(NoiseSpacedSchedule(4).for_run(12), 12, 1)
+        run.line_guard, run.first_block_guard = line, since_last
+        done = []
+        for step, value in enumerate(inputs):
+            run.begin_call(step, "layout", position=1.0 - step / 12)
+            joined = torch.full((1, 4, 8), float(value))
+            done.append(run.start_span(joined))
+            if not done[-1]:
+                run.end_span(joined + 1.0)
+            run.end_call()
+        return done
+
+    full = NoiseSpacedSchedule(4).for_run(12).full  # steps 0, 4, 7 and 9-11
+    unguarded = [step not in full for step in range(12)]
+    steady = [10.0 + step for step in range(12)]
+    assert not any(reuses(steady, since_last=0.05))  # every reusing call moved 7% or more since the last full one
+    # Step 1 has only step 0's input to weigh against (10% moved): in full. From then on the line through the last
+    # two full calls puts every input exactly where it is: each scheduled reuse happens.
+    assert reuses(steady, line=0.05) == [u and step != 1 for step, u in enumerate(unguarded)]
+    zigzag = [10.0 + step + 3.0 * (step % 2) for step in range(12)]  # 20% off any line through two of them
+    assert not any(reuses(zigzag, line=0.05))
+    assert not any(reuses(steady, line=0.05, since_last=0.05))  # on the line, but moved: the other guard stops it
+    assert reuses(steady, line=0.05, since_last=1.0) == reuses(steady, line=0.05)
+
+
 def test_a_schedules_own_first_block_guard_reaches_each_run_unless_the_hooks_set_one():
     """A DiT family's default carries its guard in its schedule (``StepCountSchedule.first_block_guard``): every run
     the hooks make takes it; a guard set on the hooks (a benchmark's variant) wins; none on either: no guard."""
@@ -648,10 +682,18 @@ def test_a_schedules_own_first_block_guard_reaches_each_run_unless_the_hooks_set
     guarded.first_block_guard = 0.2
     assert guarded.new_run(12).first_block_guard == 0.2
     assert LayerReuse(StepCountSchedule(((0, 4),)), layers=1).new_run(12).first_block_guard is None
-    assert "moved more than 0.1" in StepCountSchedule(((0, 4),), first_block_guard=0.1).describe()
+    assert "moved more than 0.1 since" in StepCountSchedule(((0, 4),), first_block_guard=0.1).describe()
+    # The schedule's guards come together, and the hooks' own (a variant's) replace both.
+    lined = LayerReuse(StepCountSchedule(((0, 8),), line_guard=0.07), layers=1)
+    assert (lined.new_run(12).first_block_guard, lined.new_run(12).line_guard) == (None, 0.07)
+    assert "lies more than 0.07 off the line" in lined.schedule.describe()
+    lined.first_block_guard = 0.1
+    assert (lined.new_run(12).first_block_guard, lined.new_run(12).line_guard) == (0.1, None)
     for wrong in (0.0, -0.1):
         with pytest.raises(ValueError, match="first_block_guard must be above 0"):
             StepCountSchedule(((0, 4),), first_block_guard=wrong)
+        with pytest.raises(ValueError, match="line_guard must be above 0"):
+            StepCountSchedule(((0, 4),), line_guard=wrong)
 
 
 def test_a_step_change_curve_counts_as_magcache_and_guards_the_fast_steps():

@@ -113,8 +113,10 @@ def test_every_neo_family_reuses_with_comfyuis_plan_and_picture(host, family, sh
     )
     assert len(made) == 2 and made[0] == made[1]
     (run,) = p._tome_patch_job.reuse_runs
-    # Qwen-Image's first-block guard turns some planned reusing calls into full ones, in Neo as in ComfyUI.
-    assert run.reused_calls == STEPS - len(made[0]) - run.guarded_calls > 0 and torch.isfinite(out).all()
+    # Qwen-Image's line guard turns planned reusing calls into full ones, in Neo as in ComfyUI: on random weights,
+    # whose first block's output moves as noise does, all of them (tests/test_reference_v2.py: a trained one reuses).
+    assert run.reused_calls == STEPS - len(made[0]) - run.guarded_calls and torch.isfinite(out).all()
+    assert (run.reused_calls == 0) if name == "Qwen-Image" else (run.reused_calls > 0)
     assert (run.guarded_calls > 0) == (name == "Qwen-Image")
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     assert f"{name} ({type(model.model.diffusion_model).__name__})" in host_said(p)

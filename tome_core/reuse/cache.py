@@ -31,14 +31,15 @@ class _Entry:
     """One batch layout's record: the boundary's outputs at the last two full steps (or the last one and the
     slope between them, packed), every layer's output shape."""
 
-    __slots__ = ("outputs", "shapes", "slope", "step", "span_input")
+    __slots__ = ("outputs", "shapes", "slope", "step", "span_inputs")
 
     def __init__(self):
         self.outputs: list[tuple[int, torch.Tensor]] = []  # (step, boundary output), oldest first, at most two
         self.shapes: dict[int, object] = {}
         self.slope: _PackedSlope | None = None  # with one output: the line from the record before it
         self.step = -1  # the run's step of the last record
-        self.span_input: torch.Tensor | None = None  # a DiT's span input at the last full call (first-block guard)
+        # A DiT's span input at the last full calls, as (position, input), oldest first (the first-block guard).
+        self.span_inputs: list[tuple[float, torch.Tensor]] = []
 
     # Both kept out of a compiled graph (torch.compile of the UNet): they compare and weigh the noise levels, which
     # a graph would take as constants and compile again at every step.
@@ -140,6 +141,10 @@ class LayerReuseRun:
         # A DiT's reusing call whose span input moved more than this since the last full call runs in full
         # (``ReuseOptions.first_block_guard``; None: never).
         self.first_block_guard: float | None = None
+        # A DiT's reusing call whose span input lies more than this off the line through the last two full calls'
+        # inputs (the straight path the residual's prediction follows) runs in full (``ReuseOptions.line_guard``;
+        # None: never). Either guard may be set, or both.
+        self.line_guard: float | None = None
         self.guarded_calls = 0  # reusing calls the first-block guard turned into full ones
         self.entries: dict[object, _Entry] = {}
         self.current: _Call | None = None
@@ -234,23 +239,37 @@ class LayerReuseRun:
             call.reuse = False
             call.entry.outputs.clear()
             call.entry.shapes.clear()
-        if call.reuse and self.first_block_guard is not None and self._span_input_moved(call.entry, joined_input):
+        guarded = self.first_block_guard is not None or self.line_guard is not None
+        if call.reuse and guarded and self._span_input_moved(call.entry, joined_input):
             self.compute_in_full()
             self.guarded_calls += 1
         if not call.reuse:
             # A copy: the host may change its tensors in place later in the call (ControlNet residuals).
             call.span_input = joined_input.detach().clone()
-            if self.first_block_guard is not None:
-                call.entry.span_input = call.span_input
+            if guarded:
+                kept = [(x, t) for x, t in call.entry.span_inputs if x != call.position]  # not this step's again
+                keep = 1 if self.line_guard is None else 2
+                call.entry.span_inputs = (kept + [(call.position, call.span_input)])[-keep:]
         return call.reuse
 
     def _span_input_moved(self, entry: _Entry, joined_input: torch.Tensor) -> bool:
-        """Whether the span's input moved more than the first-block guard allows since the last full call."""
-        last = entry.span_input
-        if last is None or last.shape != joined_input.shape:
+        """Whether the span's input moved more than the first-block guard allows since the last full call, or lies
+        further than the line guard allows off the line through the last two full calls' inputs (with one full
+        call so far: from that call's input)."""
+        if not entry.span_inputs or entry.span_inputs[-1][1].shape != joined_input.shape:
             return False
-        change = (joined_input.detach() - last).abs().mean() / last.abs().mean().clamp_min(1e-12)
-        return float(change) > self.first_block_guard
+        moved = joined_input.detach()
+        last_position, last = entry.span_inputs[-1]
+        if self.first_block_guard is not None and _relative_change(moved, last) > self.first_block_guard:
+            return True
+        if self.line_guard is None:
+            return False
+        expected = last
+        if len(entry.span_inputs) == 2 and entry.span_inputs[0][1].shape == last.shape:
+            first_position, first = entry.span_inputs[0]
+            ahead = (self.current.position - last_position) / (last_position - first_position)
+            expected = torch.lerp(first, last, 1.0 + ahead)
+        return _relative_change(moved, expected) > self.line_guard
 
     def compute_in_full(self) -> None:
         """The call in progress runs every block after all (asked before anything was skipped)."""
@@ -310,6 +329,11 @@ class LayerReuseRun:
             f"{self.calls - self.reused_calls} of {self.calls} model calls computed in full; {self.reused_calls} ran "
             f"only {self.outer_words}, with the inner {self.inner_words} predicted from earlier steps"
         )
+
+
+def _relative_change(x: torch.Tensor, reference: torch.Tensor) -> float:
+    """mean |x - reference| / mean |reference|: how far a span input lies from a reference, as a share of it."""
+    return float((x - reference).abs().mean() / reference.abs().mean().clamp_min(1e-12))
 
 
 def join_streams(streams: dict) -> torch.Tensor:

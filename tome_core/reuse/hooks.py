@@ -30,6 +30,7 @@ class LayerReuse:
         self.extrapolate = extrapolate
         self.order = 1  # see ``LayerReuseRun.order``
         self.first_block_guard: float | None = None  # see ``LayerReuseRun.first_block_guard``
+        self.line_guard: float | None = None  # see ``LayerReuseRun.line_guard``
         # The UNet's ``reuse_plan``: which samplers it runs with (``samplers.keeps_the_picture_with``).
         self.plan = "auto"
         self._current: LayerReuseRun | None = None
@@ -49,8 +50,9 @@ class LayerReuse:
         run.full_below = full_below
         run.order = self.order
         # The hooks' own guard (a benchmark's variant) or the schedule's (a DiT family's default).
-        guard = self.first_block_guard
-        run.first_block_guard = guard if guard is not None else getattr(self.schedule, "first_block_guard", None)
+        owner = self if (self.first_block_guard, self.line_guard) != (None, None) else self.schedule
+        run.first_block_guard = getattr(owner, "first_block_guard", None)
+        run.line_guard = getattr(owner, "line_guard", None)
         return run
 
     def begin_call(self, run: LayerReuseRun, step: int | None, key: object, allowed=True, position=None) -> bool:

@@ -26,6 +26,9 @@ class ReuseOptions:
     # A DiT's reusing call runs in full where the span's input (the first block's output, which every call
     # computes) has moved more than this since the last full call: mean |x - x_full| / mean |x_full| (None: never).
     first_block_guard: float | None = None
+    # A DiT's reusing call runs in full where the span's input lies more than this off the line through the last
+    # two full calls' inputs (``LayerReuseRun.line_guard``; None: never).
+    line_guard: float | None = None
 
 
 SHIPPED = ReuseOptions()

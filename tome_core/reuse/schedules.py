@@ -232,12 +232,17 @@ class StepCountSchedule:
     # A reusing call runs in full where the first block's output moved more than this since the last full call
     # (``LayerReuseRun.first_block_guard``; None: no such guard). Read by ``LayerReuse.new_run``.
     first_block_guard: float | None = None
+    # A reusing call runs in full where the first block's output lies more than this off the line through the
+    # last two full calls' outputs (``LayerReuseRun.line_guard``; None: no such guard).
+    line_guard: float | None = None
 
     def __post_init__(self):
         if not self.intervals or self.intervals[0][0] != 0:
             raise ValueError(f"intervals must start at 0 steps, got {self.intervals!r}")
-        if self.first_block_guard is not None and not 0.0 < self.first_block_guard:
-            raise ValueError(f"first_block_guard must be above 0 (or None), got {self.first_block_guard!r}")
+        for name in ("first_block_guard", "line_guard"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 < value:
+                raise ValueError(f"{name} must be above 0 (or None), got {value!r}")
 
     def interval(self, steps: int) -> int:
         return [interval for start, interval in self.intervals if start <= steps][-1]
@@ -248,11 +253,13 @@ class StepCountSchedule:
         described = f"every {self.intervals[0][1]}" + (f" ({', '.join(later)})" if later else "")
         if self.curve is not None:
             described += " and wherever the real model's published step-to-step change asks for a full step"
+        guards = []
         if self.first_block_guard is not None:
-            described += (
-                f", each reusing step in full where the first block's output moved more than "
-                f"{self.first_block_guard:g} since the last full one"
-            )
+            guards.append(f"moved more than {self.first_block_guard:g} since the last full one")
+        if self.line_guard is not None:
+            guards.append(f"lies more than {self.line_guard:g} off the line through the last two full ones")
+        if guards:
+            described += ", each reusing step in full where the first block's output " + " or ".join(guards)
         return described
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:

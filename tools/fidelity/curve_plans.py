@@ -93,6 +93,7 @@ def rows(step_counts) -> list[dict]:
                     "default_work": work(default, steps, depth),
                     # Qwen-Image: the default's plan is the least it computes; the guard adds steps at run time.
                     "first_block_guard": schedule.first_block_guard,
+                    "line_guard": schedule.line_guard,
                 }
             )
     return out
@@ -100,8 +101,10 @@ def rows(step_counts) -> list[dict]:
 
 def guarded(row: dict) -> str:
     """What the printed plan leaves out: the steps a first-block guard adds while the run goes."""
-    guard = row["first_block_guard"]
-    return "" if guard is None else f" + the steps whose first block's output moves more than {guard:g}"
+    guard, line = row["first_block_guard"], row.get("line_guard")
+    said = [] if guard is None else [f"moves more than {guard:g}"]
+    said += [] if line is None else [f"lies more than {line:g} off its line"]
+    return f" + the steps whose first block's output {' or '.join(said)}" if said else ""
 
 
 def main(argv=None) -> list[dict]:

@@ -447,6 +447,20 @@ def dit_rows(
                 name = f"ours reuse {'every ' if interval != 'default' else ''}{interval} + first-block guard {guard}"
                 changes = {"first_block_guard": guard}
                 rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
+        # The line guard: a reusing call runs in full where the first block's output lies off the line through the
+        # last two full calls' outputs (the path the residual's prediction follows), alone and with the guard on
+        # the move since the last full call as a bound on how far the line is followed.
+        for interval in (4, 6, 8):
+            for line in (0.05, 0.07, 0.085, 0.1):
+                name = f"ours reuse every {interval} + line guard {line}"
+                changes = {"line_guard": line}
+                rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
+        for interval in (6, 8):
+            for line in (0.07, 0.1):
+                for guard in (0.15, 0.2, 0.3):
+                    name = f"ours reuse every {interval} + line guard {line} + first-block guard {guard}"
+                    changes = {"line_guard": line, "first_block_guard": guard}
+                    rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
         # The default's guard by the real model's curve at longer intervals where the curve is flat (every stretch
         # still within the published threshold on the real curve), alone and with the first-block guard.
         for interval in (4, 5, 6):
@@ -515,6 +529,7 @@ def dit_reuse_variant(
     warm_up=0.0,
     first_block_guard=None,
     curve_guarded=False,
+    line_guard=None,
 ) -> Callable:
     """DiT reuse across steps with engine defaults overridden: ``interval`` (every N, or "default": the family's
     plan, its interval guarded by the real model's curve), ``outer`` (blocks run at every call: at the start,
@@ -523,7 +538,8 @@ def dit_reuse_variant(
     every call runs in full, instead of the sampler's rule), ``warm_up`` (the share of the first steps run in full,
     within the interval's count), ``first_block_guard`` (a reusing call whose first block's output moved more than
     this since the last full call runs in full), ``curve_guarded`` (every ``interval``, guarded by the family's
-    published curve as the default's interval is)."""
+    published curve as the default's interval is), ``line_guard`` (a reusing call whose first block's output lies
+    more than this off the line through the last two full calls' outputs runs in full)."""
     from tome_core.hosts.comfyui import dit_reuse
     from tome_core.hosts.shared import dit_families
     from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule, StepCountSchedule
@@ -545,7 +561,7 @@ def dit_reuse_variant(
         else:
             schedule = NoiseSpacedSchedule(interval, warm_up=warm_up)
         noise_range = NoiseRange(0.0, 1.0, lambda p: p)
-        options = ReuseOptions(schedule, extrapolate, outer, first_block_guard=first_block_guard)
+        options = ReuseOptions(schedule, extrapolate, outer, first_block_guard=first_block_guard, line_guard=line_guard)
         dit_reuse.install(clone, settings, noise_range, options=options)
         return clone if full_below is None else dit_peers.with_full_below(clone, full_below)
 

@@ -171,6 +171,7 @@ def install(clone, settings, noise_range, schedule=None, options: ReuseOptions =
         extrapolate = dit_families.family(layout.family).extrapolate
     hooks = DitReuseHooks(schedule, span, layout.streams, noise_range, extrapolate)
     hooks.first_block_guard = options.first_block_guard
+    hooks.line_guard = options.line_guard
     if layout.hook == "dit":
         replaced = _replacements(clone)
         for position, (block_type, index) in enumerate(span):
