@@ -135,7 +135,7 @@ def test_gpu_table_whole_dit_runs(gpu_table):
     [entry] = result["dit_whole"]["models"]
     assert entry["model"] == "tiny-qwen-image" and entry["steps"] == 12 and result["dit_whole"]["skipped"] == []
     rows = {row["row"]: row for row in entry["rows"]}
-    unguarded = "ours default's plan without its guard (every 8)"  # Qwen-Image's default guards by its first block
+    unguarded = "ours default's plan without its guard (every 6)"  # Qwen-Image's default guards by its first block
     assert list(rows) == ["unpatched", "ours default (dit_settings auto)", unguarded, "ours every 3", "ours every 6"]
     unpatched = rows["unpatched"]
     assert unpatched["seconds"] > 0 and unpatched["seconds_again"] > 0 and unpatched["deviation"] == 0.0

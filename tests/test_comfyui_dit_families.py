@@ -147,11 +147,11 @@ def test_auto_reuses_on_the_new_families(node_classes, dits, family):
     assert counts[1] < counts[0]
 
 
-def test_qwen_images_default_is_every_8_with_the_line_guard(node_classes, dits, monkeypatch):
-    """Qwen-Image's default (``dit_families``): every 8, no curve, each reusing call run in full where the first
-    block's output lies more than 0.07 off the line through the last two full calls' outputs. At 28 steps the run's
-    plan is every 8's, the run carries the guard, and what the span blocks computed is the plan's full calls plus
-    the ones the guard turned."""
+def test_qwen_images_default_is_every_6_with_both_first_block_guards(node_classes, dits, monkeypatch):
+    """Qwen-Image's default (``dit_families``): every 6, no curve, each reusing call run in full where the first
+    block's output lies more than 0.07 off the line through the last two full calls' outputs or moved more than
+    0.15 since the last one. At 28 steps the run's plan is every 6's, the run carries the guards, and what the span
+    blocks computed is the plan's full calls plus the ones the guards turned."""
     family = "qwen_image"
     runs = []
     for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.hooks")]:
@@ -167,12 +167,12 @@ def test_qwen_images_default_is_every_8_with_the_line_guard(node_classes, dits, 
     import comfy.samplers
 
     sigmas = comfy.samplers.calculate_sigmas(patched.get_model_object("model_sampling"), "normal", 28)
-    every_8 = NoiseSpacedSchedule(8).for_run(28, [float(s) for s in sigmas[:28]], run.full_below).full
-    assert run.schedule.full == every_8 and (run.first_block_guard, run.line_guard) == (None, 0.07)
-    assert counts == [28] + [len(every_8) + run.guarded_calls] * (BLOCKS - 1)
+    every_6 = NoiseSpacedSchedule(6).for_run(28, [float(s) for s in sigmas[:28]], run.full_below).full
+    assert run.schedule.full == every_6 and (run.first_block_guard, run.line_guard) == (0.15, 0.07)
+    assert counts == [28] + [len(every_6) + run.guarded_calls] * (BLOCKS - 1)
     # On random weights the first block's output moves as noise does, off any line: the guard turns every reusing
     # call (the engine's tests show a steady move reusing).
-    assert run.guarded_calls == 28 - len(every_8)
+    assert run.guarded_calls == 28 - len(every_6)
 
 
 def test_patches_after_each_block_run_every_block(node_classes, dits, caplog):

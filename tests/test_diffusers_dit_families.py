@@ -120,14 +120,14 @@ def test_reuse_skips_the_span_at_the_schedules_reusing_steps_and_removal_is_exac
 
 
 # Each family's row in the measured table: a wrong family name would pick another row (or the default).
-AUTO_INTERVAL = {"flux2": 3, "qwen-image": 8, "z-image": 3, "hunyuanvideo-1.5": 4, "ltx-video": 4}
+AUTO_INTERVAL = {"flux2": 3, "qwen-image": 6, "z-image": 3, "hunyuanvideo-1.5": 4, "ltx-video": 4}
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_settings_run_the_familys_interval_and_no_todo(pipes, kind, monkeypatch, caplog):
     """``apply_patch(pipe)`` (``dit_settings`` auto): the family's schedule (``dit_families``; Z-Image every
-    3, as Lumina 2 in ComfyUI, guarded by the family's published curve; Qwen-Image every 8, guarded by its first
-    block, by its line guard), no ToDo. At 28 steps each of the intervals 3, 4 and 8 reuses other steps than half of it
+    3, as Lumina 2 in ComfyUI, guarded by the family's published curve; Qwen-Image every 6, guarded by its first
+    block's two guards), no ToDo. At 28 steps each of the intervals 3, 4 and 6 reuses other steps than half of it
     (every 2 at least; under 25 steps, one in two whatever the interval)."""
     _, family, label, calls = FAMILIES[kind]
     interval = AUTO_INTERVAL[kind]
@@ -150,7 +150,7 @@ def test_no_settings_run_the_familys_interval_and_no_todo(pipes, kind, monkeypat
     every_n = NoiseSpacedSchedule(interval).for_run(28, levels, run.full_below).full
     assert every_n != NoiseSpacedSchedule(max(interval // 2, 2)).for_run(28, levels, run.full_below).full
     record = dit_families.family(family)
-    if record.line_guard is not None:  # Qwen-Image: every N, and the first block guards each reusing call
+    if record.line_guard is not None:  # Qwen-Image: every N, and the first block's guards each reusing call
         assert run.schedule.full == every_n
         assert (run.first_block_guard, run.line_guard) == (record.first_block_guard, record.line_guard)
         # The run drops its cache after the last step's first call (the door cannot tell which call is a step's

@@ -38,7 +38,8 @@ class _Entry:
         self.shapes: dict[int, object] = {}
         self.slope: _PackedSlope | None = None  # with one output: the line from the record before it
         self.step = -1  # the run's step of the last record
-        # A DiT's span input at the last full calls, as (position, input), oldest first (the first-block guard).
+        # A DiT's span input at the last full calls, as (position, input), oldest first: what the first-block guards
+        # weigh a reusing call's input against.
         self.span_inputs: list[tuple[float, torch.Tensor]] = []
 
     # Both kept out of a compiled graph (torch.compile of the UNet): they compare and weigh the noise levels, which
@@ -239,18 +240,30 @@ class LayerReuseRun:
             call.reuse = False
             call.entry.outputs.clear()
             call.entry.shapes.clear()
-        guarded = self.first_block_guard is not None or self.line_guard is not None
-        if call.reuse and guarded and self._span_input_moved(call.entry, joined_input):
-            self.compute_in_full()
-            self.guarded_calls += 1
+        self._guard(call, joined_input, keep=False)
         if not call.reuse:
             # A copy: the host may change its tensors in place later in the call (ControlNet residuals).
             call.span_input = joined_input.detach().clone()
-            if guarded:
-                kept = [(x, t) for x, t in call.entry.span_inputs if x != call.position]  # not this step's again
-                keep = 1 if self.line_guard is None else 2
-                call.entry.span_inputs = (kept + [(call.position, call.span_input)])[-keep:]
+            self._keep_inner_input(call, call.span_input)
         return call.reuse
+
+    def _guard(self, call: _Call, inner_input: torch.Tensor, keep: bool = True) -> None:
+        """The first-block guards, on a DiT's span input: a reusing call whose input moved, or left its line, runs in
+        full. With ``keep``, a full call's input is kept for the next calls to be weighed against."""
+        if self.first_block_guard is None and self.line_guard is None:
+            return
+        if call.reuse and self._span_input_moved(call.entry, inner_input):
+            self.compute_in_full()
+            self.guarded_calls += 1
+        if not call.reuse and keep:
+            self._keep_inner_input(call, inner_input.detach().clone())
+
+    def _keep_inner_input(self, call: _Call, inner_input: torch.Tensor) -> None:
+        if self.first_block_guard is None and self.line_guard is None:
+            return
+        kept = [(x, t) for x, t in call.entry.span_inputs if x != call.position]  # not this step's again
+        count = 1 if self.line_guard is None else 2
+        call.entry.span_inputs = (kept + [(call.position, inner_input)])[-count:]
 
     def _span_input_moved(self, entry: _Entry, joined_input: torch.Tensor) -> bool:
         """Whether the span's input moved more than the first-block guard allows since the last full call, or lies

@@ -120,9 +120,10 @@ FAMILIES = (
         blocks=BlockLayout((("double_block", "joint_blocks"),), ("txt", "img"), last_block_runs=True),
     ),
     DitFamily(
-        # Every 8 with the first block's line guard at 0.07, measured on ref-qwen-v2 at 20, 28 and 50 steps.
-        "Qwen-Image", auto_intervals=((0, 8),), extrapolate=1.0, curve=QWEN_IMAGE_CURVE, curve_of="Qwen-Image",
-        line_guard=0.07,
+        # Every 6 with the first block's line guard at 0.07 and its guard at 0.15, chosen on ref-qwen-v2 and ref-qwen
+        # at 20, 28 and 50 steps.
+        "Qwen-Image", auto_intervals=((0, 6),), extrapolate=1.0, curve=QWEN_IMAGE_CURVE, curve_of="Qwen-Image",
+        first_block_guard=0.15, line_guard=0.07,
         comfyui=("QwenImageTransformer2DModel",), diffusers=("QwenImageTransformer2DModel",),
         neo=("QwenImageTransformer2DModel",),
         # Qwen-Image and Edit (its reference latents are tokens of the image stream); blocks return ``(txt, img)``,
