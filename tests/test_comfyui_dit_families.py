@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 
 import pytest
 import torch
@@ -153,14 +152,7 @@ def test_qwen_images_default_is_every_6_with_both_first_block_guards(node_classe
     0.15 since the last one. At 28 steps the run's plan is every 6's, the run carries the guards, and what the span
     blocks computed is the plan's full calls plus the ones the guards turned."""
     family = "qwen_image"
-    runs = []
-    for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.hooks")]:
-
-        def record(self, *args, _made=engine.LayerReuse.new_run, **kwargs):
-            runs.append(_made(self, *args, **kwargs))
-            return runs[-1]
-
-        monkeypatch.setattr(engine.LayerReuse, "new_run", record)
+    runs = host.recorded_runs(monkeypatch)
     patched = host.patch_with_node(node_classes, dits[family])
     counts = count_block_calls(patched, family, lambda: host.sample_dit(patched, family, SHAPES[family], 28, cfg=1.0))
     (run,) = runs

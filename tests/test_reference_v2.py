@@ -148,7 +148,6 @@ def test_qwen_images_default_follows_the_first_block_on_the_reference_that_moves
     about that magnitude (docs/dit.md, over 16 prompts: same-seed SSIM 0.992; every 6 unguarded 0.64)."""
     if not (models.WEIGHTS / "ref-qwen-v2.safetensors").exists():
         pytest.skip("ref-qwen-v2 weights missing from the checkout")
-    import sys
 
     from hosts import comfy_host
 
@@ -158,14 +157,7 @@ def test_qwen_images_default_follows_the_first_block_on_the_reference_that_moves
 
     from tools.fidelity import run as fidelity
 
-    runs = []
-    for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.hooks")]:
-
-        def record(self, *args, _made=engine.LayerReuse.new_run, **kwargs):
-            runs.append(_made(self, *args, **kwargs))
-            return runs[-1]
-
-        monkeypatch.setattr(engine.LayerReuse, "new_run", record)
+    runs = comfy_host.recorded_runs(monkeypatch)
     base, encoder = models.load_reference("ref-qwen-v2")
     patcher = ModelPatcher(base, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
     prompts = data.all_prompts().as_tensor()[::96]

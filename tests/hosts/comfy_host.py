@@ -663,6 +663,20 @@ def with_override(model, override):
     return clone
 
 
+def recorded_runs(monkeypatch) -> list:
+    """Every ``LayerReuseRun`` the hooks make from now on, by every loaded copy of the engine (load the node package
+    first to record its runs too), for what the run carried and counted."""
+    runs = []
+    for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.hooks")]:
+
+        def record(self, *args, _made=engine.LayerReuse.new_run, **kwargs):
+            runs.append(_made(self, *args, **kwargs))
+            return runs[-1]
+
+        monkeypatch.setattr(engine.LayerReuse, "new_run", record)
+    return runs
+
+
 def recorded_plans(monkeypatch) -> list:
     """The full steps of every sampling run made from now on, by every loaded copy of the engine (ComfyUI loads the
     node package under its folder's name: load it first to record its runs too)."""
