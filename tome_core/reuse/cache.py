@@ -240,30 +240,27 @@ class LayerReuseRun:
             call.reuse = False
             call.entry.outputs.clear()
             call.entry.shapes.clear()
-        self._guard(call, joined_input, keep=False)
+        self._guard(call, joined_input)
         if not call.reuse:
             # A copy: the host may change its tensors in place later in the call (ControlNet residuals).
             call.span_input = joined_input.detach().clone()
             self._keep_inner_input(call, call.span_input)
         return call.reuse
 
-    def _guard(self, call: _Call, inner_input: torch.Tensor, keep: bool = True) -> None:
-        """The first-block guards, on a DiT's span input: a reusing call whose input moved, or left its line, runs in
-        full. With ``keep``, a full call's input is kept for the next calls to be weighed against."""
-        if self.first_block_guard is None and self.line_guard is None:
-            return
-        if call.reuse and self._span_input_moved(call.entry, inner_input):
-            self.compute_in_full()
-            self.guarded_calls += 1
-        if not call.reuse and keep:
-            self._keep_inner_input(call, inner_input.detach().clone())
+    def _guard(self, call: _Call, span_input: torch.Tensor) -> None:
+        """The first-block guards: a reusing call whose span input moved, or left its line, runs in full."""
+        if (self.first_block_guard is not None or self.line_guard is not None) and call.reuse:
+            if self._span_input_moved(call.entry, span_input):
+                self.compute_in_full()
+                self.guarded_calls += 1
 
-    def _keep_inner_input(self, call: _Call, inner_input: torch.Tensor) -> None:
+    def _keep_inner_input(self, call: _Call, span_input: torch.Tensor) -> None:
+        """A full call's span input, kept for the guards to weigh the next calls against (two for the line)."""
         if self.first_block_guard is None and self.line_guard is None:
             return
         kept = [(x, t) for x, t in call.entry.span_inputs if x != call.position]  # not this step's again
         count = 1 if self.line_guard is None else 2
-        call.entry.span_inputs = (kept + [(call.position, inner_input)])[-count:]
+        call.entry.span_inputs = (kept + [(call.position, span_input)])[-count:]
 
     def _span_input_moved(self, entry: _Entry, joined_input: torch.Tensor) -> bool:
         """Whether the span's input moved more than the first-block guard allows since the last full call, or lies
