@@ -468,6 +468,12 @@ def dit_rows(
                 name = f"ours reuse curve-guarded every {interval}" + (f" + first-block guard {guard}" if guard else "")
                 changes = {"curve_guarded": True, "first_block_guard": guard}
                 rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
+        # The real model's curve and the line guard together (the curve's steps in full, the line guard on top).
+        for interval in (3, 4):
+            for line in (0.05, 0.07):
+                name = f"ours reuse curve-guarded every {interval} + line guard {line}"
+                changes = {"curve_guarded": True, "line_guard": line}
+                rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
         for interval in (3, 4, 6, 8):  # the slope in 4 bits, as large caches keep it, forced on the reference
             name = f"ours reuse every {interval} variant slope in 4 bits"
             row = ours(nodes, name, method="todo", downsample_factor=1.0, reuse_interval=interval)
