@@ -244,19 +244,24 @@ class LayerReuseRun:
         if not call.reuse:
             # A copy: the host may change its tensors in place later in the call (ControlNet residuals).
             call.span_input = joined_input.detach().clone()
-            self._keep_inner_input(call, call.span_input)
+            self._keep_span_input(call, call.span_input)
         return call.reuse
+
+    @property
+    def guarded(self) -> bool:
+        """Whether either first-block guard is set."""
+        return self.first_block_guard is not None or self.line_guard is not None
 
     def _guard(self, call: _Call, span_input: torch.Tensor) -> None:
         """The first-block guards: a reusing call whose span input moved, or left its line, runs in full."""
-        if (self.first_block_guard is not None or self.line_guard is not None) and call.reuse:
+        if self.guarded and call.reuse:
             if self._span_input_moved(call.entry, span_input):
                 self.compute_in_full()
                 self.guarded_calls += 1
 
-    def _keep_inner_input(self, call: _Call, span_input: torch.Tensor) -> None:
+    def _keep_span_input(self, call: _Call, span_input: torch.Tensor) -> None:
         """A full call's span input, kept for the guards to weigh the next calls against (two for the line)."""
-        if self.first_block_guard is None and self.line_guard is None:
+        if not self.guarded:
             return
         kept = [(x, t) for x, t in call.entry.span_inputs if x != call.position]  # not this step's again
         count = 1 if self.line_guard is None else 2

@@ -79,11 +79,16 @@ class DitFamily:
             raise ValueError(f"host must be one of {', '.join(HOSTS)}, got {host!r}")
         return getattr(self, host)
 
+    @property
+    def guarded_by_first_block(self) -> bool:
+        """Whether the default is guarded by the first block's output (either guard) in place of the curve."""
+        return self.first_block_guard is not None or self.line_guard is not None
+
     def auto_schedule(self) -> StepCountSchedule:
         """The schedule ``dit_settings`` "auto" runs on this family: its interval, guarded by the first block's
         output where the family has a guard measured on a reference that moves as the real model does, by the real
         model's published curve where it has not (a constant from the authors' runs, not the user's)."""
-        if (self.first_block_guard, self.line_guard) != (None, None):
+        if self.guarded_by_first_block:
             return StepCountSchedule(self.auto_intervals, None, self.first_block_guard, self.line_guard)
         return StepCountSchedule(self.auto_intervals, self.curve)
 

@@ -212,7 +212,7 @@ def rows(patcher, name: str) -> list[tuple[str, object, dict]]:
     default = PatchSettings()
     made.append(("ours default (dit_settings auto)", patch_model(patcher, default), {"dit_settings": "auto"}))
     record = dit_families.family(dit_reuse.layout_of(patcher.model.diffusion_model).family)
-    if record.auto_schedule().curve is None:  # guarded by its first block (Qwen-Image)
+    if record.guarded_by_first_block:
         # On random weights the first block's output moves as fast as noise, so the guard runs most steps in full:
         # the default's plan without the guard is its best case, the speed where a trained model moves slowly.
         interval = record.auto_schedule().interval(MODELS[name]["steps"])
