@@ -17,7 +17,7 @@ from test_diffusers import module_snapshot
 import tome_core
 from tome_core.hosts.diffusers import dit_attention, dit_reuse, pipeline_patch
 from tome_core.hosts.shared import dit_families
-from tome_core.reuse import LayerReuseRun, StepCountSchedule
+from tome_core.reuse import FullSteps, LayerReuse, LayerReuseRun, StepCountSchedule
 
 # The tiny grids are far below the break-even: reduce them anyway; and the settings as set (``dit_settings`` auto,
 # the default, has tests of its own at the end).
@@ -118,6 +118,35 @@ def test_the_prompt_and_the_negative_prompt_are_predicted_apart(pipes, monkeypat
     monkeypatch.setattr(LayerReuseRun, "begin_call", spy)
     patched_run(pipe, steps=12, downsample_factor=1, reuse_interval=3)
     assert entries[:2] == [1, 2] and max(entries) == 2
+
+
+def test_the_last_steps_second_call_reuses_and_the_cache_goes_after_it(pipes, monkeypatch):
+    """Wan's prompt and negative prompt are two calls of each step. Where the plan reuses the last step, both of its
+    calls reuse (the run is over after the step's last call, not its first), and the cache is dropped then."""
+    pipe = pipeline(pipes, "wan")
+    new_run = LayerReuse.new_run
+
+    def last_step_reused(self, steps, *args, **kwargs):
+        run = new_run(self, steps, *args, **kwargs)
+        run.schedule = FullSteps(steps, frozenset(range(0, steps - 1, 2)))  # 0, 2, ..., 10 full; 11 reuses
+        return run
+
+    monkeypatch.setattr(LayerReuse, "new_run", last_step_reused)
+    runs = counting_runs(monkeypatch)
+    reused = []
+    begin = LayerReuseRun.begin_call
+
+    def spy(self, step, *args, **kwargs):
+        reuse = begin(self, step, *args, **kwargs)
+        reused.append((step, reuse))
+        return reuse
+
+    monkeypatch.setattr(LayerReuseRun, "begin_call", spy)
+    patched_run(pipe, steps=12, downsample_factor=1, reuse_interval=3)
+    (run,) = runs
+    assert reused[-2:] == [(11, True), (11, True)]
+    assert (run.calls, run.reused_calls) == (24, 12)
+    assert not run.entries
 
 
 def test_fewer_than_ten_steps_reuse_nothing(pipes):

@@ -153,11 +153,11 @@ def test_no_settings_run_the_familys_interval_and_no_todo(pipes, kind, monkeypat
     if record.line_guard is not None:  # Qwen-Image: every N, and the first block's guards each reusing call
         assert run.schedule.full == every_n
         assert (run.first_block_guard, run.line_guard) == (record.first_block_guard, record.line_guard)
-        # The run drops its cache after the last step's first call (the door cannot tell which call is a step's
-        # last): a later call of that step runs in full, unguarded.
-        after_the_end = 0 if 27 in every_n else calls - 1
-        scheduled = (28 - len(every_n)) * calls - after_the_end
+        # Every call of the last step reuses where the plan says so: the run drops its cache after the step's last
+        # call, not its first.
+        scheduled = (28 - len(every_n)) * calls
         assert run.calls == 28 * calls and run.reused_calls == scheduled - run.guarded_calls
+        assert not run.entries  # and it is dropped then
         assert torch.isfinite(out).all()
         return
     # On top of every N, the steps the real model's published curve needs in full (``dit_families``).

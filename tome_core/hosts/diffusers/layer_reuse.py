@@ -138,6 +138,7 @@ class PipelineReuse(LayerReuse):
         self._first_step = 0  # the run's first step in the scheduler's timesteps
         self._last_step = -1
         self._call_in_step = 0  # calls at the same step with the same layout (cond, then uncond) keep apart
+        self._calls_per_step = 1  # the most calls one step of this run has made (the last step's end is its last)
         self._logged: LayerReuseRun | None = None  # the run whose summary was logged (once per run)
         self._refused: type | None = None  # the scheduler class last refused (logged once)
 
@@ -178,6 +179,7 @@ class PipelineReuse(LayerReuse):
         if self.run is None or step < self._last_step:
             self._new_run(step, scheduler)
         self._call_in_step = self._call_in_step + 1 if step == self._last_step else 0
+        self._calls_per_step = max(self._calls_per_step, self._call_in_step + 1)
         self._last_step = step
         # Pipelines that run the prompt and the negative prompt as two calls of one step (Wan, Flux's true CFG)
         # make them in the same order at every step: the call's place in its step tells them apart.
@@ -196,7 +198,11 @@ class PipelineReuse(LayerReuse):
         """Also called when the UNet call raised (``always_call``): the next call starts clean."""
         if self.end_call() is None:
             return None
-        if self._last_step >= len(self._timesteps.values) - 1:  # the last step: this run is over
+        # The run is over after the last step's last call, as many calls as the run's steps have made (a prompt
+        # and a negative prompt as two calls: the second). Where the last step makes fewer, what the cache holds
+        # stays until the next run starts or the patch is removed, and is never read by a call of another run.
+        last_step = self._last_step >= len(self._timesteps.values) - 1
+        if last_step and self._call_in_step + 1 >= self._calls_per_step:
             self._finish()
         return None
 
@@ -204,6 +210,7 @@ class PipelineReuse(LayerReuse):
         self._finish()
         self.run = None
         self._last_step = -1
+        self._calls_per_step = 1
         if first_step is not None:
             self._first_step = first_step
             steps = len(self._timesteps.values) - first_step
