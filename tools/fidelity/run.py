@@ -470,7 +470,7 @@ def dit_rows(
                 rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
         # The real model's curve and the line guard together (the curve's steps in full, the line guard on top).
         for interval in (3, 4):
-            for line in (0.05, 0.07):
+            for line in (0.05, 0.07, 0.1):
                 name = f"ours reuse curve-guarded every {interval} + line guard {line}"
                 changes = {"curve_guarded": True, "line_guard": line}
                 rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
