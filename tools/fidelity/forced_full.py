@@ -40,7 +40,7 @@ def main(argv=None) -> list[dict]:
     import comfy.utils
 
     from tome_core.reuse import FullSteps
-    from tools.fidelity.reference import data, models
+    from tools.fidelity.reference import models
 
     comfy.utils.PROGRESS_BAR_ENABLED = False
     name = args.models
@@ -48,9 +48,7 @@ def main(argv=None) -> list[dict]:
     frames, _ = models.as_images(name)
     cpu = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
-    every = data.all_prompts().as_tensor()
-    order = torch.randperm(len(every), generator=torch.Generator().manual_seed(fidelity.PROMPT_SEED))
-    prompts = every[order[args.first_prompt :][: args.prompts]]
+    prompts = fidelity.benchmark_prompts(args.first_prompt, args.prompts)
     size = models.train_size(name) * int(args.scales)
     shape = models.latent_shape(name, len(prompts), size)
     positive = fidelity.conditioning(name, base, encoder, prompts, size)
@@ -60,6 +58,7 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"forced_full: no row named {row_name!r} (python -m tools.fidelity --variants lists them)")
 
     unpatched, row = rows
+    plans: list[set] = []  # the plan's full steps, as each run made it
     # ComfyUI loads the node package under its folder's name: every loaded copy of the engine's hooks.
     hooks = [module.LayerReuse for key, module in sys.modules.items() if key.endswith("tome_core.reuse.hooks")]
 
@@ -86,7 +85,6 @@ def main(argv=None) -> list[dict]:
             for owner, new_run in zip(hooks, originals, strict=True):
                 owner.new_run = new_run
 
-    plans: list[set] = []
     reference = frames(fidelity.sample_row(unpatched, patcher, positive, negative, shape, args)[0])
     plain = fidelity.image_metrics(frames(images(frozenset())), reference)
     if not plans:

@@ -637,17 +637,25 @@ def magcache_calibration(name: str, args, prompts: int = 4) -> Callable:
     return ratios_of
 
 
+def benchmark_prompts(first: int, count: int) -> torch.Tensor:
+    """The benchmark's prompts: every prompt in one fixed shuffled order, ``count`` of them from ``first`` on
+    (``--first-prompt`` 0 and 16: the two prompt sets)."""
+    from tools.fidelity.reference import data
+
+    every = data.all_prompts().as_tensor()
+    order = torch.randperm(len(every), generator=torch.Generator().manual_seed(PROMPT_SEED))
+    return every[order[first:][:count]]
+
+
 def calibrate_magcache(name: str, model, args, prompts: int) -> list[float]:
     import nodes as comfy_nodes
 
-    from tools.fidelity.reference import data, models
+    from tools.fidelity.reference import models
     from tools.fidelity.residuals import ResidualRecorder, ratios
 
     _, encoder = models.load_reference(name)
-    every = data.all_prompts().as_tensor()
-    order = torch.randperm(len(every), generator=torch.Generator().manual_seed(PROMPT_SEED))
     after = args.first_prompt + args.prompts  # after the reported ones: none of them
-    chosen = every[order[after : after + prompts]]
+    chosen = benchmark_prompts(after, prompts)
     size = models.train_size(name)
     positive = conditioning(name, model.model, encoder, chosen, size)
     negative = conditioning(name, model.model, encoder, models.PromptEncoder.empty(1), size)
@@ -802,9 +810,7 @@ def evaluate_model(name: str, args, log) -> dict:
     train_size = models.train_size(name)
     cpu = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
-    generator = torch.Generator().manual_seed(PROMPT_SEED)
-    every = data.all_prompts().as_tensor()
-    prompts = every[torch.randperm(len(every), generator=generator)[args.first_prompt :][: args.prompts]]
+    prompts = benchmark_prompts(args.first_prompt, args.prompts)
     labels = prompts.repeat(args.seeds, 1)  # image i of seed s is prompt i
     real, _ = models.samples(name, args.real // per_frame, train_size, torch.Generator().manual_seed(PROMPT_SEED + 1))
     fresh, fresh_prompts = models.samples(name, len(labels), train_size, torch.Generator().manual_seed(PROMPT_SEED + 2))
