@@ -18,6 +18,21 @@ def test_ratios_of_known_residuals():
     assert result["relative_change"][1:] == pytest.approx([1.0, 0.0])
 
 
+def test_the_split_of_a_residual_into_its_shared_part_and_the_rest():
+    """Every token carries the vector (3, 0, 0, 0) plus its own +-1 on the second value (zero over the tokens)."""
+    r = torch.zeros(2, 3, 4)
+    r[..., 0] = 3.0
+    r[..., 1] = torch.tensor([[1.0, -1.0, 1.0], [-1.0, 1.0, -1.0]])
+    shared = torch.tensor([3.0, 0.0, 0.0, 0.0])
+    result = step_change.ratios([r, r + shared, 2 * (r + shared)])
+    assert result["shared_norm"] == pytest.approx([3.0, 6.0, 12.0])
+    assert result["shared_share"] == pytest.approx([0.9, 36 / 37, 36 / 37])
+    assert result["rest_norm"] == pytest.approx([1.0, 1.0, 2.0])
+    # The shared part doubles, the rest stays: MagCache's ratio moves by sqrt(37 / 10), the rest's not at all.
+    assert result["norm_ratio"][1] == pytest.approx((37 / 10) ** 0.5)
+    assert result["rest_ratio"] == pytest.approx([1.0, 1.0, 2.0])
+
+
 def test_a_short_run_records_every_step(tmp_path):
     if not (models.WEIGHTS / "ref-flux.safetensors").exists():
         pytest.skip("ref-flux weights missing from the checkout")

@@ -51,13 +51,35 @@ class ResidualRecorder:
 
 
 def ratios(residuals: list[torch.Tensor]) -> dict:
-    """MagCache's ratio (mean over tokens of the norm ratio) and the relative change, per step after the first."""
+    """MagCache's ratio (mean over tokens of the norm ratio) and the relative change, per step after the first;
+    and the residual split in two (``split``): its part shared by every token and sample of the call, and the
+    rest, with MagCache's ratio of the rest."""
     norm_ratio, change = [1.0], [None]
     for previous, current in zip(residuals, residuals[1:], strict=False):
         per_token = current.norm(dim=-1) / (previous.norm(dim=-1) + 1e-8)
         norm_ratio.append(float(per_token.mean()))
         change.append(float((current - previous).norm() / previous.norm()))
-    return {"norm_ratio": norm_ratio, "relative_change": change}
+    return {"norm_ratio": norm_ratio, "relative_change": change, **split(residuals)}
+
+
+def split(residuals: list[torch.Tensor]) -> dict:
+    """Per call: the norm of the residual's mean over every token and sample (the one vector all of them share,
+    where a DiT's large time-driven activations sit), its share of the residual's mean square norm per token (the
+    rest sums to zero over the tokens, so the two add up), the mean norm per token of the rest, and MagCache's
+    ratio of the rest from one call to the next (1 at the first)."""
+    shared, shared_share, rest, parts = [], [], [], []
+    for residual in residuals:
+        tokens = residual.flatten(0, -2)
+        mean = tokens.mean(dim=0)
+        parts.append(residual - mean)
+        shared.append(float(mean.norm()))
+        shared_share.append(float(mean.square().sum() / tokens.square().sum(dim=-1).mean()))
+        rest.append(float(parts[-1].norm(dim=-1).mean()))
+    rest_ratio = [1.0] + [
+        float((current.norm(dim=-1) / (previous.norm(dim=-1) + 1e-8)).mean())
+        for previous, current in zip(parts, parts[1:], strict=False)
+    ]
+    return {"shared_norm": shared, "shared_share": shared_share, "rest_norm": rest, "rest_ratio": rest_ratio}
 
 
 def per_sample_ratios(residuals: list[torch.Tensor]) -> torch.Tensor:

@@ -14,7 +14,9 @@ The probe of real Flux.1-dev's calibration (guidance-distilled: one call per ste
 fed ComfyUI's 3.5; diffusers' MagCache measures the image tokens): ``--cfg 1 --tokens image --seeds 2 --over-prompts
 median``. Every run also prints the curve's three gate numbers (``gate``): the least ratio over steps 1-3, the
 product over the first 20% of the steps, and the mean |1 - ratio| over the middle (after those, up to 75% of the
-steps), beside real Flux.1's at 28 steps. ``--judge``: the samples' attribute accuracy and Frechet distance to real
+steps), beside real Flux.1's at 28 steps, and the residual split in two: the one vector every token and sample
+of a call shares (where a DiT's large, time-driven activations sit) and the rest, with the rest's own product over
+the first 20%. ``--judge``: the samples' attribute accuracy and Frechet distance to real
 scenes (as the fidelity benchmark judges them), so that a model that no longer draws its scenes shows.
 ``--weights`` measures a fine-tune's weights (``python -m tools.fidelity.reference.train --out-dir``), ``--shift``
 samples at another shift than the family's default (``--shift size``: a Flux.1 layout at ComfyUI's ModelSamplingFlux
@@ -264,10 +266,11 @@ def measure(name: str, args) -> dict:
         per_sample.append(torch.cat([per_sample_ratios(recorder.residuals[k::per_step]) for k in range(per_step)], 1))
     record = {  # the relative change: each stream's and seed's, averaged
         key: [None if v[0] is None else sum(v) / len(v) for v in zip(*(s[key] for s in streams), strict=True)]
-        for key in ("norm_ratio", "relative_change")
+        for key in ("norm_ratio", "relative_change", "shared_norm", "shared_share", "rest_norm", "rest_ratio")
     }
     record["norm_ratio"] = over_prompts(torch.cat(per_sample, 1), args.seeds, args.over_prompts)
     record["gate"] = gate(record["norm_ratio"])
+    record["rest_gate"] = gate(record["rest_ratio"])
     if args.judge:
         record.update(judge(name, torch.cat(images), prompts.repeat(args.seeds, 1), args.open_scenes))
     return record
@@ -327,6 +330,15 @@ def main(argv=None) -> dict:
             f"{name}: least ratio over steps 1-3 {numbers['least_1_3']:.3f}, product over the first 20% "
             f"{numbers['product_first_20pct']:.3f}, middle's mean |1 - ratio| {numbers['middle_deviation']:.4f}"
             + judged
+        )
+    for name, record in result["models"].items():
+        shared, rest = record["shared_norm"], record["rest_norm"]
+        peak = max(range(len(shared)), key=shared.__getitem__)
+        print(
+            f"{name}: the part every token shares {shared[0]:.2f} at step 0 ({record['shared_share'][0]:.0%} of the "
+            f"residual's square norm), {shared[peak]:.2f} at its peak (step {peak}); the rest {rest[0]:.2f} at step "
+            f"0, {rest[peak]:.2f} at step {peak}; the rest's product over the first 20% "
+            f"{record['rest_gate']['product_first_20pct']:.3f}"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
