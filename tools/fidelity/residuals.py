@@ -50,14 +50,18 @@ class ResidualRecorder:
             handle.remove()
 
 
+def token_ratios(previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """Each token's residual norm over its norm one call before: what MagCache's ratio averages."""
+    return current.norm(dim=-1) / (previous.norm(dim=-1) + 1e-8)
+
+
 def ratios(residuals: list[torch.Tensor]) -> dict:
     """MagCache's ratio (mean over tokens of the norm ratio) and the relative change, per step after the first;
     and the residual split in two (``split``): its part shared by every token and sample of the call, and the
     rest, with MagCache's ratio of the rest."""
     norm_ratio, change = [1.0], [None]
     for previous, current in zip(residuals, residuals[1:], strict=False):
-        per_token = current.norm(dim=-1) / (previous.norm(dim=-1) + 1e-8)
-        norm_ratio.append(float(per_token.mean()))
+        norm_ratio.append(float(token_ratios(previous, current).mean()))
         change.append(float((current - previous).norm() / previous.norm()))
     return {"norm_ratio": norm_ratio, "relative_change": change, **split(residuals)}
 
@@ -76,8 +80,7 @@ def split(residuals: list[torch.Tensor]) -> dict:
         shared_share.append(float(mean.square().sum() / tokens.square().sum(dim=-1).mean()))
         rest.append(float(parts[-1].norm(dim=-1).mean()))
     rest_ratio = [1.0] + [
-        float((current.norm(dim=-1) / (previous.norm(dim=-1) + 1e-8)).mean())
-        for previous, current in zip(parts, parts[1:], strict=False)
+        float(token_ratios(previous, current).mean()) for previous, current in zip(parts, parts[1:], strict=False)
     ]
     return {"shared_norm": shared, "shared_share": shared_share, "rest_norm": rest, "rest_ratio": rest_ratio}
 
@@ -86,5 +89,5 @@ def per_sample_ratios(residuals: list[torch.Tensor]) -> torch.Tensor:
     """(steps, samples): MagCache's ratio of each sample (the mean over its tokens), 1 at the first step."""
     rows = [torch.ones(len(residuals[0]))]
     for previous, current in zip(residuals, residuals[1:], strict=False):
-        rows.append((current.norm(dim=-1) / (previous.norm(dim=-1) + 1e-8)).flatten(1).mean(dim=1))
+        rows.append(token_ratios(previous, current).flatten(1).mean(dim=1))
     return torch.stack(rows)

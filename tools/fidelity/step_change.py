@@ -264,7 +264,7 @@ def measure(name: str, args) -> dict:
         per_step = calls // args.steps
         streams += [ratios(recorder.residuals[k::per_step]) for k in range(per_step)]
         per_sample.append(torch.cat([per_sample_ratios(recorder.residuals[k::per_step]) for k in range(per_step)], 1))
-    record = {  # the relative change: each stream's and seed's, averaged
+    record = {  # the relative change and the split: each stream's and seed's, averaged
         key: [None if v[0] is None else sum(v) / len(v) for v in zip(*(s[key] for s in streams), strict=True)]
         for key in ("norm_ratio", "relative_change", "shared_norm", "shared_share", "rest_norm", "rest_ratio")
     }
