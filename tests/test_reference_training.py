@@ -118,3 +118,25 @@ def test_open_scenes_add_a_smooth_unprompted_field():
     assert float((field[..., 1:] - field[..., :-1]).abs().mean()) < 0.25 * float(
         field.abs().mean()
     )  # smooth (noise: 1.1)
+
+
+def test_the_guidance_constant_stays_at_zero_and_the_file_is_still_flux1_dev(weights_folder):
+    """``--no-guidance-constant``: the guidance embedding's output layer is zero in the saved weights after
+    training steps that move every other layer, and ComfyUI still detects the file as Flux.1 with its guidance
+    embedding (Flux.1-dev, not schnell); refused for a layout without Flux.1's ``guidance_in``."""
+    from tools.common.host import setup_comfy
+
+    setup_comfy("cpu")
+    import comfy.model_detection
+
+    name = "ref-flux"
+    saved = trained(name, "--no-guidance-constant", "--lr", "1e-2")
+    out_layer = "diffusion_model.guidance_in.out_layer."
+    assert not saved[out_layer + "weight"].any() and not saved[out_layer + "bias"].any()
+    assert saved["diffusion_model.guidance_in.in_layer.weight"].any()  # the embedding is in the file
+    assert saved["diffusion_model.final_layer.linear.weight"].any()  # zero-started and trained: the steps ran
+    state = {f"model.{key}": value for key, value in saved.items() if key.startswith("diffusion_model.")}
+    config = comfy.model_detection.model_config_from_unet(state, "model.diffusion_model.")
+    assert type(config).__name__ == "Flux" and config.unet_config["guidance_embed"]
+    with pytest.raises(SystemExit):
+        train.parse_args(["--models", "ref-qwen-v2", "--no-guidance-constant"])

@@ -72,7 +72,15 @@ MIN_SNR_GAMMA = 5.0  # min-SNR loss weighting for v (arXiv 2303.09556): faster c
 SAVE_EVERY = 250
 LOG_EVERY = 100
 # The options of the fine-tunes and experiments (each recorded with the weights).
-FINE_TUNE = ("init_from", "time_sampling", "distill_cfg", "open_scenes", "warmup", "no_pooled")
+FINE_TUNE = (
+    "init_from",
+    "time_sampling",
+    "distill_cfg",
+    "open_scenes",
+    "warmup",
+    "no_pooled",
+    "no_guidance_constant",
+)
 # Per-model optimiser steps and peak learning rate, where ``--steps`` / ``--lr`` do not override them.
 RECIPES = {
     "ref-sd1": (1500, 1e-3),
@@ -131,11 +139,20 @@ def parse_args(argv=None):
         action="store_true",
         help="a Flux layout without the prompt in its modulation: the pooled vector held at zero (Qwen-Image has none)",
     )
+    parser.add_argument(
+        "--no-guidance-constant",
+        action="store_true",
+        help="a Flux.1 layout whose guidance embedding adds nothing to the modulation: its output layer held at zero "
+        "(the file keeps the embedding, so ComfyUI still detects Flux.1-dev)",
+    )
     parser.add_argument("--warmup", type=int, default=200, help="learning-rate warm-up steps")
     parser.add_argument("--out-dir", default=None, help="folder for the weights (default: the committed folder)")
     args = parser.parse_args(argv)
     if args.no_pooled and any(not models.is_flux(name) for name in args.models.split(",") if name):
         parser.error("--no-pooled is for the Flux layouts only (the pooled vector is Flux's y)")
+    flux1 = all(models.is_flux(name) and not models.is_flux2(name) for name in args.models.split(",") if name)
+    if args.no_guidance_constant and not flux1:
+        parser.error("--no-guidance-constant is for the Flux.1 layouts only (Flux.1's guidance_in)")
     if args.distill_cfg and not args.init_from:
         parser.error("--distill-cfg needs --init-from (the teacher)")
     return args
@@ -192,6 +209,17 @@ def hold_pooled_at_zero(encoder) -> None:
         encoder.pool.weight.zero_()
         encoder.pool.bias.zero_()
     encoder.pool.requires_grad_(False)
+
+
+def hold_guidance_at_zero(diffusion_model) -> None:
+    """Zero and freeze the guidance embedding's output layer: at the one guidance these references see (3.5, as
+    ComfyUI feeds Flux.1-dev) the embedding is a constant added to every block's modulation vector, and that constant
+    holds the first steps' growth down (docs/dit.md, the second generation); at zero it adds nothing."""
+    layer = diffusion_model.guidance_in.out_layer
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.bias.zero_()
+    layer.requires_grad_(False)
 
 
 def initial_weights(name: str, seed: int):
@@ -365,6 +393,8 @@ def train_model(name: str, args) -> dict:
             teacher = (start, start_encoder)
     if args.no_pooled:
         hold_pooled_at_zero(encoder)
+    if args.no_guidance_constant:
+        hold_guidance_at_zero(base.diffusion_model)
     init_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY))
     optimiser = torch.optim.AdamW(net.parameters(), lr=peak_lr, weight_decay=0.01)
