@@ -202,20 +202,12 @@ def zero_start(name: str, diffusion_model) -> list[nn.Linear]:
     return layers + [block.modulation.lin for block in diffusion_model.single_blocks]
 
 
-def hold_pooled_at_zero(encoder) -> None:
-    """Zero and freeze the prompt encoder's pooled projection: the saved file then feeds Flux's ``y`` zeros in
-    sampling as in training, and the prompt reaches the model through its text tokens alone."""
-    with torch.no_grad():
-        encoder.pool.weight.zero_()
-        encoder.pool.bias.zero_()
-    encoder.pool.requires_grad_(False)
-
-
-def hold_guidance_at_zero(diffusion_model) -> None:
-    """Zero and freeze the guidance embedding's output layer: at the one guidance these references see (3.5, as
-    ComfyUI feeds Flux.1-dev) the embedding is a constant added to every block's modulation vector, and that constant
-    holds the first steps' growth down (docs/dit.md, the second generation); at zero it adds nothing."""
-    layer = diffusion_model.guidance_in.out_layer
+def hold_at_zero(layer: nn.Linear) -> None:
+    """Zero and freeze a linear layer, so that the saved file feeds zeros in sampling as in training. Used for the
+    Flux layouts' pooled projection (``--no-pooled``: the prompt then reaches the model through its text tokens
+    alone) and the guidance embedding's output layer (``--no-guidance-constant``: at the one guidance these
+    references see, 3.5, the embedding is a constant added to every block's modulation vector; docs/dit.md, the
+    second generation)."""
     with torch.no_grad():
         layer.weight.zero_()
         layer.bias.zero_()
@@ -392,9 +384,9 @@ def train_model(name: str, args) -> dict:
         if args.distill_cfg:
             teacher = (start, start_encoder)
     if args.no_pooled:
-        hold_pooled_at_zero(encoder)
+        hold_at_zero(encoder.pool)
     if args.no_guidance_constant:
-        hold_guidance_at_zero(base.diffusion_model)
+        hold_at_zero(base.diffusion_model.guidance_in.out_layer)
     init_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY))
     optimiser = torch.optim.AdamW(net.parameters(), lr=peak_lr, weight_decay=0.01)
