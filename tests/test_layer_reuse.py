@@ -638,6 +638,39 @@ def test_the_first_block_guard_runs_a_reusing_call_in_full_where_the_span_input_
     assert 0 < turned < sum(unguarded) and all(not g for g, u in zip(guarded, unguarded, strict=True) if not u)
 
 
+def test_a_unets_guards_weigh_the_first_inner_layers_input():
+    """On a UNet the guards read the input of the first inner layer (the outer input block's output, computed at
+    every call). The rate guard: each reusing call's move of that input, times how much the boundary changed per
+    unit of input change between the last two full calls, adds up since the last full call; past the threshold the
+    call runs in full. An input that grows 1% a step under a boundary of input**1 (rate 1) keeps every scheduled
+    reuse at 0.045 (at most 3 x 0.01 per stretch); under input**3 (rate 3: 0.03 a step) the second call of each
+    stretch runs in full. The first-block guard reads the same input: 1% a step against 0.015 turns the second
+    call of each stretch."""
+    from tome_core.reuse import IntervalSchedule, LayerReuseRun
+
+    schedule = IntervalSchedule(4, full_start=0.0, full_end=0, short_run=0, min_steps=0)  # full: 0, 1, 5, 9
+
+    def reuses(power, rate=None, moved=None):
+        run = LayerReuseRun(schedule, 12, 2)
+        run.rate_guard, run.first_block_guard = rate, moved
+        done = []
+        for step in range(12):
+            done.append(run.begin_call(step, "layout"))
+            x = torch.full((1, 4, 8), 1.01**step)
+            h = run.run_layer(0, lambda t: t.clone(), (x,), {})
+            run.run_layer(1, lambda t: t**power, (h if not done[-1] else x,), {})
+            done[-1] = run.current.reuse
+            run.end_call()
+        return [step for step, reused in enumerate(done) if reused], run.guarded_calls
+
+    scheduled = [2, 3, 4, 6, 7, 8, 10, 11]
+    assert reuses(3) == (scheduled, 0)  # no guard
+    assert reuses(1, rate=0.045) == (scheduled, 0)
+    assert reuses(3, rate=0.045) == ([2, 4, 6, 8, 10], 3)
+    assert reuses(3, rate=0.5) == (scheduled, 0)
+    assert reuses(1, moved=0.015) == ([2, 4, 6, 8, 10], 3)
+
+
 def test_the_line_guard_lets_a_straight_move_reuse_and_stops_a_bend():
     """``line_guard``: a reusing call runs in full where its span input lies off the line through the last two full
     calls' inputs. An input that moves at a steady rate (1 a step, far more than 5% since the last full call)

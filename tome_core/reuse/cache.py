@@ -31,7 +31,7 @@ class _Entry:
     """One batch layout's record: the boundary's outputs at the last two full steps (or the last one and the
     slope between them, packed), every layer's output shape."""
 
-    __slots__ = ("outputs", "shapes", "slope", "step", "span_inputs")
+    __slots__ = ("outputs", "shapes", "slope", "step", "span_inputs", "full_inputs", "last_input", "moved")
 
     def __init__(self):
         self.outputs: list[tuple[int, torch.Tensor]] = []  # (step, boundary output), oldest first, at most two
@@ -41,6 +41,11 @@ class _Entry:
         # A DiT's span input at the last full calls, as (position, input), oldest first: what the first-block guards
         # weigh a reusing call's input against.
         self.span_inputs: list[tuple[float, torch.Tensor]] = []
+        # The rate guard's record (a UNet's first inner layer's input): that input at the last two full calls, at
+        # the last call, and the change it predicts for the boundary since the last full call.
+        self.full_inputs: list[torch.Tensor] = []
+        self.last_input: torch.Tensor | None = None
+        self.moved = 0.0
 
     # Both kept out of a compiled graph (torch.compile of the UNet): they compare and weigh the noise levels, which
     # a graph would take as constants and compile again at every step.
@@ -146,7 +151,11 @@ class LayerReuseRun:
         # inputs (the straight path the residual's prediction follows) runs in full (``ReuseOptions.line_guard``;
         # None: never). Either guard may be set, or both.
         self.line_guard: float | None = None
-        self.guarded_calls = 0  # reusing calls the first-block guard turned into full ones
+        # A UNet's reusing call runs in full once the boundary's change since the last full call, predicted from
+        # how far the first inner layer's input moved (each call's move times the boundary's change per unit of
+        # input change between the last two full calls), passes this (``ReuseOptions.rate_guard``; None: never).
+        self.rate_guard: float | None = None
+        self.guarded_calls = 0  # reusing calls a guard turned into full ones
         self.entries: dict[object, _Entry] = {}
         self.current: _Call | None = None
         self.last_step = -1
@@ -205,6 +214,8 @@ class LayerReuseRun:
         if call is None:
             return forward(*args, **kwargs)
         boundary = index == self.layers - 1
+        if index == 0 and args and isinstance(args[0], torch.Tensor):
+            self._watch_first_input(call, args[0])
         if call.reuse:
             spec = call.entry.shapes[index]
             if not boundary:
@@ -246,6 +257,37 @@ class LayerReuseRun:
             call.span_input = joined_input.detach().clone()
             self._keep_span_input(call, call.span_input)
         return call.reuse
+
+    def _watch_first_input(self, call: _Call, first_input: torch.Tensor) -> None:
+        """A UNet's call reaches its first inner layer with ``first_input`` (the outer input blocks' output, which
+        every call computes): the guards may turn a reusing call into a full one here, before anything is skipped,
+        and a full call's input is kept for them."""
+        if not self.guarded and self.rate_guard is None:
+            return
+        self._guard(call, first_input)
+        entry = call.entry
+        if self.rate_guard is not None and call.reuse and self._rate_says_full(entry, first_input):
+            self.compute_in_full()
+            self.guarded_calls += 1
+        # A copy: the host may add to it in place later in the call (ControlNet).
+        kept = first_input.detach().clone()
+        if not call.reuse:
+            self._keep_span_input(call, kept)
+            entry.full_inputs = (entry.full_inputs + [kept])[-2:]
+            entry.moved = 0.0
+        entry.last_input = kept
+
+    def _rate_says_full(self, entry: _Entry, first_input: torch.Tensor) -> bool:
+        """Whether the boundary's predicted change since the last full call passes ``rate_guard`` (see there)."""
+        if len(entry.full_inputs) < 2 or len(entry.outputs) < 2 or entry.last_input is None:
+            return False
+        (_, before), (_, last) = entry.outputs[-2:]
+        input_before, input_last = entry.full_inputs
+        if first_input.shape != input_last.shape or entry.last_input.shape != first_input.shape:
+            return False
+        rate = _relative_change(last, before) / max(_relative_change(input_last, input_before), 1e-12)
+        entry.moved += rate * _relative_change(first_input.detach(), entry.last_input)
+        return entry.moved > self.rate_guard
 
     @property
     def guarded(self) -> bool:

@@ -31,6 +31,7 @@ class LayerReuse:
         self.order = 1  # see ``LayerReuseRun.order``
         self.first_block_guard: float | None = None  # see ``LayerReuseRun.first_block_guard``
         self.line_guard: float | None = None  # see ``LayerReuseRun.line_guard``
+        self.rate_guard: float | None = None  # see ``LayerReuseRun.rate_guard``
         # The UNet's ``reuse_plan``: which samplers it runs with (``samplers.keeps_the_picture_with``).
         self.plan = "auto"
         self._current: LayerReuseRun | None = None
@@ -50,9 +51,10 @@ class LayerReuse:
         run.full_below = full_below
         run.order = self.order
         # The hooks' own guard (a benchmark's variant) or the schedule's (a DiT family's default).
-        owner = self if (self.first_block_guard, self.line_guard) != (None, None) else self.schedule
-        run.first_block_guard = getattr(owner, "first_block_guard", None)
-        run.line_guard = getattr(owner, "line_guard", None)
+        guards = ("first_block_guard", "line_guard", "rate_guard")
+        owner = self if any(getattr(self, name) is not None for name in guards) else self.schedule
+        for name in guards:
+            setattr(run, name, getattr(owner, name, None))
         return run
 
     def begin_call(self, run: LayerReuseRun, step: int | None, key: object, allowed=True, position=None) -> bool:

@@ -25,10 +25,14 @@ class ReuseOptions:
     order: int = 1
     # A DiT's reusing call runs in full where the span's input (the first block's output, which every call
     # computes) has moved more than this since the last full call: mean |x - x_full| / mean |x_full| (None: never).
+    # On a UNet this guard and the next weigh the first inner layer's input (the outer input block's output).
     first_block_guard: float | None = None
     # A DiT's reusing call runs in full where the span's input lies more than this off the line through the last
     # two full calls' inputs (``LayerReuseRun.line_guard``; None: never).
     line_guard: float | None = None
+    # A UNet's reusing call runs in full once the boundary's change predicted from its first inner layer's input
+    # passes this (``LayerReuseRun.rate_guard``; None: never).
+    rate_guard: float | None = None
 
 
 SHIPPED = ReuseOptions()

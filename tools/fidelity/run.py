@@ -340,7 +340,18 @@ def layer_reuse_variant_hooks(interval, any_sigmas=False, **changes) -> tuple:
 
 
 def layer_reuse_variant(
-    interval, extrapolate=0.5, outer=1, by_sigma=True, todo=1.0, kind="interval", order=1, full_below=None, **schedule
+    interval,
+    extrapolate=0.5,
+    outer=1,
+    by_sigma=True,
+    todo=1.0,
+    kind="interval",
+    order=1,
+    full_below=None,
+    first_block_guard=None,
+    line_guard=None,
+    rate_guard=None,
+    **schedule,
 ) -> Callable:
     """Layer reuse with engine defaults overridden (the variants the setting's defaults were chosen from), after
     ToDo at factor ``todo`` (1: none). ``kind`` "noise": the full steps spaced by the logarithm of the noise
@@ -356,14 +367,17 @@ def layer_reuse_variant(
         everywhere = NoiseRange(0.0, 1.0, lambda p: p)
         todo_only = PatchSettings(method="todo", downsample_factor=todo, skip_when_slower=False)
         clone = patched_clone(model, todo_only, lambda p: p) if todo != 1.0 else model.clone()
-        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=math.ceil(interval))
+        # The setting's value only turns reuse on here (the schedule is the variant's, which may go past its range).
+        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=min(math.ceil(interval), 16))
         # A variant changes the schedule its rows were measured against: the last two steps full and no short-run
         # or few-steps rule (docs/step-reuse.md, "before"); it names any other value.
         if kind == "noise":  # the shipped short-run and few-steps rules unless named
             schedule_ = NoiseSpacedSchedule(interval, **schedule)
         else:
             schedule_ = IntervalSchedule(interval, **{"short_run": 0, "full_end": 2, "min_steps": 0, **schedule})
-        options = ReuseOptions(schedule_, extrapolate, outer, by_sigma, order)
+        options = ReuseOptions(
+            schedule_, extrapolate, outer, by_sigma, order, first_block_guard, line_guard, rate_guard
+        )
         layer_reuse_hooks.install(clone, settings, everywhere, options)
         if full_below is not None:  # every call below this sigma in full, in place of the sampler's rule
             hooks = clone.injections[layer_reuse_hooks.INJECTION_KEY][0].hooks
@@ -614,6 +628,8 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
         rows += layer_reuse_rows(nodes, args.variants)
     rows += [comfy_builtin(0.5), todo_reference(2.0, finest)]
     rows += step_cache_rows()
+    if args.variants:  # EasyCache at the work of the default's plan (12 full steps of 25: 0.48 of the calls)
+        rows += [row for row in step_cache_rows((0.5, 0.6)) if row.name.startswith("EasyCache")]
     state_dict = base_model.diffusion_model.state_dict()
     for everywhere in (False, True):
         row = tomesd_row(family, state_dict, 0.5, finest, everywhere)

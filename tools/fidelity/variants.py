@@ -84,6 +84,24 @@ UNET_VARIANTS = (
         for start, end, reach in ((0.12, 3, 0.75), (0.08, 4, 0.5))
         for below in (1.0, 2.0)
     ),
+    # SDXL's plan with one more full step at the start (13 of 25: the calls EasyCache 0.4 computes there), with
+    # ToDo 2 and alone.
+    (3, {"full_start": 0.12, "full_end": 4, "short_run": 25, "todo": 2.0}),
+    (3, {"full_start": 0.12, "full_end": 4, "short_run": 25}),
+    (3, {"full_start": 0.08, "full_end": 4, "short_run": 25}),
+    # Guards on what every reusing call computes (the first inner layer's input): the rate guard (the boundary's
+    # change predicted from that input's moves), the first-block guard and the line guard, on SDXL's plan and on
+    # plans with fewer scheduled full steps (one in 4; none between the start's two and the end's four).
+    *(
+        (interval, {"full_start": 0.08, "full_end": 4, "short_run": 25, guard: value, "todo": 2.0})
+        for interval in (3, 4, 25)
+        for guard, values in (("rate_guard", (0.05, 0.1, 0.2, 0.4, 0.8)), ("first_block_guard", (0.1, 0.2)))
+        for value in values
+    ),
+    *(
+        (25, {"full_start": 0.08, "full_end": 4, "short_run": 25, "line_guard": value, "todo": 2.0})
+        for value in (0.01, 0.02, 0.03, 0.05)
+    ),
 )
 
 

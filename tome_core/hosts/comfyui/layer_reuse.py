@@ -181,6 +181,9 @@ def install(clone, settings, noise_range, options: ReuseOptions = SHIPPED) -> bo
     extrapolate = DEFAULT_EXTRAPOLATE if options.extrapolate is None else options.extrapolate
     hooks = LayerReuseHooks(schedule, len(layers), noise_range, extrapolate, options.by_sigma)
     hooks.order = options.order
+    hooks.first_block_guard = options.first_block_guard
+    hooks.line_guard = options.line_guard
+    hooks.rate_guard = options.rate_guard
     hooks.plan = settings.reuse_plan
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)
