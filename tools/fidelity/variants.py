@@ -89,6 +89,13 @@ UNET_VARIANTS = (
     (3, {"full_start": 0.12, "full_end": 4, "short_run": 25, "todo": 2.0}),
     (3, {"full_start": 0.12, "full_end": 4, "short_run": 25}),
     (3, {"full_start": 0.08, "full_end": 4, "short_run": 25}),
+    # The same count of full steps or fewer, with more of them at the start and one in 4 between (the second
+    # generation loses its picture in the first reusing steps): SDXL's reach, then SD1.x's.
+    (4, {"full_start": 0.12, "full_end": 4, "short_run": 25, "todo": 2.0}),
+    (4, {"full_start": 0.12, "full_end": 5, "short_run": 25, "todo": 2.0}),
+    (4, {"full_start": 0.16, "full_end": 4, "short_run": 25, "todo": 2.0}),
+    (4, {"full_start": 0.16, "full_end": 3, "short_run": 25, "extrapolate": 0.75, "todo": 2.0}),
+    (4, {"full_start": 0.16, "full_end": 4, "short_run": 25, "extrapolate": 0.75, "todo": 2.0}),
     # Guards on what every reusing call computes (the first inner layer's input): the rate guard (the boundary's
     # change predicted from that input's moves), the first-block guard and the line guard, on SDXL's plan and on
     # plans with fewer scheduled full steps (one in 4; none between the start's two and the end's four).
