@@ -221,7 +221,9 @@ def test_cond_and_uncond_apart_keep_their_own_cache(host):
     (run,) = runs_of(p)
     assert (run.calls, run.reused_calls) == (26, reused_calls(13, 3, calls_per_step=2))
     effect = (batched - baseline).abs().max().item()
-    assert (apart - batched).abs().max().item() <= 1e-4 * effect
+    # Batched and separate calls round their sums in another order: 1.2e-4 of the effect at most on an Intel Xeon
+    # (less on an AMD EPYC). Calls that shared one record would differ by the order of the effect itself.
+    assert (apart - batched).abs().max().item() <= 1e-3 * effect
 
 
 def test_step_of_each_call_from_the_callbacks_euler_and_heun(host):
