@@ -212,14 +212,17 @@ def rows(patcher, name: str) -> list[tuple[str, object, dict]]:
     default = PatchSettings()
     made.append(("ours default (dit_settings auto)", patch_model(patcher, default), {"dit_settings": "auto"}))
     record = dit_families.family(dit_reuse.layout_of(patcher.model.diffusion_model).family)
+    unguarded = None
     if record.guarded_by_first_block:
         # On random weights the first block's output moves as fast as noise, so the guard runs most steps in full:
         # the default's plan without the guard is its best case, the speed where a trained model moves slowly.
-        interval = record.auto_schedule().interval(MODELS[name]["steps"])
+        interval = unguarded = record.auto_schedule().interval(MODELS[name]["steps"])
         values = {"method": "todo", "downsample_factor": 1.0, "reuse_interval": interval, "dit_settings": "as set"}
         title = f"ours default's plan without its guard (every {interval})"
         made.append((title, patch_model(patcher, PatchSettings.from_values(**values)), values))
     for interval in MODELS[name]["intervals"]:
+        if interval == unguarded:
+            continue  # the same plan as the row above
         values = {"method": "todo", "downsample_factor": 1.0, "reuse_interval": interval, "dit_settings": "as set"}
         made.append((f"ours every {interval}", patch_model(patcher, PatchSettings.from_values(**values)), values))
     return made
