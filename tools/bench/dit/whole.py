@@ -22,12 +22,14 @@ Models (``--models``, in order; one on the device at a time; a model whose unpat
 left is skipped and said so):
 - flux2: Flux.2 dev (width 6144, 48 heads, 8 double + 48 single blocks), 1024 px (4096 tokens of 128 channels),
   512 text tokens of 15360, guidance 4, CFG 1, 28 Euler steps, simple schedule;
+- flux1: Flux.1 dev (width 3072, 19 double + 38 single blocks), 1024 px, 512 text tokens of 4096, guidance 3.5,
+  CFG 1, 28 Euler steps (not in the default list: its whole runs were timed before the curve's plan);
 - qwen-image: Qwen-Image (60 blocks, 24 heads of 128), 1024 px, 64 text tokens of 3584 (prompt and negative),
   CFG 4, 50 Euler steps;
 - wan: Wan 2.1 1.3B (30 blocks, width 1536), 480 x 832 px, 33 frames, 512 text tokens, CFG 5, 30 ``uni_pc`` steps;
 - hunyuan-video-15: HunyuanVideo 1.5 (54 double blocks, width 2048), 480 x 848 px, 33 frames (9 x 30 x 53
   latents of 32 channels, patch 1), 128 text tokens of 3584, CFG 6, 50 Euler steps;
-- tiny-flux2, tiny-qwen-image: the same code on small models (the tests; ``--device cpu``).
+- tiny-flux1, tiny-flux2, tiny-qwen-image: the same code on small models (the tests; ``--device cpu``).
 Results: ``--out``/dit-whole.md and .json, rewritten after each model.
 """
 
@@ -88,6 +90,17 @@ MODELS = {
         "steps": 28,
         "intervals": (4, 6),
     },
+    "flux1": {
+        "title": "Flux.1 dev (19 double + 38 single blocks, width 3072), 1024 px",
+        "config": full_width("flux"),
+        "latent": (16, 128, 128),
+        "text": (512, 4096),
+        "extra": {"guidance": 3.5, "pooled_output": torch.zeros(1, 768)},
+        "sampler": ("euler", "simple"),
+        "cfg": 1.0,
+        "steps": 28,
+        "intervals": (4, 6),
+    },
     "qwen-image": {
         "title": "Qwen-Image (60 blocks, width 3072), 1024 px",
         "config": full_width("qwen-image"),
@@ -137,6 +150,15 @@ MODELS["tiny-flux2"] = {
     },
     "latent": (128, 4, 4),
     "text": (8, 64),
+    "steps": 12,
+}
+MODELS["tiny-flux1"] = {
+    **MODELS["flux1"],
+    "title": "tiny Flux.1 (2 + 2 blocks, width 64), 64 px",
+    "config": {**PER_CALL["tiny-flux"]["config"], "depth": 2, "depth_single_blocks": 2},
+    "latent": (16, 8, 8),
+    "text": (8, 32),
+    "extra": {"guidance": 3.5, "pooled_output": torch.zeros(1, 16)},
     "steps": 12,
 }
 MODELS["tiny-qwen-image"] = {
