@@ -31,6 +31,9 @@ if _COMFY not in sys.path:
 from comfy.cli_args import args  # noqa: E402
 
 args.cpu = True
+# PyTorch SDPA, as ComfyUI runs attention on every GPU with torch 2 (on the CPU it would pick sub-quadratic
+# attention, which reads the free memory at every call: torch.compile then recompiles at every call).
+args.use_pytorch_cross_attention = True
 args.disable_all_custom_nodes = False
 
 import comfy.model_management  # noqa: E402,F401
