@@ -67,9 +67,10 @@ def test_the_converted_video_reference_computes_what_comfyuis_model_does():
 @wan_weights
 def test_a_short_video_run_measures_frames_and_motion(tmp_path):
     argv = ["--model", "ref-wan", "--prompts", "2", "--steps", "12", "--real", "40", "--out", str(tmp_path)]
-    report = diffusers_run.main([*argv, "--only", "ours reuse every 4,First Block Cache 0.08,MagCache 0.06"])
+    # MagCache's calibration run is the image test's; here one of ours and one peer's row.
+    report = diffusers_run.main([*argv, "--only", "ours reuse every 4,First Block Cache 0.08"])
     rows = {r["row"]: r for r in report["records"]}
-    assert list(rows) == ["unpatched", "ours reuse every 4", "First Block Cache 0.08", "MagCache 0.06"]
+    assert list(rows) == ["unpatched", "ours reuse every 4", "First Block Cache 0.08"]
     assert report["settings"]["scheduler"] == "unipc" and report["full_depth"] == 30
     assert rows["unpatched"]["motion_error"] == 0.0 and rows["unpatched"]["motion_kept"] == 1.0
     assert rows["ours reuse every 4"]["blocks_work"] < 1.0  # UniPC on a DiT: reuse runs
