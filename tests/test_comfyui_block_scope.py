@@ -272,12 +272,8 @@ def test_step_range_applies_to_scope_block(node_classes, models):
     assert torch.equal(empty, reference)
 
 
-def test_patched_unet_compiles_without_graph_breaks(node_classes, models, monkeypatch):
+def test_patched_unet_compiles_without_graph_breaks(node_classes, models):
     """As the compile test of the hooks (test_comfyui_hardening.py), with the blocks' injected forward."""
-    import comfy.ldm.modules.attention as attention
-
-    monkeypatch.setattr(attention, "optimized_attention", attention.attention_pytorch)
-    monkeypatch.setattr(attention, "optimized_attention_masked", attention.attention_pytorch)
     model = models["sdxl"]
     patched = patch(node_classes, model, **dict(BLOCK, end_percent=0.7), advanced=True, use_rand=True, seed=2)
     unet = patched.model.diffusion_model

@@ -136,15 +136,6 @@ class Hosts:
             ldm_patch.remove_patch(self.ldm)
 
 
-@pytest.fixture
-def sdpa_in_comfyui(monkeypatch):
-    """ComfyUI's CPU attention is a memory-saving split attention; use its SDPA one, as on GPUs and in diffusers."""
-    import comfy.ldm.modules.attention as attention
-
-    monkeypatch.setattr(attention, "optimized_attention", attention.attention_pytorch)
-    monkeypatch.setattr(attention, "optimized_attention_masked", attention.attention_pytorch)
-
-
 def assert_agree(results: dict, plain: torch.Tensor, reference: str) -> None:
     scale = float(plain.abs().max())
     effect = float((results[reference] - plain).abs().max())
@@ -154,7 +145,7 @@ def assert_agree(results: dict, plain: torch.Tensor, reference: str) -> None:
         assert difference <= BOUND * scale, (name, difference / scale)
 
 
-def test_unpatched_hosts_compute_the_same(sdpa_in_comfyui):
+def test_unpatched_hosts_compute_the_same():
     hosts = Hosts("sd15")
     plain = hosts.run_diffusers()
     scale = float(plain.abs().max())
@@ -163,7 +154,7 @@ def test_unpatched_hosts_compute_the_same(sdpa_in_comfyui):
 
 
 @pytest.mark.parametrize("values", [{"downsample_factor": 2.0}, {"downsample_factor": 3.0, "max_downsample": 2}])
-def test_todo_agrees_with_comfyui_and_webui(sdpa_in_comfyui, values):
+def test_todo_agrees_with_comfyui_and_webui(values):
     hosts = Hosts("sd15")
     settings = {"method": "todo", **values, **FORCE}
     results = {
@@ -174,7 +165,7 @@ def test_todo_agrees_with_comfyui_and_webui(sdpa_in_comfyui, values):
     assert_agree(results, hosts.run_diffusers(), "diffusers")
 
 
-def test_todo_agrees_with_comfyui_on_the_sdxl_layout(sdpa_in_comfyui):
+def test_todo_agrees_with_comfyui_on_the_sdxl_layout():
     hosts = Hosts("sdxl")
     settings = {"method": "todo", **FORCE}  # automatic level: 2, where SDXL's attention starts
     results = {"diffusers": hosts.run_diffusers(**settings), "comfyui": hosts.run_comfy(**settings)}

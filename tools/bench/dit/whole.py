@@ -29,7 +29,8 @@ left is skipped and said so):
 - wan: Wan 2.1 1.3B (30 blocks, width 1536), 480 x 832 px, 33 frames, 512 text tokens, CFG 5, 30 ``uni_pc`` steps;
 - hunyuan-video-15: HunyuanVideo 1.5 (54 double blocks, width 2048), 480 x 848 px, 33 frames (9 x 30 x 53
   latents of 32 channels, patch 1), 128 text tokens of 3584, CFG 6, 50 Euler steps;
-- tiny-flux1, tiny-flux2, tiny-qwen-image: the same code on small models (the tests; ``--device cpu``).
+- tiny-flux1, tiny-flux2, tiny-qwen-image: the same code on small models (``--device cpu``: the tests run
+  tiny-qwen-image).
 Results: ``--out``/dit-whole.md and .json, rewritten after each model.
 """
 
