@@ -6,6 +6,7 @@ the engine's validation. Input names are public API: saved workflows refer to th
 
 from __future__ import annotations
 
+from .tome_core.hosts.comfyui import dit_reuse as comfyui_dit_reuse
 from .tome_core.hosts.comfyui import patch as comfyui_patch
 from .tome_core.settings import IMPLIED_WHEN_ABSENT, RETIRED_CHOICES, SPECS, PatchSettings
 
@@ -20,8 +21,8 @@ DESCRIPTION = (
 )
 
 MODEL_TOOLTIP = (
-    "The diffusion model to patch: SD1.x, SD2.x, SDXL; DiTs (Flux.1 and Flux.2, Chroma, SD3/SD3.5, Wan 2.x, "
-    "Qwen-Image, HunyuanVideo 1.0/1.5, LTX-Video) as dit_settings says."
+    f"The diffusion model to patch: SD1.x, SD2.x, SDXL; DiTs ({comfyui_dit_reuse.SUPPORTED_WORDS}) as dit_settings "
+    "says."
 )
 
 # Saved workflows store widget values by position: new inputs are only ever appended to each tuple.

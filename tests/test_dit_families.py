@@ -11,12 +11,34 @@ from tome_core.hosts.shared import dit_families
 from tome_core.reuse import StepCountSchedule
 
 
-def fake_model(*class_names: str):
-    """An object whose MRO carries ``class_names`` (the first its own), as a host's model would."""
+def fake_model(*class_names: str, **blocks):
+    """An object whose MRO carries ``class_names`` (the first its own), as a host's model would, with every block
+    list a record's layout names (empty), or ``blocks`` (attribute: list of blocks) alone where given."""
     bases = (object,)
     for name in reversed(class_names):
         bases = (type(name, bases, {}),)
-    return bases[0]()
+    model = bases[0]()
+    lists = {attribute for f in dit_families.FAMILIES if f.blocks for _, attribute in f.blocks.lists}
+    for attribute in lists if not blocks else ():
+        setattr(model, attribute, [])
+    for attribute, value in blocks.items():
+        setattr(model, attribute, value)
+    return model
+
+
+class VideoBlock:
+    """A block whose forward reads the text as LTX-Video's does (``context``)."""
+
+    def forward(self, x, context=None, attention_mask=None, timestep=None, pe=None, transformer_options=None):
+        return x
+
+
+class AudioVideoBlock:
+    """A block whose forward takes the (video, audio) tuple and reads two texts, as LTX-2's (ComfyUI 0.8.0
+    ``BasicAVTransformerBlock``)."""
+
+    def forward(self, x, v_context=None, a_context=None, attention_mask=None, transformer_options=None):
+        return x
 
 
 def test_each_name_and_alias_finds_one_record_and_an_unknown_name_the_nearest():
@@ -55,6 +77,29 @@ def test_each_name_and_alias_finds_one_record_and_an_unknown_name_the_nearest():
 def test_a_model_is_found_by_its_hosts_class_names(host, classes, expected):
     record = dit_families.of_model(host, fake_model(*classes))
     assert (record.name if record is not None else None) == expected
+
+
+@pytest.mark.parametrize(
+    ("classes", "blocks", "expected", "unfit"),
+    (
+        # Both called MMDiT in ComfyUI: SD3's blocks are ``joint_blocks``, AuraFlow's double then single layers.
+        (("MMDiT",), {"joint_blocks": []}, "SD3", None),
+        (("MMDiT",), {"double_layers": [], "single_layers": []}, "AuraFlow", None),
+        (("LTXAVModel", "LTXVModel"), {"transformer_blocks": [AudioVideoBlock()]}, "LTX-2", None),
+        (("LTXVModel",), {"transformer_blocks": [VideoBlock()]}, "LTX-Video", None),
+        # A subclass of LTX-Video's class whose blocks take other inputs is not given LTX-Video's record.
+        (("SomeAVModel", "LTXVModel"), {"transformer_blocks": [AudioVideoBlock()]}, None, "LTX-Video"),
+        (("MMDiT",), {"layers": []}, None, "AuraFlow"),
+    ),
+)
+def test_a_family_is_recognised_by_its_class_and_what_its_blocks_take(classes, blocks, expected, unfit):
+    model = fake_model(*classes, **blocks)
+    record = dit_families.of_model("comfyui", model)
+    assert (record.name if record is not None else None) == expected
+    unfit_record = dit_families.named_but_unfit("comfyui", model)
+    assert (unfit_record.name if unfit_record is not None else None) == unfit
+    # diffusers' layouts are its door's own: the class name alone decides there.
+    assert dit_families.of_model("diffusers", fake_model("LTXVideoTransformer3DModel")).name == "LTX-Video"
 
 
 def test_a_host_the_registry_does_not_know_is_an_error():

@@ -794,3 +794,53 @@ def test_dpmpp_2m_reuses_on_unets_on_karras_sigmas_only_with_its_low_noise_calls
     assert not keeps_the_picture_with("dpmpp_2m", "karras", plan="every N")
     assert full_below_noise("dpmpp_2m", "karras", dit=False, plan="every N") == 0.0
     assert keeps_the_picture_with("euler", plan="every N") and full_below_noise("uni_pc", plan="every N") == 0.5
+
+
+def test_streams_of_two_widths_join_into_rows_and_split_back_exactly():
+    """LTX-2's blocks pass on the tuple (video tokens, audio tokens) of two widths and two token counts: joined, both
+    are cut into rows of one width (the widths' gcd) and come back as the same tuple, bit for bit; streams of one
+    width still join along the token axis, as text and image tokens always did."""
+    from tome_core.reuse import join_streams, split_streams
+
+    video, audio = torch.randn(2, 12, 32), torch.randn(2, 5, 24)
+    streams = {"img": (video, audio)}
+    joined = join_streams(streams)
+    assert joined.shape == (2, 12 * 32 // 8 + 5 * 24 // 8, 8)
+    back = split_streams(joined, streams)
+    assert isinstance(back["img"], tuple) and len(back["img"]) == 2
+    assert torch.equal(back["img"][0], video) and torch.equal(back["img"][1], audio)
+    silent = {"img": (video, torch.randn(2, 0, 24))}  # a video-only run: no audio tokens
+    back = split_streams(join_streams(silent), silent)
+    assert torch.equal(back["img"][0], video) and back["img"][1].shape == (2, 0, 24)
+    text, image = torch.randn(2, 3, 32), torch.randn(2, 12, 32)
+    assert torch.equal(join_streams({"txt": text, "img": image}), torch.cat((text, image), 1))
+    assert join_streams({"img": {"video": video}}) is None  # a kind it does not know
+
+
+def test_a_stream_it_cannot_join_makes_the_run_stand_down(caplog):
+    """A block that hands over a stream of a kind reuse does not know: the block runs, that call and every later
+    call of the run compute every block, and the log says so once."""
+    import logging
+
+    from tome_core.reuse import LayerReuseRun, NoiseSpacedSchedule
+
+    run = LayerReuseRun(NoiseSpacedSchedule(3).for_run(12), 12, 1)
+    ran = []
+
+    def call(step, streams):
+        run.begin_call(step, "layout", position=1.0 - step / 12)
+        out = run.span_block(True, True, streams, lambda: ran.append(step) or streams, lambda out: out)
+        run.end_call()
+        return out
+
+    tensor = {"img": torch.ones(1, 4, 8)}
+    for step in range(3):
+        call(step, tensor)
+    with caplog.at_level(logging.WARNING, logger="tome_patch"):
+        call(3, {"img": {"video": torch.ones(1, 4, 8)}})
+        for step in range(4, 12):
+            call(step, tensor)
+    assert run.stood_down is not None and "dict" in run.stood_down
+    reused_before = run.reused_calls
+    assert ran[-9:] == list(range(3, 12)) and reused_before == 3 - len(ran[:-9]) > 0  # only before step 3
+    assert caplog.text.count("stands down for this run") == 1

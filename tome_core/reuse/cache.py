@@ -12,6 +12,8 @@ overshooting it.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +21,8 @@ import torch
 
 from .plans import DEFAULT_EXTRAPOLATE
 from .schedules import IntervalSchedule
+
+log = logging.getLogger("tome_patch")
 
 # A DiT's residual of this size or more keeps the line's slope (the difference of its last two records) in 4 bits
 # per value, with a scale per token, instead of the record before the last: a long video's cache then holds little
@@ -170,6 +174,9 @@ class LayerReuseRun:
         # What the log calls the layers that always run and the prediction (a DiT door says "blocks").
         self.outer_words = "the outer layers (the first input block and the last output block)"
         self.inner_words = "layers' output"
+        # Why this run stood down (a DiT block handed over a stream it cannot join); from then on every call runs
+        # in full. None: it did not.
+        self.stood_down: str | None = None
 
     def drop(self) -> None:
         self.entries.clear()
@@ -183,6 +190,9 @@ class LayerReuseRun:
 
         Returns True when the call reuses (its inner layers will not run)."""
         self.calls += 1
+        if self.stood_down is not None:
+            self.current = None
+            return False
         if step is None:  # off the schedule: nothing cached may belong to it, and it records nothing
             self.drop()
             return False
@@ -357,25 +367,54 @@ class LayerReuseRun:
     ):
         """One block of a DiT's inner span, at the call in progress (``current`` must be set).
 
-        ``streams``: the block's input streams by name, in token order (None where absent); ``run_block()`` runs
-        the block and returns what the host's block returns, ``streams_of(out)`` its output streams.
-        ``in_full()`` (the span's first block only): True where this call must run every block after all.
-        Returns the block's own output (it ran) or, where the span is skipped, the streams it passes on: its
-        input, or at the span's last block the input plus the predicted residual (as ``pack(streams)`` where
-        given: in the form the host's block returns)."""
+        ``streams``: the block's input streams by name, in token order (None where absent; a stream may be a tuple
+        of tensors, as LTX-2's video and audio); ``run_block()`` runs the block and returns what the host's block
+        returns, ``streams_of(out)`` its output streams. ``in_full()`` (the span's first block only): True where
+        this call must run every block after all. Returns the block's own output (it ran) or, where the span is
+        skipped, the streams it passes on: its input, or at the span's last block the input plus the predicted
+        residual (as ``pack(streams)`` where given: in the form the host's block returns).
+
+        A stream of any other kind (a dict, a nested tensor) makes the call run every block and the run stand
+        down (``stand_down``): a wrong guess costs speed, never the picture."""
+        call = self.current
+        if call is None:
+            return run_block()
         if first:
             if in_full is not None and in_full():
                 self.compute_in_full()
-            reuse = self.start_span(join_streams(streams))
+            joined = join_streams(streams)
+            if joined is None:
+                self.stand_down(f"a DiT block handed over {describe_streams(streams)}")
+                return run_block()
+            reuse = self.start_span(joined)
         else:
-            reuse = self.current.reuse
+            reuse = call.reuse
         if not reuse:
             out = run_block()
             if last:
-                self.end_span(join_streams(streams_of(out)))
+                joined = join_streams(streams_of(out))
+                if joined is None:
+                    self.stand_down(f"a DiT block returned {describe_streams(streams_of(out))}")
+                else:
+                    self.end_span(joined)
             return out
         passed = streams if not last else split_streams(self.predicted_span_output(join_streams(streams)), streams)
         return passed if pack is None else pack(passed)
+
+    def stand_down(self, why: str) -> None:
+        """Reuse meets what it cannot predict: the call in progress runs every block (only asked before anything
+        was skipped: at the span's first block) and so does every later call of this run; one log line."""
+        self.compute_in_full()
+        if self.current is not None:
+            self.current.span_input = None
+        self.entries.clear()
+        if self.stood_down is None:
+            self.stood_down = why
+            log.warning(
+                "ToMe reuse across steps stands down for this run: %s, which it cannot predict; every step runs in "
+                "full.",
+                why,
+            )
 
     def cache_bytes(self) -> int:
         """What the cache holds now: the recorded boundary outputs of every batch layout."""
@@ -393,19 +432,77 @@ def _relative_change(x: torch.Tensor, reference: torch.Tensor) -> float:
     return float((x - reference).abs().mean() / reference.abs().mean().clamp_min(1e-12))
 
 
-def join_streams(streams: dict) -> torch.Tensor:
+def stream_parts(streams: dict) -> list[torch.Tensor] | None:
+    """The tensors of a DiT block's streams in token order: each stream a tensor or a tuple (or list) of tensors
+    (LTX-2's video and audio); None entries are left out. None where a stream is anything else, or where the parts
+    do not share their batch axis."""
+    parts = []
+    for value in streams.values():
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            parts.append(value)
+        elif isinstance(value, (tuple, list)) and value and all(isinstance(t, torch.Tensor) for t in value):
+            parts.extend(value)
+        else:
+            return None
+    if not parts or any(p.dim() < 2 or p.shape[0] != parts[0].shape[0] for p in parts):
+        return None
+    return parts
+
+
+def describe_streams(streams: dict) -> str:
+    """What a block's streams are, for the log (``stream_parts`` could not join them)."""
+    return ", ".join(f"{name}: {type(value).__name__}" for name, value in streams.items() if value is not None) or (
+        "no stream"
+    )
+
+
+def _tokens_apart(parts: list[torch.Tensor]) -> bool:
+    """Whether the parts differ only in their token axis (axis 1): joined there, as text and image tokens."""
+    first = parts[0]
+    return all(p.dim() == first.dim() and p.shape[2:] == first.shape[2:] for p in parts)
+
+
+def _row_width(parts: list[torch.Tensor]) -> int:
+    """The row width that parts of other widths are cut into (LTX-2's video and audio tokens): the widths' gcd."""
+    return math.gcd(*(int(p.shape[-1]) for p in parts)) or 1
+
+
+def join_streams(streams: dict) -> torch.Tensor | None:
     """A DiT block's streams (e.g. text and image tokens) as one tensor, tokens after tokens in the dict's order;
-    None entries are left out."""
-    present = [t for t in streams.values() if t is not None]
-    return present[0] if len(present) == 1 else torch.cat(present, 1)
+    None entries are left out. Streams of other widths (LTX-2's video and audio) are cut into rows of one width
+    first. None where a stream is no tensor nor a tuple of tensors (``stream_parts``)."""
+    parts = stream_parts(streams)
+    if parts is None:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    if _tokens_apart(parts):
+        return torch.cat(parts, 1)
+    width = _row_width(parts)
+    return torch.cat([p.reshape(p.shape[0], p.numel() // (p.shape[0] * width), width) for p in parts], 1)
 
 
 def split_streams(joined: torch.Tensor, like: dict) -> dict:
-    """The inverse of ``join_streams``, with the token counts of ``like`` (None entries stay None)."""
-    names = [name for name, t in like.items() if t is not None]
-    parts = [joined] if len(names) == 1 else torch.split(joined, [like[name].shape[1] for name in names], 1)
-    out = dict.fromkeys(like)
-    out.update(zip(names, parts, strict=True))
+    """The inverse of ``join_streams``, with the shapes of ``like`` (None entries stay None, a tuple stream comes
+    back as a tuple)."""
+    parts = stream_parts(like)
+    if len(parts) == 1:
+        pieces = [joined]
+    elif _tokens_apart(parts):
+        pieces = torch.split(joined, [p.shape[1] for p in parts], 1)
+    else:
+        width = _row_width(parts)
+        rows = [p.numel() // (p.shape[0] * width) for p in parts]
+        pieces = [piece.reshape(p.shape) for piece, p in zip(torch.split(joined, rows, 1), parts, strict=True)]
+    pieces = iter(pieces)
+    out = {}
+    for name, value in like.items():
+        if value is None or isinstance(value, torch.Tensor):
+            out[name] = None if value is None else next(pieces)
+        else:
+            out[name] = type(value)(next(pieces) for _ in value)
     return out
 
 

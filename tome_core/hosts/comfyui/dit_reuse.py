@@ -74,8 +74,8 @@ def layout_of(diffusion_model) -> BlockLayout | None:
 
 
 SUPPORTED_WORDS = (
-    "Flux.1, Flux.2, Chroma, SD3/SD3.5, Wan 2.x, Qwen-Image, HunyuanVideo 1.0/1.5, LTX-Video, Lumina 2, Z-Image, "
-    "Cosmos Predict2, Anima"
+    "Flux.1, Flux.2, Chroma, SD3/SD3.5, AuraFlow, Wan 2.x, Qwen-Image, HunyuanVideo 1.0/1.5, LTX-Video, LTX-2, "
+    "Lumina 2, Z-Image, Cosmos Predict2, Anima"
 )
 
 
@@ -84,11 +84,25 @@ def known_without_reuse(diffusion_model) -> bool:
     return diffusion_model is not None and bool(class_names(diffusion_model) & set(NO_REUSE))
 
 
+def unfit_record(diffusion_model):
+    """The record whose class ``diffusion_model`` derives from but whose blocks it does not have or take as that
+    family's do (``dit_families.named_but_unfit``), or None."""
+    if diffusion_model is None:
+        return None
+    return dit_families.named_but_unfit("comfyui", diffusion_model)
+
+
 def why_not(diffusion_model) -> str:
     """Why reuse does not run on ``diffusion_model`` (for the log)."""
     for name in class_names(diffusion_model):
         if name in NO_REUSE:
             return NO_REUSE[name]
+    unfit = unfit_record(diffusion_model)
+    if unfit is not None:
+        return (
+            f"its class derives from {unfit.name}'s, but its blocks are not laid out or called as {unfit.name}'s "
+            "(a family this patch does not know yet)"
+        )
     if layout_of(diffusion_model) is not None:
         return "too few blocks, or a patcher without block replacements"
     return f"{type(diffusion_model).__name__} is no DiT family this patch knows"

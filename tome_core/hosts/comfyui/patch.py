@@ -26,7 +26,7 @@ def patch_model(model, settings):
     diffusion_model = getattr(getattr(model, "model", None), "diffusion_model", None)
     if dit.family_of(diffusion_model) is not None or dit_reuse.layout_of(diffusion_model) is not None:
         return _patch_dit(model, settings, percent_to_sigma)
-    if dit_reuse.known_without_reuse(diffusion_model):
+    if dit_reuse.known_without_reuse(diffusion_model) or dit_reuse.unfit_record(diffusion_model) is not None:
         log.warning(
             "ToMe Patch: %s is passed through unchanged: %s.",
             dit.describe(diffusion_model),

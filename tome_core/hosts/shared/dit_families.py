@@ -10,6 +10,7 @@ the real models' curves").
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, replace
 
 from ...reuse.plans import DEFAULT_EXTRAPOLATE
@@ -30,12 +31,33 @@ class BlockLayout:
     # reads (Wan's and LTX-Video's ``txt``).
     streams: tuple[str, ...]
     last_block_runs: bool = False  # the last block runs at every call (SD3's returns no text stream)
+    # Keyword arguments the blocks' ``forward`` takes that tell this family's blocks from those of a family whose
+    # classes derive from its own (LTX-Video's ``context``, LTX-2's ``v_context`` and ``a_context``).
+    takes: tuple[str, ...] = ()
     # How a door reaches the blocks: "dit", the block hook (``patches_replace["dit"]``); "forward", for a family
     # whose loop hands no block to the hook: each span block gets an instance ``forward`` while the patcher has the
     # model loaded (a patcher injection, as the UNets' layer reuse), whose first positional argument is the one
     # stream and whose return value the stream after the block.
     hook: str = "dit"
     family: str = ""  # the record's name (set by the record)
+
+    def fits(self, model) -> bool:
+        """Whether ``model`` (a ComfyUI or Forge diffusion model) has this layout's block lists and its blocks take
+        what the layout says: a model whose classes match but whose blocks differ is not this family."""
+        for _, attribute in self.lists:
+            blocks = getattr(model, attribute, None)
+            if blocks is None or not hasattr(blocks, "__len__"):
+                return False
+        if not self.takes:
+            return True
+        blocks = getattr(model, self.lists[0][1])
+        if len(blocks) == 0:
+            return False
+        try:
+            parameters = inspect.signature(type(blocks[0]).forward).parameters
+        except (TypeError, ValueError):
+            return False
+        return all(name in parameters for name in self.takes)
 
 
 @dataclass(frozen=True)
@@ -119,6 +141,13 @@ FAMILIES = (
         # blocks; Radiance's pixel-space head runs after them, at every call).
         blocks=BlockLayout((("double_block", "double_blocks"), ("single_block", "single_blocks")), ("txt", "img")),
     ),
+    # AuraFlow: its class is called ``MMDiT`` as SD3's; its blocks (``double_layers`` then ``single_layers`` on the
+    # joined [text, image] stream, as Flux's) tell the two apart. No reference and no published curve: Flux's.
+    DitFamily(
+        "AuraFlow", auto_intervals=((0, 3), (40, 4)), curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)",
+        comfyui=("MMDiT",),
+        blocks=BlockLayout((("double_block", "double_layers"), ("single_block", "single_layers")), ("txt", "img")),
+    ),
     DitFamily(
         "SD3", auto_intervals=((0, 3), (40, 4)), curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)",
         comfyui=("MMDiT",), diffusers=("SD3Transformer2DModel",),
@@ -165,11 +194,20 @@ FAMILIES = (
         # HunyuanVideo 1.0 and 1.5, HunyuanImage 2.1: image before text in the single blocks' joined stream.
         blocks=BlockLayout((("double_block", "double_blocks"), ("single_block", "single_blocks")), ("img", "txt")),
     ),
+    # LTX-2 (video and audio): its class derives from LTX-Video's, its blocks pass on one stream, ``img``, that is
+    # the tuple (video tokens, audio tokens) of two widths (``cache.join_streams`` cuts both into rows of one
+    # width), and read the text as ``v_context`` and ``a_context``. No published curve: LTX-Video's interval and
+    # the nearest family's curve (docs/dit.md). Before LTX-Video: the first record that matches wins.
+    DitFamily(
+        "LTX-2", auto_intervals=((0, 4),), curve=HUNYUAN_VIDEO_CURVE, curve_of="HunyuanVideo (nearest family)",
+        comfyui=("LTXAVModel",),
+        blocks=BlockLayout((("double_block", "transformer_blocks"),), ("img",), takes=("v_context", "a_context")),
+    ),
     DitFamily(
         "LTX-Video", auto_intervals=((0, 4),), todo_min_image_tokens=4096,
         curve=HUNYUAN_VIDEO_CURVE, curve_of="HunyuanVideo (nearest family)",
         comfyui=("LTXVModel",), diffusers=("LTXVideoTransformer3DModel",),
-        blocks=BlockLayout((("double_block", "transformer_blocks"),), ("img",)),
+        blocks=BlockLayout((("double_block", "transformer_blocks"),), ("img",), takes=("context",)),
     ),
 )  # fmt: skip
 # A DiT no record names (a family a host door knows before it has a record): Flux's interval and curve.
@@ -183,11 +221,31 @@ def family(name: str) -> DitFamily:
     return _BY_NAME.get(name, OTHER)
 
 
-def of_model(host: str, model) -> DitFamily | None:
-    """The record of the family ``model`` (a host's diffusion model) belongs to in ``host``, by the names of its
-    classes, or None for a model no record names."""
+# The hosts whose classes a record's ``BlockLayout`` describes (diffusers' layouts are its door's own).
+_LAID_OUT = ("comfyui", "neo", "forge")
+
+
+def _named(host: str, model) -> list[DitFamily]:
     names = {cls.__name__ for cls in type(model).__mro__}
-    return next((family for family in FAMILIES if names & set(family.classes(host))), None)
+    return [family for family in FAMILIES if names & set(family.classes(host))]
+
+
+def of_model(host: str, model) -> DitFamily | None:
+    """The record of the family ``model`` (a host's diffusion model) belongs to in ``host``: the first whose class
+    names one of the model's classes and, in the hosts its block layout describes, whose blocks the model has and
+    take what the layout says (``BlockLayout.fits``). None for a model no record fits."""
+    for family in _named(host, model):
+        if host not in _LAID_OUT or family.blocks is None or family.blocks.fits(model):
+            return family
+    return None
+
+
+def named_but_unfit(host: str, model) -> DitFamily | None:
+    """A record that names one of ``model``'s classes but whose blocks the model does not have (a subclass laid
+    out otherwise), where no record fits: the log names it."""
+    if of_model(host, model) is not None:
+        return None
+    return next(iter(_named(host, model)), None)
 
 
 def auto_schedule(name: str) -> StepCountSchedule:
