@@ -40,8 +40,11 @@ def _unet(cls) -> dict:
     return config
 
 
+BLOCKS = 4  # a DiT's blocks: the first runs at every call, the three after it are the span reuse skips
+
+
 def _dit(key: str, **overrides) -> dict:
-    return {**host.DIT_TINY[key], **overrides}
+    return {**host.DIT_TINY[key], **host.dit_blocks(key, BLOCKS), **overrides}
 
 
 HUNYUAN_VIDEO_10 = _dit(
@@ -60,7 +63,7 @@ TINY = {
     "SD3": _dit("sd3"),
     "QwenImage": _dit("qwen_image"),
     "LTXV": _dit("ltxv"),
-    "HiDream": _dit("hidream", llama_layers=[0, 0]),
+    "HiDream": _dit("hidream", llama_layers=[0] * BLOCKS),
     "Omnigen2": _dit("omnigen2"),
     "Lumina2": _dit("lumina2"),
     "ZImage": _dit("z_image"),
@@ -85,7 +88,7 @@ TINY = {
                               "vec_in_dim": None, "guidance_embed": False},
     "HunyuanVideo15": _dit("hunyuan_video15"),
     "HunyuanVideo15_SR_Distilled": _dit("hunyuan_video15", in_channels=98),
-    "AuraFlow": {"max_seq": 256, "cond_seq_dim": CONTEXT, "n_double_layers": 1, "n_layers": 2, "dim": 32,
+    "AuraFlow": {"max_seq": 256, "cond_seq_dim": CONTEXT, "n_double_layers": 2, "n_layers": BLOCKS, "dim": 32,
                  "n_heads": 2, "patch_size": 2, "in_channels": 4, "out_channels": 4},
     "PixArtAlpha": {"image_model": "pixart_alpha", "num_heads": 2, "patch_size": 2, "hidden_size": 48,
                     "in_channels": 4, "depth": 2, "input_size": 16, "micro_condition": True,
