@@ -183,6 +183,29 @@ def test_wan22_two_models_each_sample_their_part(node_classes):
     assert_span_ran_at_full_steps(second, "wan", later, steps - switch, 2)
 
 
+def test_wan22s_second_pass_predicts_nothing_from_the_first(node_classes, monkeypatch):
+    """The two passes of a Wan 2.2 workflow through one patched model (the worst case: the same hooks): the
+    low-noise pass is a run of its own, planned on its own steps, and gives exactly what it gives when nothing ran
+    before it; and through two patched experts too, nothing the high-noise pass recorded reaches the other."""
+    model = host.tiny_dit("wan", seed=1, **DEEPER["wan"])
+    shared = patch(node_classes, model, **REUSE)
+    steps, switch = 24, 12
+    runs = host.recorded_runs(monkeypatch)
+    part = host.sample_dit(shared, "wan", SHAPES["wan"], steps=steps, start_step=0, last_step=switch)
+    low = {"steps": steps, "latent": part, "start_step": switch, "last_step": steps, "disable_noise": True}
+    after = host.sample_dit(shared, "wan", SHAPES["wan"], **low)
+    alone = host.sample_dit(patch(node_classes, model, **REUSE), "wan", SHAPES["wan"], **low)
+    assert torch.equal(after, alone)
+    first, second, third = runs
+    assert first is not second and (first.steps, second.steps) == (switch, steps - switch)
+    assert second.reused_calls > 0 and second.reused_calls == third.reused_calls
+    expert = patch(node_classes, host.tiny_dit("wan", seed=2, **DEEPER["wan"]), **REUSE)
+    after_high = host.sample_dit(expert, "wan", SHAPES["wan"], **low)
+    fresh = host.sample_dit(patch(node_classes, host.tiny_dit("wan", seed=2, **DEEPER["wan"]), **REUSE), "wan",
+                            SHAPES["wan"], **low)  # fmt: skip
+    assert torch.equal(after_high, fresh)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reusing_calls_add_the_span_residual_to_its_input_exactly(node_classes, dits, family):
     """Where the span's blocks change nothing (another node's replacement passes them over), its residual is

@@ -1,6 +1,7 @@
 """``tome_core.apply_patch`` on the diffusers DiT families that get reuse across steps only (no ToDo yet): Flux.2,
-Qwen-Image, Z-Image, HunyuanVideo 1.5 and LTX-Video, assembled offline from the real diffusers transformer classes
-with random weights and real schedulers (``hosts/diffusers_dit_host.py``, ``FAMILY_MAKERS``).
+Qwen-Image, Z-Image, HunyuanVideo 1.5, LTX-Video and LTX-2 (video and audio), assembled offline from the real
+diffusers transformer classes with random weights and real schedulers (``hosts/diffusers_dit_host.py``,
+``FAMILY_MAKERS``).
 
 At 12 steps and ``reuse_interval`` 3 the DiT schedule (under 25 steps one step in two at most, the full steps
 spaced by the noise) computes six of twelve steps in full and reuses the other six.
@@ -29,6 +30,7 @@ FAMILIES = {
     "z-image": ("ZImageTransformer2DModel", "Z-Image", "Z-Image", 1),  # CFG batched: one call on a list of two
     "hunyuanvideo-1.5": ("HunyuanVideo15Transformer3DModel", "HunyuanVideo", "HunyuanVideo 1.5", 2),  # its guider
     "ltx-video": ("LTXVideoTransformer3DModel", "LTX-Video", "LTX-Video", 1),  # CFG batched
+    "ltx-2": ("LTX2VideoTransformer3DModel", "LTX-2", "LTX-2", 1),  # CFG batched; video and audio
 }
 AS_SET = {"downsample_factor": 1, "dit_settings": "as set"}
 
@@ -120,7 +122,7 @@ def test_reuse_skips_the_span_at_the_schedules_reusing_steps_and_removal_is_exac
 
 
 # Each family's row in the measured table: a wrong family name would pick another row (or the default).
-AUTO_INTERVAL = {"flux2": 3, "qwen-image": 6, "z-image": 3, "hunyuanvideo-1.5": 4, "ltx-video": 4}
+AUTO_INTERVAL = {"flux2": 3, "qwen-image": 6, "z-image": 3, "hunyuanvideo-1.5": 4, "ltx-video": 4, "ltx-2": 4}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -210,6 +212,10 @@ def test_todo_is_not_installed_for_an_unknown_family(pipes):
         ("QwenImageTransformer2DModel", {"controlnet_block_samples": [torch.zeros(1)]}, True),
         ("ZImageTransformer2DModel", {"controlnet_block_samples": {1: torch.zeros(1)}}, True),
         ("QwenImageTransformer2DModel", {"controlnet_block_samples": None}, False),
+        # LTX-2's spatio-temporal guidance perturbs blocks; isolated modalities skip the audio-video attention.
+        ("LTX2VideoTransformer3DModel", {"spatio_temporal_guidance_blocks": [3]}, True),
+        ("LTX2VideoTransformer3DModel", {"isolate_modalities": True}, True),
+        ("LTX2VideoTransformer3DModel", {"spatio_temporal_guidance_blocks": None, "isolate_modalities": False}, False),
     ],
 )
 def test_calls_that_must_run_every_block(name, kwargs, full):
@@ -232,5 +238,20 @@ def test_an_unsupported_pipeline_names_the_families():
         tome_core.apply_patch(torch.nn.Linear(2, 2))
     for words in ("Flux2Transformer2DModel", "QwenImageTransformer2DModel", "ZImageTransformer2DModel"):
         assert words in str(raised.value)
-    for words in ("HunyuanVideo15Transformer3DModel", "LTXVideoTransformer3DModel"):
+    for words in ("HunyuanVideo15Transformer3DModel", "LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"):
         assert words in str(raised.value)
+
+
+def test_ltx2s_video_and_audio_are_both_predicted(pipes, plains):
+    """LTX-2's blocks pass on video and audio tokens of two widths: at the reusing steps both come from the
+    prediction (each differs from unpatched), and both stay closer to it than half the distance between two seeds'
+    unpatched outputs (random weights move as noise does; a stream dropped or shifted would be as far as another
+    seed's or further)."""
+    plain = plain_run(pipes, plains, "ltx-2", 12)
+    other_seed = D.family_run(pipeline(pipes, "ltx-2"), steps=12, seed=1)
+    patched = patched_run(pipeline(pipes, "ltx-2"), reuse_interval=3, **AS_SET)
+    video = 8 * 2 * 4 * 4  # channels x latent frames x h x w, then the audio latents
+    for part in (slice(0, video), slice(video, None)):
+        assert not torch.equal(patched[:, part], plain[:, part])
+        apart = (other_seed[:, part] - plain[:, part]).abs().mean()
+        assert (patched[:, part] - plain[:, part]).abs().mean() < 0.5 * apart

@@ -13,7 +13,9 @@ latents 2x2 into 16 image tokens; Qwen-Image the same (true CFG: two calls per s
 of the 8x8 latents (16 tokens, padded to 32 with the caption's 32 after them; CFG batched in one call);
 HunyuanVideo 1.5 has no VAE-free default (its pipeline reads the VAE's config), so it gets a tiny VAE (never run
 here), 16x compression: 4x4 latents, 2 latent frames of 5 (its guider: two calls per step); LTX-Video at 128 px
-(32x compression, no VAE): 4x4 latents, 2 latent frames of 9 (CFG batched).
+(32x compression, no VAE): 4x4 latents, 2 latent frames of 9 (CFG batched); LTX-2 at 256 px (its tiny VAE: 64x
+spatial, 16x temporal compression): 4x4 latents, 2 latent frames of 17, and 9 audio frames of 16 mel bins (CFG
+batched; ``family_run`` returns video and audio latents flattened into one tensor).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLHunyuanVideo15,
+    AutoencoderKLLTX2Audio,
+    AutoencoderKLLTX2Video,
     ClassifierFreeGuidance,
     FlowMatchEulerDiscreteScheduler,
     Flux2Pipeline,
@@ -31,6 +35,8 @@ from diffusers import (
     FluxTransformer2DModel,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
+    LTX2Pipeline,
+    LTX2VideoTransformer3DModel,
     LTXPipeline,
     LTXVideoTransformer3DModel,
     QwenImagePipeline,
@@ -361,12 +367,48 @@ def ltx_pipeline() -> LTXPipeline:
     )
 
 
+def ltx2_pipeline() -> LTX2Pipeline:
+    """LTX-2's video and audio: video tokens 32 wide, audio tokens 16 wide (8 latent channels x 16 mel bins in, as
+    the real model's 128), 4 blocks; the text connectors and both VAEs tiny (the VAEs never run: their configs give
+    the latent sizes and the latents' scale)."""
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32,
+        audio_in_channels=128, audio_out_channels=128, audio_num_attention_heads=2, audio_attention_head_dim=8,
+        audio_cross_attention_dim=16, num_layers=4, caption_channels=TEXT_DIM,
+    )  # fmt: skip
+    connectors = LTX2TextConnectors(
+        caption_channels=TEXT_DIM, text_proj_in_factor=1, video_connector_num_attention_heads=2,
+        video_connector_attention_head_dim=16, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=2,
+        audio_connector_attention_head_dim=16, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, video_hidden_dim=32, audio_hidden_dim=32,
+    )  # fmt: skip
+    video_vae = AutoencoderKLLTX2Video(
+        latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+    )  # fmt: skip
+    audio_vae = AutoencoderKLLTX2Audio(base_channels=128, ch_mult=(1,), num_res_blocks=1, mel_bins=64)
+    return LTX2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=video_vae,
+        audio_vae=audio_vae,
+        text_encoder=None,
+        tokenizer=None,
+        connectors=seeded(connectors, 1),
+        transformer=seeded(transformer, 0),
+        vocoder=None,
+    )
+
+
 FAMILY_MAKERS = {
     "flux2": flux2_pipeline,
     "qwen-image": qwen_image_pipeline,
     "z-image": z_image_pipeline,
     "hunyuanvideo-1.5": hunyuan_video15_pipeline,
     "ltx-video": ltx_pipeline,
+    "ltx-2": ltx2_pipeline,
 }
 
 
@@ -418,15 +460,18 @@ def family_run(pipe, steps: int = 12, seed: int = 0) -> torch.Tensor:
                 **common,
             )
         else:
+            video = {"height": 128, "width": 128, "num_frames": 9}
+            if isinstance(pipe, LTX2Pipeline):  # 64x spatial, 16x temporal compression: 4x4 latents, 2 frames
+                video = {"height": 256, "width": 256, "num_frames": 17}
             out = pipe(
                 prompt_embeds=prompt,
                 prompt_attention_mask=mask,
                 negative_prompt_embeds=negative,
                 negative_prompt_attention_mask=mask,
                 guidance_scale=3.0,
-                height=128,
-                width=128,
-                num_frames=9,
+                **video,
                 **common,
             )
+    if isinstance(pipe, LTX2Pipeline):  # the video and the audio latents, as one tensor
+        return torch.cat((out.frames.flatten(1), out.audio.flatten(1)), 1)
     return out.frames if hasattr(out, "frames") else out.images

@@ -3,7 +3,7 @@ ControlNet variants), SD3 / SD3.5 (``StableDiffusion3Pipeline`` and variants) an
 ``WanImageToVideoPipeline``; Wan 2.2's second transformer too); reuse only (no ToDo yet) on Flux.2
 (``Flux2Pipeline``, the Klein pipelines), Qwen-Image (``QwenImagePipeline``, ``QwenImageEditPipeline`` and
 variants), Z-Image (``ZImagePipeline`` and variants), HunyuanVideo 1.5 (``HunyuanVideo15Pipeline``, its
-image-to-video pipeline) and LTX-Video (``LTXPipeline`` and variants).
+image-to-video pipeline), LTX-Video (``LTXPipeline`` and variants) and LTX-2 (``LTX2Pipeline`` and variants).
 
 What it does: ToDo on the attention of the image (video) tokens (``dit_attention``) and reuse across steps
 (``dit_reuse``), through the engine objects that ComfyUI's DiT doors use. ToMe is not offered on DiTs (as in
@@ -27,8 +27,8 @@ SUPPORTED = (
     "image-to-image, inpainting and ControlNet pipelines), an SD3Transformer2DModel (SD3, SD3.5), a "
     "WanTransformer3DModel (Wan 2.1/2.2 text- and image-to-video), or, with reuse across steps only, a "
     "Flux2Transformer2DModel (Flux.2, Flux.2 Klein), a QwenImageTransformer2DModel (Qwen-Image and Qwen-Image "
-    "Edit), a ZImageTransformer2DModel (Z-Image), a HunyuanVideo15Transformer3DModel (HunyuanVideo 1.5) or an "
-    "LTXVideoTransformer3DModel (LTX-Video)"
+    "Edit), a ZImageTransformer2DModel (Z-Image), a HunyuanVideo15Transformer3DModel (HunyuanVideo 1.5), an "
+    "LTXVideoTransformer3DModel (LTX-Video) or an LTX2VideoTransformer3DModel (LTX-2, video and audio)"
 )
 TRANSFORMER_ATTRIBUTES = ("transformer", "transformer_2")  # Wan 2.2: the second one samples the low-noise part
 

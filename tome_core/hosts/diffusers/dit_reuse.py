@@ -1,5 +1,5 @@
 """diffusers: reuse across steps on DiT pipelines (Flux.1, Flux.2, SD3 / SD3.5, Wan 2.x, Qwen-Image, Z-Image,
-HunyuanVideo 1.5, LTX-Video), setting ``reuse_interval``.
+HunyuanVideo 1.5, LTX-Video, LTX-2), setting ``reuse_interval``.
 
 The engine's DiT reuse (``LayerReuseRun.span_block``), as in ComfyUI's door (``hosts.comfyui.dit_reuse``): at a
 *reusing* call the transformer's first block runs (``DIT_OUTER_BLOCKS``) and the blocks after it, the *span*, do
@@ -17,7 +17,8 @@ other (a row of ``LAYOUTS`` each):
 - ``WanTransformer3DModel``: ``blocks`` with ``(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)``,
   returning ``hidden_states``, and ``LTXVideoTransformer3DModel``: ``transformer_blocks`` with keyword
   ``hidden_states`` returning it (there ``encoder_hidden_states`` is the text the blocks read, not a stream they
-  pass on);
+  pass on), and ``LTX2VideoTransformer3DModel``: ``transformer_blocks`` with keywords ``hidden_states`` and
+  ``audio_hidden_states`` (video and audio tokens, of two widths), returning both;
 - ``HunyuanVideo15Transformer3DModel``: ``transformer_blocks`` with positional ``(hidden_states,
   encoder_hidden_states, ...)``, returning ``(hidden_states, encoder_hidden_states)``;
 - ``ZImageTransformer2DModel``: ``layers``, each called as ``layer(unified, mask, freqs, adaln_input, ...)`` on one
@@ -189,6 +190,18 @@ LAYOUTS = {
     # LTXPipeline (and its image-to-video and condition pipelines, whose conditioning tokens get timestep 0: the
     # call's largest is the step's) passes the scheduler's timestep as it is.
     "LTXVideoTransformer3DModel": DitLayout("LTX-Video", ("transformer_blocks",), _IMAGE, 1.0, (), todo=False),
+    # LTX2Pipeline and its image-to-video and condition pipelines pass the scheduler's timestep as it is. Its
+    # blocks pass on the video and the audio tokens, of two widths, and return both. A call with spatio-temporal
+    # guidance perturbs some blocks, one with modalities isolated skips the cross-attention between them: full.
+    "LTX2VideoTransformer3DModel": DitLayout(
+        "LTX-2",
+        ("transformer_blocks",),
+        (("hidden_states", 0), ("audio_hidden_states", 1)),
+        1.0,
+        ("spatio_temporal_guidance_blocks", "perturbation_mask"),
+        in_full_if=(("isolate_modalities", True),),
+        todo=False,
+    ),
 }
 
 

@@ -200,7 +200,7 @@ FAMILIES = (
     # the nearest family's curve (docs/dit.md). Before LTX-Video: the first record that matches wins.
     DitFamily(
         "LTX-2", auto_intervals=((0, 4),), curve=HUNYUAN_VIDEO_CURVE, curve_of="HunyuanVideo (nearest family)",
-        comfyui=("LTXAVModel",),
+        comfyui=("LTXAVModel",), diffusers=("LTX2VideoTransformer3DModel",),
         blocks=BlockLayout((("double_block", "transformer_blocks"),), ("img",), takes=("v_context", "a_context")),
     ),
     DitFamily(
