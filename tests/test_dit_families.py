@@ -122,3 +122,13 @@ def test_every_hosts_door_reads_its_families_from_the_registry():
     for class_name, layout in diffusers_dit_reuse.LAYOUTS.items():
         assert class_name in dit_families.family(layout.name).diffusers, class_name
     assert set(dit_attention.PROCESSORS) <= set(records)
+
+
+def test_the_words_that_list_the_families_name_every_record():
+    """The log's and the model input's tooltip's list of families (``SUPPORTED_WORDS``) names every record, so a
+    family added to the registry is not left out of what the user reads."""
+    from tome_core.hosts.comfyui import dit_reuse as comfyui_dit_reuse
+
+    for family in dit_families.FAMILIES:
+        for name in (family.name, *family.aliases):
+            assert name in comfyui_dit_reuse.SUPPORTED_WORDS, name

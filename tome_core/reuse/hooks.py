@@ -24,6 +24,9 @@ class LayerReuse:
     the run of the model call in progress (``layer_run``), which the forwards ask for. Hosts subclass it with
     their way of finding runs and steps, or hold one."""
 
+    # What the run's log line calls the layers that always run and the prediction (None: a UNet's words).
+    RUN_WORDS: tuple[str, str] | None = None
+
     def __init__(self, schedule: IntervalSchedule, layers: int, extrapolate: float = DEFAULT_EXTRAPOLATE):
         self.schedule = schedule
         self.layers = layers  # how many inner layers there are; the last one is the boundary
@@ -42,14 +45,17 @@ class LayerReuse:
     def layer_run(self) -> LayerReuseRun | None:
         return self._current
 
-    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> LayerReuseRun:
+    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0, start: float = 0.0) -> LayerReuseRun:
         """A run of ``steps`` at ``noise_levels`` (one per step; what a DiT's schedule spaces its full steps by),
-        whose calls below ``full_below`` run in full (``full_below_noise``)."""
-        schedule = self.schedule.for_run(steps, noise_levels, full_below)
+        whose calls below ``full_below`` run in full (``full_below_noise``), ``start`` of the way through the
+        schedule it samples part of (0: all of it; Wan 2.2's low-noise expert: from its switch on)."""
+        schedule = self.schedule.for_run(steps, noise_levels, full_below, start)
         reach = getattr(schedule, "extrapolate", None)  # a schedule's own reach (a UNet family's plan)
         run = LayerReuseRun(schedule, steps, self.layers, self.extrapolate if reach is None else reach)
         run.full_below = full_below
         run.order = self.order
+        if self.RUN_WORDS is not None:
+            run.outer_words, run.inner_words = self.RUN_WORDS
         # The hooks' own guard (a benchmark's variant) or the schedule's (a DiT family's default).
         guards = ("first_block_guard", "line_guard", "rate_guard")
         owner = self if any(getattr(self, name) is not None for name in guards) else self.schedule

@@ -29,7 +29,6 @@ import logging
 
 from ...reuse import (
     DIT_OUTER_BLOCKS,
-    LayerReuseRun,
     NoiseSpacedSchedule,
 )
 from ...reuse.options import SHIPPED, ReuseOptions
@@ -125,6 +124,7 @@ class DitReuseHooks(LayerReuseHooks):
     """The wrappers of ``LayerReuseHooks`` (the run, the step, the batch layout) and the span's blocks."""
 
     DIT = True
+    RUN_WORDS = ("the first block", "blocks' residual")
 
     def __init__(self, schedule, keys: list, streams: tuple[str, ...], noise_range, extrapolate: float):
         super().__init__(schedule, 1, noise_range, extrapolate, by_sigma=True)
@@ -132,12 +132,6 @@ class DitReuseHooks(LayerReuseHooks):
         self.streams = streams
         self.blocks: dict = {}  # key -> SpanBlock, to tell ours from another node's replacement
         self.warned = False
-
-    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> LayerReuseRun:
-        run = super().new_run(steps, noise_levels, full_below)
-        run.outer_words = "the first block"
-        run.inner_words = "blocks' residual"
-        return run
 
     def apply_model_wrapper(
         self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs

@@ -216,6 +216,7 @@ class DitReuse(PipelineReuse):
 
     SAMPLE = "hidden_states"
     DIT = True
+    RUN_WORDS = ("the first block", "blocks' residual")
 
     def __init__(self, pipeline, transformer, layout: DitLayout, schedule, span, allowed: Callable[[float], bool]):
         blocks = [(f"span.{i}", block) for i, (block, _) in enumerate(span)]
@@ -227,12 +228,6 @@ class DitReuse(PipelineReuse):
         self.TIMESTEP_SCALE = layout.timestep_scale
         self._transformer = transformer
         self._warned_cache = False
-
-    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0):
-        run = super().new_run(steps, noise_levels, full_below)
-        run.outer_words = "the first block"
-        run.inner_words = "blocks' residual"
-        return run
 
     def before_call(self, module, args, kwargs):
         if self.layout.inputs is None:

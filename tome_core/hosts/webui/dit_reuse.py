@@ -31,8 +31,6 @@ from __future__ import annotations
 
 from ...reuse import (
     DIT_OUTER_BLOCKS,
-    LayerReuse,
-    LayerReuseRun,
     full_below_noise,
     keeps_the_picture_with,
 )
@@ -56,6 +54,7 @@ class PassDitReuse(PassReuse):
     """One sampling pass's reuse across steps on a DiT's span of blocks (the residual of the span is the one record)."""
 
     DIT = True
+    RUN_WORDS = ("the first block", "blocks' residual")
 
     def __init__(self, p, patcher, record, keys, streams, noise_range, full_below: float):
         super().__init__(p, record.auto_schedule(), 1, noise_range)
@@ -84,12 +83,6 @@ class PassDitReuse(PassReuse):
         if why is not None:
             self.warn_once(why)
         return why is not None
-
-    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> LayerReuseRun:
-        run = LayerReuse.new_run(self, steps, noise_levels, full_below)
-        run.outer_words = "the first block"
-        run.inner_words = "blocks' residual"
-        return run
 
     def begin_dit_call(self, x, options: dict) -> None:
         """A model call starts, with the host's ``transformer_options``: its step from its noise level."""
