@@ -88,9 +88,9 @@ def passing_on(args, extra):
 def planned_full_steps(model, steps: int, sampler="euler", part=None) -> int:
     """The full steps of a run of ``steps`` (``part``: the steps of a longer schedule that one sampling samples)
     at reuse every 3, on the model's noise levels as ``sample_dit`` samples them."""
-    import comfy.samplers
-
     from types import SimpleNamespace
+
+    import comfy.samplers
 
     from tome_core.hosts.comfyui.layer_reuse import schedule_start
 
