@@ -258,7 +258,10 @@ class DitHooks:
         if transformer_options is not None and (
             self.noise_range.everywhere or self.noise_range.contains(float(t.max()))
         ):
-            tokens = self.family.image_tokens(x, kwargs, c_crossattn)
+            try:
+                tokens = self.family.image_tokens(x, kwargs, c_crossattn)
+            except (AttributeError, TypeError, ValueError, IndexError):  # an input of another kind: left as it is
+                tokens = None
             if tokens is not None:
                 transformer_options = dict(transformer_options)  # this call's own copy: nothing outlives it
                 previous = transformer_options.get(OVERRIDE_KEY)
