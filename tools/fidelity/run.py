@@ -493,7 +493,31 @@ def dit_rows(
             row = ours(nodes, name, method="todo", downsample_factor=1.0, reuse_interval=interval)
             row.enter, row.leave = (lambda: compact_slopes(0)), (lambda: compact_slopes(None))
             rows.append(row)
-    return rows + step_cache_rows(FLUX_STEP_CACHE_THRESHOLDS) + dit_peer_rows(ratios_of)
+    steps = args.steps if args is not None else 28
+    shares = (0.4, 0.5)  # near the DiT defaults' work (2.0-2.5x)
+    return rows + step_cache_rows(FLUX_STEP_CACHE_THRESHOLDS) + dit_peer_rows(ratios_of) + spectrum_rows(steps, shares)
+
+
+def spectrum_rows(steps: int, shares: tuple[float, ...]) -> list[FidelityRow]:
+    """Spectrum (``spectrum``): as Forge Neo ships it, and computing about ``shares`` of the run's steps (the
+    fewest warm-up steps whose plan hits that count, window 2 or 3)."""
+    from tools.fidelity import spectrum
+
+    chosen = [spectrum.SpectrumSettings()]
+    for share in shares:
+        try:
+            chosen.append(spectrum.settings_computing(steps, math.ceil(share * steps)))
+        except ValueError:
+            continue
+    rows, seen = [], set()
+    for index, settings in enumerate(chosen):
+        if settings in seen:
+            continue
+        seen.add(settings)
+        kind = "Neo's defaults, " if index == 0 else ""
+        name = f"Spectrum ({kind}{settings.label(steps)} computed)"
+        rows.append(FidelityRow(name, "peer", spectrum.spectrum_patch(settings), settings=vars(settings)))
+    return rows
 
 
 _COMPACT_DEFAULTS: dict = {}
@@ -628,6 +652,7 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
         rows += layer_reuse_rows(nodes, args.variants)
     rows += [comfy_builtin(0.5), todo_reference(2.0, finest)]
     rows += step_cache_rows()
+    rows += spectrum_rows(args.steps, (0.48, 0.52))  # at the default's work: 12 and 13 of 25 steps
     if args.variants:  # EasyCache at the work of the default's plan (12 full steps of 25: 0.48 of the calls)
         rows += [row for row in step_cache_rows((0.5, 0.6)) if row.name.startswith("EasyCache")]
     state_dict = base_model.diffusion_model.state_dict()

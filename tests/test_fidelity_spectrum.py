@@ -1,0 +1,55 @@
+"""The Spectrum peer row (``tools/fidelity/spectrum``): which steps it computes (Forge Neo's rule and its published
+counts), what it forecasts (a line and a Chebyshev ridge fit of the computed outputs), and that in ComfyUI it runs
+the model only at its computed steps."""
+
+from __future__ import annotations
+
+import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+
+from tools.fidelity.spectrum import Forecaster, SpectrumSettings, settings_computing, spectrum_patch
+
+
+def test_neos_defaults_compute_its_published_counts():
+    """Six warm-up steps, then one in two, the last tenth in full: 14 of 20, 17 of 25, 30 of 50 computed."""
+    neo = SpectrumSettings()
+    assert [sum(neo.computed(steps)) for steps in (20, 25, 50)] == [14, 17, 30]
+    plan = "".join("F" if c else "." for c in neo.computed(25))
+    assert plan == "FFFFFF" + ".F" * 8 + "FFF"
+    at_our_work = settings_computing(25, 12)
+    assert sum(at_our_work.computed(25)) == 12 and at_our_work.window in (2, 3)
+
+
+def test_the_forecast_is_the_line_and_the_fit_blended():
+    """On outputs along a line: the line through the last two alone (blend 0) and a ridge-free fit of degree 1
+    alone (blend 1) both forecast the line's value; Neo's blend of a degree 6 fit with ridge 0.5 lies between the
+    line and the fit, which the ridge pulls toward zero."""
+
+    def forecast(**settings) -> float:
+        forecaster = Forecaster(SpectrumSettings(**settings), 25)
+        for step in range(0, 12, 2):
+            forecaster.add(step, torch.full((2, 3), 1.0 + 0.1 * step))
+        out = forecaster.forecast(13, torch.float32)
+        assert out.shape == (2, 3)
+        return float(out[0, 0])
+
+    assert abs(forecast(blend=0.0) - 2.3) < 1e-5
+    assert abs(forecast(blend=1.0, degree=1, ridge=0.0) - 2.3) < 1e-4
+    fit = forecast(blend=1.0)
+    assert fit < forecast() < 2.3
+
+
+def test_in_comfyui_it_runs_the_model_only_at_its_computed_steps():
+    model = host.tiny_model("sd15")
+    settings = SpectrumSettings()
+    patched = spectrum_patch(settings)(model)
+    calls = []
+    handle = model.model.diffusion_model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        out = host.sample(patched, steps=12, cfg=5.0)
+        plain = host.sample(model, steps=12, cfg=5.0)
+    finally:
+        handle.remove()
+    # cond and uncond batched in one call: one model call per computed step, then 12 for the unpatched run.
+    assert sum(settings.computed(12)) < 12 and len(calls) == sum(settings.computed(12)) + 12
+    assert out.shape == plain.shape and torch.isfinite(out).all() and not torch.equal(out, plain)

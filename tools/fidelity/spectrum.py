@@ -1,0 +1,157 @@
+"""Spectrum (CVPR 2026, arXiv 2603.01623) as a peer in the benchmarks: the step cache Forge Neo ships built in
+("Spectrum Integrated", ``extensions-builtin/sd_forge_spectrum``), written here from the paper's description and
+Neo's settings (measured, not offered).
+
+At a computed step the whole model runs and its output is kept (the last ``max(degree + 2, 8)`` per batch layout);
+at a skipped step nothing of the model runs and its output is forecast: a ridge fit of Chebyshev polynomials of
+degree ``degree`` over the kept outputs against the step (mapped to [-1, 1] over the run), blended with the line
+through the last two (``blend`` of the fit, the rest the line). Which steps are computed: the first ``warm_up``,
+then one in ``window`` (the others skipped), and every step from ``stop`` of the run on. Neo's defaults: blend
+0.25, degree 6, ridge 0.5, window 2, warm-up 6, stop 0.9: 17 of 25 steps computed.
+
+Installed as ComfyUI's model function wrapper (what Neo installs it as: ``set_model_unet_function_wrapper``), on a
+clone; the run's state lives in the wrapper and starts again when the noise level goes up (a new run).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+NEO_DEFAULTS = {"blend": 0.25, "degree": 6, "ridge": 0.5, "window": 2, "warm_up": 6, "stop": 0.9}
+
+
+@dataclass(frozen=True)
+class SpectrumSettings:
+    blend: float = 0.25
+    degree: int = 6
+    ridge: float = 0.5
+    window: int = 2
+    warm_up: int = 6
+    stop: float = 0.9
+
+    def computed(self, steps: int) -> list[bool]:
+        """Which of a run's ``steps`` run the model (Neo's rule: a skipped step counts toward the window)."""
+        out, skipped = [], 0
+        for step in range(steps):
+            if step < self.warm_up or step >= int(steps * self.stop):
+                out.append(True)
+                continue
+            compute = (skipped + 1) % max(self.window, 1) == 0
+            skipped = 0 if compute else skipped + 1
+            out.append(compute)
+        return out
+
+    def label(self, steps: int) -> str:
+        return f"{sum(self.computed(steps))} of {steps}"
+
+
+def settings_computing(steps: int, target: int) -> SpectrumSettings:
+    """Neo's forecaster with the fewest warm-up steps whose plan computes ``target`` of ``steps`` (window 2 or 3):
+    Spectrum at another method's work."""
+    for warm_up in range(1, steps):
+        for window in (2, 3):
+            settings = SpectrumSettings(window=window, warm_up=warm_up)
+            if sum(settings.computed(steps)) == target:
+                return settings
+    raise ValueError(f"no window 2 or 3 plan computes {target} of {steps} steps")
+
+
+class Forecaster:
+    """The kept outputs of one batch layout and the forecast from them."""
+
+    def __init__(self, settings: SpectrumSettings, steps: int):
+        self.settings = settings
+        self.steps = steps
+        self.keep = max(settings.degree + 2, 8)
+        self.outputs: list[torch.Tensor] = []
+        self.at: list[int] = []
+        self.shape: torch.Size | None = None
+
+    def _tau(self, step: float) -> float:
+        return 2.0 * step / self.steps - 1.0
+
+    def _chebyshev(self, taus: torch.Tensor) -> torch.Tensor:
+        columns = [torch.ones_like(taus), taus]
+        while len(columns) <= self.settings.degree:
+            columns.append(2 * taus * columns[-1] - columns[-2])
+        return torch.stack(columns[: self.settings.degree + 1], dim=1)
+
+    def add(self, step: int, output: torch.Tensor) -> None:
+        if self.shape != output.shape:
+            self.outputs, self.at, self.shape = [], [], output.shape
+        self.outputs = (self.outputs + [output.detach().flatten().float()])[-self.keep :]
+        self.at = (self.at + [step])[-self.keep :]
+
+    def forecast(self, step: int, dtype: torch.dtype) -> torch.Tensor:
+        history = torch.stack(self.outputs)
+        design = self._chebyshev(torch.tensor([self._tau(s) for s in self.at], dtype=torch.float32))
+        gram = design.T @ design + self.settings.ridge * torch.eye(design.shape[1])
+        coefficients = torch.linalg.solve(gram, design.T @ history)
+        fit = (self._chebyshev(torch.tensor([self._tau(step)], dtype=torch.float32)) @ coefficients)[0]
+        if len(self.outputs) >= 2:
+            (a, before), (b, last) = zip(self.at[-2:], self.outputs[-2:], strict=True)
+            line = last + (step - b) / max(b - a, 1e-8) * (last - before)
+        else:
+            line = self.outputs[-1]
+        forecast = (1 - self.settings.blend) * line + self.settings.blend * fit
+        return forecast.view(self.shape).to(dtype)
+
+
+class SpectrumWrapper:
+    """ComfyUI's unet function wrapper of one patched clone: the run's plan and each layout's forecaster."""
+
+    def __init__(self, settings: SpectrumSettings):
+        self.settings = settings
+        self.reset()
+        self.computed_calls = 0
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.forecasters: dict = {}
+        self.last_sigma = math.inf
+        self.step = -1
+        self.plan: list[bool] = []
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, model_function, args: dict):
+        x, timestep, c = args["input"], args["timestep"], args["c"]
+        sigma = float(timestep.max())
+        options = c.get("transformer_options", {})
+        if sigma > self.last_sigma:  # the noise went up: a new run
+            self.reset()
+        if sigma != self.last_sigma:  # a new step (cond and uncond may come as several calls)
+            self.last_sigma = sigma
+            self.step += 1
+            if not self.plan:
+                sigmas = options.get("sample_sigmas")
+                steps = len(sigmas) - 1 if sigmas is not None else 25
+                self.plan = self.settings.computed(steps)
+                self.steps = steps
+        compute = self.step >= len(self.plan) or self.plan[self.step]
+        key = (tuple(args.get("cond_or_uncond") or ()), tuple(x.shape))
+        forecaster = self.forecasters.get(key)
+        self.calls += 1
+        if compute or forecaster is None:
+            out = model_function(x, timestep, **c)
+            self.computed_calls += 1
+            if forecaster is None:
+                forecaster = self.forecasters[key] = Forecaster(self.settings, self.steps)
+            forecaster.add(self.step, out)
+            return out
+        return forecaster.forecast(self.step, x.dtype)
+
+
+def spectrum_patch(settings: SpectrumSettings):
+    """``patch(model)``: a clone of the ModelPatcher with Spectrum as its model function wrapper."""
+
+    def patch(model):
+        clone = model.clone()
+        clone.set_model_unet_function_wrapper(SpectrumWrapper(settings))
+        return clone
+
+    return patch
