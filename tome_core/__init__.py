@@ -23,8 +23,9 @@ __version__ = "0.1.0"
 
 
 def apply_patch(pipe_or_unet, **settings):
-    """Patch a diffusers pipeline (SD1.x/SD2.x/SDXL UNets; Flux, SD3/SD3.5 and Wan DiTs) or its denoiser in place
-    with ``settings`` (see ``SPECS``).
+    """Patch a diffusers pipeline (SD1.x/SD2.x/SDXL UNets; the DiTs of ``hosts.diffusers.dit_reuse.LAYOUTS``: Flux,
+    Flux.2, SD3/SD3.5, Wan, Qwen-Image, Z-Image, HunyuanVideo 1.5, LTX-Video, LTX-2) or its denoiser in place with
+    ``settings`` (see ``SPECS``).
 
     Raises ValueError for a bad setting, TypeError for a model it cannot patch (both name what is allowed),
     leaving the model unchanged. See ``tome_core.hosts.diffusers.pipeline_patch.apply_patch``.

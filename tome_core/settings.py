@@ -218,9 +218,7 @@ _SPEC_LIST = (
         tooltip="ToMe: what runs on the merged tokens. self-attention: only self-attention, each block with its "
         "own merge. block: the whole transformer block (self-attention, cross-attention and feed-forward) runs "
         "on the merged tokens and only its update is copied back, with one merge shared by all blocks of a "
-        "level; much faster on SDXL and at 512-768 px, and a larger change to the picture. reuse (experimental, "
-        "ComfyUI only): reuse across steps; between full steps each block computes only the tokens that changed "
-        "most (ratio = the share it reuses from the step it last computed them). ToDo ignores it "
+        "level; much faster on SDXL and at 512-768 px, and a larger change to the picture. ToDo ignores it "
         "(it always reduces self-attention's keys and values).",
     ),
 )
