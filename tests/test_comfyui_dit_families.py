@@ -73,17 +73,7 @@ def count_block_calls(model, family, run) -> list[int]:
     blocks = blocks_in_call_order(model, family)
     if family in FORWARD_HOOK:
         blocks = [getattr(block, FORWARD_HOOK[family]) for block in blocks]
-    counts = [0] * len(blocks)
-    handles = [
-        block.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
-        for i, block in enumerate(blocks)
-    ]
-    try:
-        run()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return counts
+    return host.count_calls(blocks, run)
 
 
 def full_steps(model, steps: int) -> int:

@@ -39,18 +39,7 @@ def sample(model, steps, **kwargs):
 
 
 def block_calls(patched, run) -> list[int]:
-    blocks = patched.model.diffusion_model.transformer_blocks
-    counts = [0] * len(blocks)
-    handles = [
-        block.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
-        for i, block in enumerate(blocks)
-    ]
-    try:
-        run()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return counts
+    return host.count_calls(list(patched.model.diffusion_model.transformer_blocks), run)
 
 
 def test_ltx2_is_its_own_family_not_ltx_videos(model):

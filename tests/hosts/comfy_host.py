@@ -644,6 +644,21 @@ def patch_with_node(node_classes, model, advanced=False, **values):
     return run_node(node, **inputs)
 
 
+def count_calls(modules, run) -> list[int]:
+    """How often each of ``modules`` ran (its forward) during ``run()``."""
+    counts = [0] * len(modules)
+    handles = [
+        module.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
+        for i, module in enumerate(modules)
+    ]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counts
+
+
 class KeyCounter:
     """Another node's attention override: records the (queries, keys) counts of each call and passes it on."""
 
