@@ -10,13 +10,13 @@ the conditioning the class's model asks for (``EXTRA``). A class the harness can
 
 from __future__ import annotations
 
-import comfy.model_patcher
-import comfy.supported_models
-import nodes as comfy_nodes
 import torch
 
-from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+from hosts import comfy_host as host  # before any ComfyUI import: sys.path, CPU mode
 from tools.common.host import initialise
+
+comfy = host.comfy  # ComfyUI's packages and its nodes.py, as the host imported them
+comfy_nodes = host.comfy_nodes
 
 CONTEXT = 64  # text width of every tiny model
 

@@ -19,20 +19,19 @@ matter to what the patch sees. Built from ComfyUI's own LTX-Video parts (``Cross
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
-from comfy.ldm.common_dit import rms_norm
-from comfy.ldm.lightricks.model import (
-    AdaLayerNormSingle,
-    CrossAttention,
-    FeedForward,
-    LTXVModel,
-    PixArtAlphaTextProjection,
-)
 from torch import nn
 
-from hosts import comfy_host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+from hosts import comfy_host  # before any ComfyUI import: sys.path, CPU mode
+
+# ComfyUI's LTX-Video parts, imported once the host has put ComfyUI on the path.
+_ltxv = importlib.import_module("comfy.ldm.lightricks.model")
+AdaLayerNormSingle, CrossAttention, FeedForward = _ltxv.AdaLayerNormSingle, _ltxv.CrossAttention, _ltxv.FeedForward
+LTXVModel, PixArtAlphaTextProjection = _ltxv.LTXVModel, _ltxv.PixArtAlphaTextProjection
+rms_norm = importlib.import_module("comfy.ldm.common_dit").rms_norm
 
 VIDEO_CHANNELS = 128  # LTX-Video's latent channels
 AUDIO_CHANNELS = 8  # LTX-2's audio latent channels
