@@ -503,6 +503,55 @@ def test_composes_with_comfyuis_step_caches(node_classes, models, cache):
     assert not torch.equal(run(both.result[0], steps=12), out)  # ToDo still applies under the step cache
 
 
+def test_a_whole_model_wrapper_such_as_spectrum_decides_the_steps_alone(node_classes, models, caplog):
+    """A node that wraps the whole model call (``model_function_wrapper``: the Spectrum ports forecast whole steps
+    there) on the model ours patched: ours stands down for the run with one line, and the output is the wrapper's
+    alone on the unpatched model, bit for bit."""
+    import logging
+
+    model = models["sd15"]
+    calls = []
+
+    def whole_step_cache(model_function, args):
+        calls.append(1)
+        return model_function(args["input"], args["timestep"], **args["c"])
+
+    ours = patch(node_classes, model)
+    both = ours.clone()
+    both.set_model_unet_function_wrapper(whole_step_cache)
+    alone = model.clone()
+    alone.set_model_unet_function_wrapper(whole_step_cache)
+    with caplog.at_level(logging.WARNING, logger="tome_patch"):
+        out = run(both, steps=12)
+    assert torch.equal(out, run(alone, steps=12)) and len(calls) == 24
+    assert hooks_of(ours).last_run is None and "another node wraps the whole model call" in caplog.text
+
+
+def test_forges_unet_pass_stands_down_under_a_whole_model_wrapper(capsys):
+    """Forge Neo's Spectrum sets ``model_function_wrapper`` on the patcher the job samples with: the pass's first
+    UNet call finishes our pass (no run, every step in full) with one line."""
+    from types import SimpleNamespace
+
+    from tome_core.hosts.webui import layer_reuse as webui_layer_reuse
+    from tome_core.reuse import IntervalSchedule
+    from tome_core.schedule import NoiseRange
+
+    def job(wrapper):
+        unet = SimpleNamespace(model_options={"model_function_wrapper": wrapper} if wrapper else {})
+        p = SimpleNamespace(sd_model=SimpleNamespace(forge_objects=SimpleNamespace(unet=unet)))
+        owner = webui_layer_reuse.PassReuse(p, IntervalSchedule(3), 4, NoiseRange(0.0, 1.0, lambda q: q))
+        boundary = webui_layer_reuse.CallBoundary(owner, torch.nn.Identity(), inner=lambda x, **kwargs: x)
+        owner.step = (0, 12)
+        boundary(torch.zeros(1, 4, 8, 8), transformer_options={})
+        return owner
+
+    plain = job(None)
+    assert not plain.finished and plain.run is not None  # no wrapper: the pass goes on, its run made at step 0
+    wrapped = job(lambda function, args: function(args["input"], args["timestep"], **args["c"]))
+    assert wrapped.finished and wrapped.run is None
+    assert "another whole-model wrapper (Neo's Spectrum) decides the steps" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_runs_and_reuses(node_classes, dtype):
     model = host.tiny_model("sd15", dtype=dtype)

@@ -72,6 +72,14 @@ class LayerReuseHooks(LayerReuse):
                 "this model (the two together change the picture). ToDo/ToMe still apply."
             )
             return executor(*args, **kwargs)
+        if guider.model_options.get("model_function_wrapper") is not None:
+            # Another node wraps the whole model call (a step cache that forecasts whole steps, as the Spectrum
+            # ports do): its forecasts would be drawn from our predicted steps. It decides the steps alone.
+            log.warning(
+                "ToMe reuse across steps is off for this run: another node wraps the whole model call "
+                "(model_function_wrapper: a step cache such as Spectrum decides the steps). ToDo/ToMe still apply."
+            )
+            return executor(*args, **kwargs)
         name = sampler_name(args[2] if len(args) > 2 else kwargs.get("sampler"))
         raw_sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
         schedule = schedule_name(guider, raw_sigmas)

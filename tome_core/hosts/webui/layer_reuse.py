@@ -293,6 +293,11 @@ class CallBoundary:
 
     def begin(self, x, options: dict) -> None:
         """Tell the pass a call starts, with its ``transformer_options``."""
+        if not self.owner.finished and whole_model_wrapped(self.owner.p):
+            # Forge Neo's Spectrum (``model_function_wrapper``) forecasts whole steps: it decides them alone.
+            print("[ToMe Patch] reuse across steps: another whole-model wrapper (Neo's Spectrum) decides the steps; "
+                  "every step runs in full.")  # fmt: skip
+            self.owner.finish()
         sigmas = options.get("sigmas")
         level = None
         if sigmas is not None and not self.owner.noise_range.everywhere:
@@ -315,6 +320,12 @@ class CallBoundary:
             raise
         self.owner.end_call()
         return out
+
+
+def whole_model_wrapped(p) -> bool:
+    """Whether the patcher the job samples with wraps the whole model call (``set_model_unet_function_wrapper``)."""
+    unet = getattr(getattr(getattr(p, "sd_model", None), "forge_objects", None), "unet", None)
+    return (getattr(unet, "model_options", None) or {}).get("model_function_wrapper") is not None
 
 
 def install_forge(patcher, settings, p, percent_to_sigma) -> PassReuse | None:
