@@ -313,6 +313,16 @@ def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
     rows.append(
         ours(nodes, "ours ToDo 2 + reuse every 3 plan every N", method="todo", reuse_interval=3, reuse_plan="every N")
     )
+    # The inner layers forecast from the last eight full steps as Spectrum forecasts whole steps (``forecast``).
+    from tools.fidelity.forecast import forecast_hooks
+
+    spectral = ours(nodes, "ours ToDo 2 + reuse every 3 variant Spectrum's forecast", method="todo", reuse_interval=3)
+    spectral.enter, spectral.leave = forecast_hooks()
+    rows.append(spectral)
+    alone = ours(nodes, "ours reuse every 3 variant Spectrum's forecast", method="todo", downsample_factor=1.0,
+                 reuse_interval=3)  # fmt: skip
+    alone.enter, alone.leave = forecast_hooks()
+    rows.append(alone)
     changed = UNET_VARIANTS
     for interval, changes in changed:
         name = f"ours reuse every {interval} variant " + " ".join(f"{k} {v}" for k, v in changes.items())
