@@ -215,6 +215,8 @@ def test_with_a_dit_loaded_in_neo_the_accordion_shows_what_acts_there(host, monk
     (fn, options), *_ = dict(zip(webui_args.ARG_NAMES, host.ui(), strict=True))["method"].changes
     neo_flux = type("IntegratedFluxTransformer2DModel", (torch.nn.Module,), {})()
     forge_chroma = type("IntegratedChromaTransformer2DModel", (torch.nn.Module,), {"inner_forward": None})()
+    for model in (neo_flux, forge_chroma):  # Flux's block lists: the registry knows a family by its blocks too
+        model.double_blocks, model.single_blocks = torch.nn.ModuleList(), torch.nn.ModuleList()
     for model in (neo_flux, forge_chroma):
         monkeypatch.setitem(sys.modules, "modules.sd_models", neo_holding(model))
         for choices in COMBINATIONS:
