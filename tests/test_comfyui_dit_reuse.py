@@ -88,17 +88,12 @@ def passing_on(args, extra):
 def planned_full_steps(model, steps: int, sampler="euler", part=None) -> int:
     """The full steps of a run of ``steps`` (``part``: the steps of a longer schedule that one sampling samples)
     at reuse every 3, on the model's noise levels as ``sample_dit`` samples them."""
-    from types import SimpleNamespace
-
     import comfy.samplers
-
-    from tome_core.hosts.comfyui.layer_reuse import schedule_start
 
     sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "normal", steps)
     levels = [float(s) for s in sigmas[:steps]][part or slice(None)]
-    start = schedule_start(SimpleNamespace(model_patcher=model), levels)  # a part: how far into the noise range
-    schedule = NoiseSpacedSchedule(REUSE["reuse_interval"])
-    return schedule.for_run(len(levels), levels, full_below_noise(sampler), start).full_steps(len(levels))
+    plan = NoiseSpacedSchedule(REUSE["reuse_interval"]).for_run(len(levels), levels, full_below_noise(sampler))
+    return plan.full_steps(len(levels))
 
 
 def assert_span_ran_at_full_steps(counts, family, full, steps, calls_per_step):
@@ -412,30 +407,3 @@ def test_flux_predicts_a_whole_step_along_the_line_and_the_others_half_of_one(
         monkeypatch.setattr(engine.LayerReuseRun, "__init__", record)
     host.sample_dit(patch(node_classes, dits[family], **REUSE), family, SHAPES[family], steps=STEPS)
     assert runs and {run.extrapolate for run in runs} == {extrapolate}
-
-
-def test_wan22s_low_noise_pass_is_planned_as_the_second_half_of_the_schedule(node_classes, monkeypatch):
-    """ComfyUI tells a KSamplerAdvanced pass that starts at the switch step by its first noise level: the run
-    starts about halfway through the model's noise range and is planned as that part of a 30-step schedule; the
-    pass from the top starts at 0."""
-    from tome_core.hosts.comfyui.layer_reuse import schedule_start
-
-    model = patch(node_classes, host.tiny_dit("wan", seed=1, **DEEPER["wan"]))  # the node's defaults
-    runs = host.recorded_runs(monkeypatch)
-    starts = []
-    real = schedule_start
-
-    def record(guider, sigmas):
-        starts.append(real(guider, sigmas))
-        return starts[-1]
-
-    for module in [m for name, m in sys.modules.items() if name.endswith("hosts.comfyui.layer_reuse")]:
-        monkeypatch.setattr(module, "schedule_start", record)
-    steps, switch = 30, 15
-    part = host.sample_dit(model, "wan", SHAPES["wan"], steps=steps, cfg=1.0, start_step=0, last_step=switch)
-    host.sample_dit(model, "wan", SHAPES["wan"], steps=steps, cfg=1.0, latent=part, start_step=switch,
-                    last_step=steps, disable_noise=True)  # fmt: skip
-    first, second = runs
-    assert starts[0] == 0.0 and 0.3 < starts[1] < 0.7
-    assert (first.steps, second.steps) == (switch, steps - switch)
-    assert {0, 1} <= set(second.schedule.full) and len(second.schedule.full) < 8  # not a short run's one in two

@@ -893,26 +893,3 @@ def test_a_stream_it_cannot_join_makes_the_run_stand_down(caplog):
     reused_before = run.reused_calls
     assert ran[-9:] == list(range(3, 12)) and reused_before == 3 - len(ran[:-9]) > 0  # only before step 3
     assert caplog.text.count("stands down for this run") == 1
-
-
-def test_a_run_that_takes_up_a_schedule_part_of_the_way_is_planned_as_that_part():
-    """Wan 2.2's low-noise expert samples the second half of a 30-step schedule as a run of 15: planned as that
-    half of a 30-step schedule (not as a short run of 15: one step in two), its first two steps full (no line to
-    extrapolate on yet) and the model's published curve read from halfway on; a run from the top is planned as
-    it always was."""
-    from tome_core.hosts.shared import dit_families
-    from tome_core.reuse import NoiseSpacedSchedule
-    from tome_core.reuse.schedules import whole_schedule
-
-    assert whole_schedule(15, 0.5) == 30 and whole_schedule(15, 0.0) == 15
-    levels = [1.0 - step / 30 for step in range(30)]
-    schedule = dit_families.family("Wan").auto_schedule()
-    whole = schedule.for_run(30, levels)
-    assert whole.full == schedule.for_run(30, levels, start=0.0).full
-    second = schedule.for_run(15, levels[15:], start=0.5)
-    assert {0, 1} <= set(second.full)
-    assert len(second.full) < len(NoiseSpacedSchedule(5).for_run(15, levels[15:]).full)  # not one step in two
-    curve = dit_families.WAN_CURVE
-    assert curve.at(15, 0.5) == [curve.ratios[round((0.5 + 0.5 * step / 14) * (len(curve.ratios) - 1))]
-                                 for step in range(15)]  # fmt: skip
-    assert curve.at(30) == curve.at(30, 0.0)

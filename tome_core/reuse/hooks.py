@@ -45,11 +45,10 @@ class LayerReuse:
     def layer_run(self) -> LayerReuseRun | None:
         return self._current
 
-    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0, start: float = 0.0) -> LayerReuseRun:
+    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> LayerReuseRun:
         """A run of ``steps`` at ``noise_levels`` (one per step; what a DiT's schedule spaces its full steps by),
-        whose calls below ``full_below`` run in full (``full_below_noise``), ``start`` of the way through the
-        schedule it samples part of (0: all of it; Wan 2.2's low-noise expert: from its switch on)."""
-        schedule = self.schedule.for_run(steps, noise_levels, full_below, start)
+        whose calls below ``full_below`` run in full (``full_below_noise``)."""
+        schedule = self.schedule.for_run(steps, noise_levels, full_below)
         reach = getattr(schedule, "extrapolate", None)  # a schedule's own reach (a UNet family's plan)
         run = LayerReuseRun(schedule, steps, self.layers, self.extrapolate if reach is None else reach)
         run.full_below = full_below

@@ -69,7 +69,7 @@ class IntervalSchedule:
     def full_steps(self, steps: int) -> int:
         return sum(self.is_full(step, steps) for step in range(steps))
 
-    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0, start: float = 0.0) -> IntervalSchedule:
+    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> IntervalSchedule:
         """The schedule of a run of ``steps`` (the same at any noise levels)."""
         return self
 
@@ -86,7 +86,7 @@ class RunLengthSchedule:
     def interval(self) -> int:
         return self.short.interval
 
-    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0, start: float = 0.0) -> IntervalSchedule:
+    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> IntervalSchedule:
         # A run whose low-noise calls run in full (DPM++ 2M on Karras sigmas, ``samplers.full_below_noise``) keeps
         # the general schedule: the long runs' plans were chosen with Euler, and with DPM++ 2M they lose more of the
         # picture than it does (docs/step-reuse.md, "DPM++ 2M on Karras sigmas").
@@ -137,24 +137,21 @@ class NoiseSpacedSchedule:
         if not 0.0 <= self.warm_up <= 1.0:
             raise ValueError(f"warm_up must be a number from 0 to 1, got {self.warm_up!r}")
 
-    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0, start: float = 0.0) -> FullSteps:
+    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
         """The full steps of a run of ``steps`` at ``noise_levels`` (one per step, falling; None or another count:
-        evenly spaced), ``start`` of the way through the schedule it samples part of (its length, not the
-        part's, decides whether it is a short run)."""
+        evenly spaced)."""
         if steps < self.min_steps:
             return FullSteps(steps, frozenset(range(steps)))
         if noise_levels is None or len(noise_levels) != steps:
             noise_levels = [1.0 - step / steps for step in range(steps)]
         levels = [math.log(max(float(v), MIN_NOISE_LEVEL)) for v in noise_levels]
-        interval = min(self.interval, 2) if whole_schedule(steps, start) < self.short_run else self.interval
+        interval = min(self.interval, 2) if steps < self.short_run else self.interval
         low_noise = {step for step, level in enumerate(noise_levels) if level < full_below}
         low_noise |= set(range(max(steps - self.full_end, 0), steps))
         # One in ``interval`` of the steps the host lets reuse; the ones it runs in full come on top (counted
         # against them, they left Wan's first 23 of 30 steps one full step with UniPC at shift 3: SSIM 0.862).
         budget = math.ceil((steps - len(low_noise)) / interval) + len(low_noise)
-        # A run that takes up a schedule part of the way through has no line yet: its first two steps run in full
-        # (docs/dit.md, "Wan 2.2's two experts").
-        first = max(self.full_first, math.ceil(self.warm_up * steps - 1e-9), 2 if start > 0 else 1)
+        first = max(self.full_first, math.ceil(self.warm_up * steps - 1e-9))
         forced = set(range(min(first, steps))) | low_noise
         tight, loose = 0.0, max(levels[0] - min(levels), 0.0) + 1.0  # loose: no step but the forced ones
         full = forced
@@ -177,9 +174,7 @@ class StepChangeCurve:
     over image tokens of the norm of the blocks' residual (the last block's output minus the first one's input)
     divided by the last step's. ``threshold``: the error a reused stretch may accumulate, counted as MagCache counts
     it: from the last full step, ``acc *= ratio``, ``err += |1 - acc|``. A run of another step count reads the
-    ratios at the nearest calibrated step (``round(step * (L - 1) / (steps - 1))``, as MagCache does); a run that
-    takes up a schedule part of the way through (``start``: the share of it already sampled, as Wan 2.2's
-    low-noise expert does) reads them from there on."""
+    ratios at the nearest calibrated step (``round(step * (L - 1) / (steps - 1))``, as MagCache does)."""
 
     ratios: tuple[float, ...]
     threshold: float
@@ -190,19 +185,17 @@ class StepChangeCurve:
         if self.threshold <= 0:
             raise ValueError(f"threshold must be a positive number, got {self.threshold!r}")
 
-    def at(self, steps: int, start: float = 0.0) -> list[float]:
-        """The ratios of a run of ``steps`` that starts ``start`` of the way through the schedule."""
+    def at(self, steps: int) -> list[float]:
+        """The ratios of a run of ``steps``."""
         last = len(self.ratios) - 1
         if steps < 2:
             return [1.0] * steps
-        if start <= 0.0:
-            return [self.ratios[round(step * last / (steps - 1))] for step in range(steps)]
-        return [self.ratios[round((start + (1.0 - start) * step / (steps - 1)) * last)] for step in range(steps)]
+        return [self.ratios[round(step * last / (steps - 1))] for step in range(steps)]
 
-    def errors(self, full, steps: int, start: float = 0.0) -> list[float]:
+    def errors(self, full, steps: int) -> list[float]:
         """Each step's accumulated error where the steps ``full`` run in full (0 at a full step)."""
         acc, err, out = 1.0, 0.0, []
-        for step, ratio in enumerate(self.at(steps, start)):
+        for step, ratio in enumerate(self.at(steps)):
             if step in full:
                 acc, err = 1.0, 0.0
             else:
@@ -211,10 +204,10 @@ class StepChangeCurve:
             out.append(err)
         return out
 
-    def guard(self, full, steps: int, start: float = 0.0) -> frozenset:
+    def guard(self, full, steps: int) -> frozenset:
         """``full`` and, from the start, every step that would take its stretch's error past the threshold."""
         guarded, acc, err = set(full), 1.0, 0.0
-        for step, ratio in enumerate(self.at(steps, start)):
+        for step, ratio in enumerate(self.at(steps)):
             if step not in guarded:
                 acc *= ratio
                 if err + abs(1.0 - acc) > self.threshold:
@@ -269,17 +262,11 @@ class StepCountSchedule:
             described += ", each reusing step in full where the first block's output " + " or ".join(guards)
         return described
 
-    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0, start: float = 0.0) -> FullSteps:
-        interval = self.interval(whole_schedule(steps, start))
-        planned = NoiseSpacedSchedule(interval).for_run(steps, noise_levels, full_below, start)
+    def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
+        planned = NoiseSpacedSchedule(self.interval(steps)).for_run(steps, noise_levels, full_below)
         if self.curve is None:
             return planned
-        return FullSteps(steps, self.curve.guard(planned.full, steps, start))
-
-
-def whole_schedule(steps: int, start: float) -> int:
-    """The steps of the whole schedule that a run of ``steps`` samples from ``start`` of the way through on."""
-    return steps if start <= 0.0 else round(steps / max(1.0 - start, 1e-3))
+        return FullSteps(steps, self.curve.guard(planned.full, steps))
 
 
 MIN_NOISE_LEVEL = 1e-4  # a last call at noise 0 (none of the hosts' schedules has one) counts as this

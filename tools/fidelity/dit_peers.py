@@ -355,5 +355,5 @@ def with_full_below(clone, full_below: float):
     replaced = dit_reuse._replacements(clone).values()
     hooks = next(block.hooks for block in replaced if isinstance(block, dit_reuse.SpanBlock))
     new_run = hooks.new_run
-    hooks.new_run = lambda steps, levels=None, _rule=0.0, start=0.0: new_run(steps, levels, full_below, start)
+    hooks.new_run = lambda steps, levels=None, _rule=0.0: new_run(steps, levels, full_below)
     return clone

@@ -392,7 +392,7 @@ def layer_reuse_variant(
         if full_below is not None:  # every call below this sigma in full, in place of the sampler's rule
             hooks = clone.injections[layer_reuse_hooks.INJECTION_KEY][0].hooks
             new_run = hooks.new_run
-            hooks.new_run = lambda steps, levels=None, _rule=0.0, start=0.0: new_run(steps, levels, full_below, start)
+            hooks.new_run = lambda steps, levels=None, _rule=0.0: new_run(steps, levels, full_below)
         return clone
 
     return patch

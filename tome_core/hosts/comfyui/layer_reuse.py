@@ -95,8 +95,7 @@ class LayerReuseHooks(LayerReuse):
             )
             return executor(*args, **kwargs)
         sigmas = call_sigmas(raw_sigmas)
-        below = full_below_noise(name, schedule, self.DIT, self.plan)
-        run = self.new_run(len(sigmas), sigmas, below, schedule_start(guider, sigmas) if self.DIT else 0.0)
+        run = self.new_run(len(sigmas), sigmas, full_below_noise(name, schedule, self.DIT, self.plan))
         return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
 
     def _ended(self, run) -> None:
@@ -152,29 +151,6 @@ def schedule_name(guider, sigmas) -> str | None:
     if not isinstance(sigmas, torch.Tensor):
         return None
     return "karras" if is_karras(sigmas, low, high) else None
-
-
-# A run that starts this little into its model's noise range samples the whole schedule (a partial one starts
-# further in: KSamplerAdvanced's later passes, img2img).
-WHOLE_RUN = 0.01
-
-
-def schedule_start(guider, sigmas) -> float:
-    """How far into the model's noise range (ComfyUI's percent: 0 at the highest noise, 1 at none) the run's first
-    call lies: Wan 2.2's low-noise expert, sampled by a second KSamplerAdvanced from the switch step on, starts part
-    of the way through; 0 for a run from the top (and wherever it cannot tell)."""
-    try:
-        to_sigma = guider.model_patcher.get_model_object("model_sampling").percent_to_sigma
-        first = float(sigmas[0])
-        if first >= float(to_sigma(0.0)):
-            return 0.0
-        low, high = 0.0, 1.0  # percent_to_sigma falls as the percent grows
-        for _ in range(40):
-            middle = (low + high) / 2
-            low, high = (middle, high) if float(to_sigma(middle)) > first else (low, middle)
-    except (AttributeError, TypeError, ValueError, IndexError):
-        return 0.0
-    return low if low >= WHOLE_RUN else 0.0
 
 
 class LayerInjection:

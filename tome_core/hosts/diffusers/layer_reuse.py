@@ -217,9 +217,7 @@ class PipelineReuse(LayerReuse):
             levels = [_sigma_of(scheduler, step, float(t)) for step, t in enumerate(self._timesteps.values)]
             levels = levels[first_step:] if None not in levels else None
             below = full_below_noise(scheduler_name(scheduler), karras_or_none(scheduler), self.DIT, self.plan)
-            # A transformer whose first call comes later in the schedule (Wan 2.2's second one) starts part of
-            # the way through it.
-            self.run = self.new_run(steps, levels, below, first_step / len(self._timesteps.values))
+            self.run = self.new_run(steps, levels, below)
 
     def _finish(self) -> None:
         run = self.run

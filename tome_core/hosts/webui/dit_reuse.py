@@ -68,7 +68,6 @@ class PassDitReuse(PassReuse):
         self.run_sigmas: tuple | None = None  # (steps, sigmas) the current run was made for
         self.warned: set[str] = set()
         self.refiner = _refiner_of(p)  # the refiner the job has switched to (None: none yet)
-        self.first_step = 0  # the pass's step the current run starts at (the refiner's switch; 0: the first)
         self.forge_sigmas: tuple | None = None  # lllyasviel's Forge: (steps, the pass's sigmas or None)
 
     def say_once(self, what: str) -> None:
@@ -105,20 +104,14 @@ class PassDitReuse(PassReuse):
             self._drop_run()
             return
         refiner = _refiner_of(self.p)
-        if refiner != self.refiner:  # the second model (Wan 2.2's low-noise expert) took over: a run of its own,
-            self.refiner = refiner  # planned as the part of the pass it samples (docs/dit.md, "Wan 2.2's two experts")
+        if refiner != self.refiner:  # the second model (Wan 2.2's low-noise expert) took over: a run of its own
+            self.refiner = refiner
             self.say_once(f"the refiner {refiner!r} took over; it starts a run of its own")
             self._drop_run()
             self.run = None
-            self.first_step = step
-        if step < self.first_step:  # the pass went back before the switch: a run from its first step
-            self.first_step, self.run = 0, None
         if self.run is None or self.run_sigmas != (steps, sigmas):
-            part = sigmas[self.first_step :] if sigmas else None
-            start = self.first_step / steps if steps else 0.0
-            self.run = self.new_run(steps - self.first_step, part, self.full_below, start)
+            self.run = self.new_run(steps, sigmas, self.full_below)
             self.run_sigmas = (steps, sigmas)
-        step -= self.first_step
         layout = options.get("cond_or_uncond")
         key = (None if layout is None else tuple(layout), tuple(x.shape), x.dtype)
         allowed = self.noise_range.contains(sigma) and sigma >= self.run.full_below
