@@ -65,7 +65,8 @@ def _patch_dit(model, settings, percent_to_sigma):
     name = layout.family if layout is not None else family.name
     schedule = None
     if settings.dit_settings == "auto":
-        schedule = dit_families.auto_schedule(name) if layout is not None else None
+        record = dit_families.family(name)
+        schedule = dit_families.auto_schedule(name) if layout is not None and not record.unchanged_by_default else None
         log.info(
             "ToMe Patch: %s (%s) with dit_settings auto: %s, no ToDo (set dit_settings to 'as set' to use the "
             "other inputs).",
@@ -73,9 +74,11 @@ def _patch_dit(model, settings, percent_to_sigma):
             dit.describe(diffusion_model),
             f"reuse across steps {schedule.describe()}"
             if schedule is not None
-            else f"nothing to do ({dit_reuse.why_not(diffusion_model)})",
+            else f"nothing to do ({record.unchanged_by_default or dit_reuse.why_not(diffusion_model)})",
         )
         settings = settings.replace(method="todo", downsample_factor=1.0)
+        if record.unchanged_by_default:  # nor the other inputs' interval
+            settings = settings.replace(reuse_interval=1)
     elif settings.method == "tome":
         log.warning(
             "ToMe Patch: method tome is not available for %s (DiT) models; choose method todo. The model is "

@@ -91,6 +91,9 @@ class DitFamily:
     line_guard: float | None = None
     # How its ComfyUI and Neo classes lay out their blocks (None: reuse cannot reach them).
     blocks: BlockLayout | None = None
+    # Why ``dit_settings`` auto leaves the family as it is ("": it runs ``auto_schedule``); reuse across steps is
+    # still there with ``dit_settings`` "as set" and a ``reuse_interval``.
+    unchanged_by_default: str = ""
 
     def __post_init__(self):
         if self.blocks is not None and self.blocks.family != self.name:
@@ -142,9 +145,12 @@ FAMILIES = (
         blocks=BlockLayout((("double_block", "double_blocks"), ("single_block", "single_blocks")), ("txt", "img")),
     ),
     # AuraFlow: its class is called ``MMDiT`` as SD3's; its blocks (``double_layers`` then ``single_layers`` on the
-    # joined [text, image] stream, as Flux's) tell the two apart. No reference and no published curve: Flux's.
+    # joined [text, image] stream, as Flux's) tell the two apart. The node passed it through before; with no
+    # reference to measure a default on, auto still does (Flux's interval and curve under "as set").
     DitFamily(
         "AuraFlow", auto_intervals=((0, 3), (40, 4)), curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)",
+        unchanged_by_default="no reference measures a default on AuraFlow yet; dit_settings 'as set' with a "
+        "reuse_interval reuses across steps",
         comfyui=("MMDiT",),
         blocks=BlockLayout((("double_block", "double_layers"), ("single_block", "single_layers")), ("txt", "img")),
     ),
