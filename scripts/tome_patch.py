@@ -4,11 +4,11 @@ The WebUI imports every ``.py`` in ``scripts/`` as a script, with the extension 
 loading, so the helper package ``tome_core`` is imported here at the top. Nothing from ``ldm``, ``sgm`` or gradio
 is imported at module level (Forge has no ``ldm``/``sgm``; gradio is only needed to build the UI).
 
-Job order in WebUI v1.10.1 (modules/processing.py): ``before_process`` (line 821) -> built-in token merging
-applied (841) -> ``process`` (915) -> ``process_before_every_sampling`` per pass (1338 first pass, 1446 highres
-pass with ``p.is_hr_pass`` set at 1368, after the built-in applied its highres ratio at 1442; 1767 img2img) ->
-``postprocess`` (1148, not in a ``finally``) -> built-in removed in a ``finally`` (850). Every script hook is
-wrapped in a try/except that only prints (modules/scripts.py 820-872), so nothing here may rely on an exception
+Job order in WebUI v1.10.1 (modules/processing.py): ``before_process`` -> built-in token merging applied ->
+``process`` -> ``process_before_every_sampling`` per pass (the first pass, then the highres pass with
+``p.is_hr_pass`` set, after the built-in applied its highres ratio; img2img's) -> ``postprocess`` (not in a
+``finally``) -> built-in removed in a ``finally``. Every script hook is wrapped in a try/except that only prints
+(modules/scripts.py), so nothing here may rely on an exception
 reaching the user: bad input is reported in one console line and the job runs unpatched.
 
 The patch is applied right before each sampling pass, re-reading ``p.sd_model`` (the highres pass may use another
@@ -70,8 +70,8 @@ def remove_everywhere(sd_model=None) -> None:
 
 def _builtin_ratio(p, is_hr_pass: bool) -> float:
     """The built-in token merging ratio in force for this pass (0 when off)."""
-    # v1.10.1 modules/sd_models.py line 1034 records what apply_token_merging applied; Forge has no such
-    # attribute but the same p.get_token_merging_ratio (modules/processing.py, v1.10.1 line 412).
+    # modules/sd_models.py records what apply_token_merging applied; Forge has no such attribute but the same
+    # p.get_token_merging_ratio (modules/processing.py).
     ratios = [getattr(p.sd_model, "applied_token_merged_ratio", 0) or 0]
     try:
         ratios.append(p.get_token_merging_ratio(for_hr=is_hr_pass) or 0)

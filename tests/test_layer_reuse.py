@@ -270,18 +270,21 @@ def test_the_dit_schedule_spaces_its_full_steps_by_the_noise():
 
 
 def test_a_warm_up_runs_the_first_steps_in_full_within_the_same_count():
-    """``warm_up`` (measured, not shipped: docs/dit.md): the first share of the steps run in full, and the count
-    of full steps stays one in ``interval``, so the later ones lie further apart."""
+    """``warm_up`` (measured, not shipped: docs/dit.md; the benchmarks' ``tools.fidelity.lab``): the first share of
+    the steps run in full, and the count of full steps stays one in ``interval``, so the later ones lie further
+    apart."""
     from tome_core.reuse import NoiseSpacedSchedule
+    from tools.fidelity.lab import WarmUpSchedule, with_warm_up
 
     levels = [1.0 - step / 28 for step in range(28)]
     plain = NoiseSpacedSchedule(3).for_run(28, levels).full
     for share, first in ((0.05, 2), (0.1, 3), (0.15, 5)):
-        warm = NoiseSpacedSchedule(3, warm_up=share).for_run(28, levels).full
+        warm = with_warm_up(NoiseSpacedSchedule(3), share).for_run(28, levels).full
         assert set(range(first)) <= warm and first not in warm and len(warm) == len(plain), share
-    assert NoiseSpacedSchedule(3, warm_up=0.0).for_run(28, levels) == NoiseSpacedSchedule(3).for_run(28, levels)
+    assert WarmUpSchedule(3, warm_up=0.0).for_run(28, levels) == NoiseSpacedSchedule(3).for_run(28, levels)
+    assert with_warm_up(NoiseSpacedSchedule(3), 0.0) == NoiseSpacedSchedule(3)
     with pytest.raises(ValueError, match="warm_up"):
-        NoiseSpacedSchedule(3, warm_up=1.5)
+        WarmUpSchedule(3, warm_up=1.5)
 
 
 def test_the_noise_schedule_can_keep_its_first_and_last_steps_full():
@@ -311,26 +314,32 @@ def test_the_noise_schedule_can_keep_its_first_and_last_steps_full():
 
 
 def test_the_parabola_through_three_full_steps():
-    """``order`` 2 (measured for issue #37, not shipped): a reusing call follows the parabola through the last three
-    full steps' features (exact on a feature quadratic in the position), moved ``extrapolate`` of the way from
-    the last one."""
+    """The parabola (measured for issue #37, not shipped; ``tools.fidelity.lab.ParabolaRun``): a reusing call
+    follows the parabola through the last three full steps' features (exact on a feature quadratic in the
+    position), moved ``extrapolate`` of the way from the last one; the shipped run keeps two and draws the line."""
     from tome_core.reuse import IntervalSchedule, LayerReuseRun
+    from tools.fidelity.lab import ParabolaRun
 
     def feature_at(x):
         return torch.full((1, 2, 3, 3), 1.0 + 2.0 * x - 0.5 * x * x)
 
-    entry_run = LayerReuseRun(IntervalSchedule(1), steps=6, layers=1, extrapolate=1.0)
-    entry_run.order = 2
-    for step in range(3):
-        entry_run.begin_call(step, "a")
-        entry_run.run_layer(0, lambda step=step: feature_at(step), (), {})
-        entry_run.end_call()
-    entry = entry_run.entries["a"]
-    assert len(entry.outputs) == 3  # order 1 keeps two
-    assert torch.allclose(entry.predict(4.0, 1.0, order=2), feature_at(4.0))
+    def recorded(run_class, extrapolate):
+        run = run_class(IntervalSchedule(1), steps=6, layers=1, extrapolate=extrapolate)
+        for step in range(3):
+            run.begin_call(step, "a")
+            run.run_layer(0, lambda step=step: feature_at(step), (), {})
+            run.end_call()
+        return run, run.entries["a"]
+
+    run, entry = recorded(ParabolaRun, 1.0)
+    assert len(entry.outputs) == 3
+    assert torch.allclose(run.predict(entry, 4.0), feature_at(4.0))
     last = feature_at(2.0)
-    assert torch.allclose(entry.predict(4.0, 0.5, order=2), last + 0.5 * (feature_at(4.0) - last))
-    assert torch.allclose(entry.predict(4.0, 1.0, order=1), torch.lerp(feature_at(1.0), last, 3.0))
+    run, entry = recorded(ParabolaRun, 0.5)
+    assert torch.allclose(run.predict(entry, 4.0), last + 0.5 * (feature_at(4.0) - last))
+    run, entry = recorded(LayerReuseRun, 1.0)
+    assert len(entry.outputs) == 2
+    assert torch.allclose(run.predict(entry, 4.0), torch.lerp(feature_at(1.0), last, 3.0))
 
 
 def test_step_order_schedule_and_layout_changes_compute_in_full():
@@ -656,14 +665,13 @@ def test_the_span_keeps_a_compact_slope_from_the_size_on(monkeypatch):
 
 
 def test_the_first_block_guard_runs_a_reusing_call_in_full_where_the_span_input_moved():
-    """``first_block_guard`` (a benchmark knob): a reusing call whose span input moved more than the threshold since
-    the last full call (mean |x - x_full| / mean |x_full|) runs in full and records; one that moved less reuses, and
-    without the guard every scheduled reuse happens."""
+    """``first_block_guard`` (Qwen-Image's default carries one): a reusing call whose span input moved more than
+    the threshold since the last full call (mean |x - x_full| / mean |x_full|) runs in full and records; one that
+    moved less reuses, and without the guard every scheduled reuse happens."""
     from tome_core.reuse import LayerReuseRun, NoiseSpacedSchedule
 
     def reuses(guard, inputs):
-        run = LayerReuseRun(NoiseSpacedSchedule(4).for_run(12), 12, 1)
-        run.first_block_guard = guard
+        run = LayerReuseRun(NoiseSpacedSchedule(4).for_run(12), 12, 1, first_block_guard=guard)
         done = []
         for step, value in enumerate(inputs):
             run.begin_call(step, "layout", position=1.0 - step / 12)
@@ -689,19 +697,22 @@ def test_the_first_block_guard_runs_a_reusing_call_in_full_where_the_span_input_
 
 def test_a_unets_guards_weigh_the_first_inner_layers_input():
     """On a UNet the guards read the input of the first inner layer (the outer input block's output, computed at
-    every call). The rate guard: each reusing call's move of that input, times how much the boundary changed per
-    unit of input change between the last two full calls, adds up since the last full call; past the threshold the
-    call runs in full. An input that grows 1% a step under a boundary of input**1 (rate 1) keeps every scheduled
-    reuse at 0.045 (at most 3 x 0.01 per stretch); under input**3 (rate 3: 0.03 a step) the second call of each
-    stretch runs in full. The first-block guard reads the same input: 1% a step against 0.015 turns the second
-    call of each stretch."""
+    every call). The rate guard (measured, not shipped; ``tools.fidelity.lab.RateGuardRun``): each reusing call's
+    move of that input, times how much the boundary changed per unit of input change between the last two full
+    calls, adds up since the last full call; past the threshold the call runs in full. An input that grows 1% a
+    step under a boundary of input**1 (rate 1) keeps every scheduled reuse at 0.045 (at most 3 x 0.01 per
+    stretch); under input**3 (rate 3: 0.03 a step) the second call of each stretch runs in full. The first-block
+    guard reads the same input: 1% a step against 0.015 turns the second call of each stretch."""
     from tome_core.reuse import IntervalSchedule, LayerReuseRun
+    from tools.fidelity.lab import RateGuardRun
 
     schedule = IntervalSchedule(4, full_start=0.0, full_end=0, short_run=0, min_steps=0)  # full: 0, 1, 5, 9
 
     def reuses(power, rate=None, moved=None):
-        run = LayerReuseRun(schedule, 12, 2)
-        run.rate_guard, run.first_block_guard = rate, moved
+        if rate is None:
+            run = LayerReuseRun(schedule, 12, 2, first_block_guard=moved)
+        else:
+            run = type("At", (RateGuardRun,), {"rate_guard": rate})(schedule, 12, 2, first_block_guard=moved)
         done = []
         for step in range(12):
             done.append(run.begin_call(step, "layout"))
@@ -729,8 +740,7 @@ def test_the_line_guard_lets_a_straight_move_reuse_and_stops_a_bend():
     from tome_core.reuse import LayerReuseRun, NoiseSpacedSchedule
 
     def reuses(inputs, line=None, since_last=None):
-        run = LayerReuseRun(NoiseSpacedSchedule(4).for_run(12), 12, 1)
-        run.line_guard, run.first_block_guard = line, since_last
+        run = LayerReuseRun(NoiseSpacedSchedule(4).for_run(12), 12, 1, first_block_guard=since_last, line_guard=line)
         done = []
         for step, value in enumerate(inputs):
             run.begin_call(step, "layout", position=1.0 - step / 12)
@@ -754,23 +764,23 @@ def test_the_line_guard_lets_a_straight_move_reuse_and_stops_a_bend():
     assert reuses(steady, line=0.05, since_last=1.0) == reuses(steady, line=0.05)
 
 
-def test_a_schedules_own_first_block_guard_reaches_each_run_unless_the_hooks_set_one():
-    """A DiT family's default carries its guard in its schedule (``StepCountSchedule.first_block_guard``): every run
-    the hooks make takes it; a guard set on the hooks (a benchmark's variant) wins; none on either: no guard."""
+def test_a_schedules_own_first_block_guard_reaches_each_run():
+    """A DiT family's default carries its guards in its schedule (``StepCountSchedule.first_block_guard``,
+    ``line_guard``): every run the hooks make takes them at construction; none: no guard. A benchmark's variant
+    gives its own schedule the guards (``tools.fidelity.lab.GuardedSchedule``), which replace both."""
     from tome_core.reuse import LayerReuse, StepCountSchedule
+    from tools.fidelity.lab import GuardedSchedule
 
     guarded = LayerReuse(StepCountSchedule(((0, 4),), first_block_guard=0.1), layers=1)
     assert guarded.new_run(12).first_block_guard == 0.1
-    guarded.first_block_guard = 0.2
-    assert guarded.new_run(12).first_block_guard == 0.2
     assert LayerReuse(StepCountSchedule(((0, 4),)), layers=1).new_run(12).first_block_guard is None
     assert "moved more than 0.1 since" in StepCountSchedule(((0, 4),), first_block_guard=0.1).describe()
-    # The schedule's guards come together, and the hooks' own (a variant's) replace both.
     lined = LayerReuse(StepCountSchedule(((0, 8),), line_guard=0.07), layers=1)
     assert (lined.new_run(12).first_block_guard, lined.new_run(12).line_guard) == (None, 0.07)
     assert "lies more than 0.07 off the line" in lined.schedule.describe()
-    lined.first_block_guard = 0.1
-    assert (lined.new_run(12).first_block_guard, lined.new_run(12).line_guard) == (0.1, None)
+    variant = LayerReuse(GuardedSchedule(lined.schedule, first_block_guard=0.1), layers=1)
+    assert (variant.new_run(12).first_block_guard, variant.new_run(12).line_guard) == (0.1, None)
+    assert variant.new_run(12).schedule == lined.new_run(12).schedule
     for wrong in (0.0, -0.1):
         with pytest.raises(ValueError, match="first_block_guard must be above 0"):
             StepCountSchedule(((0, 4),), first_block_guard=wrong)

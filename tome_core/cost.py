@@ -15,10 +15,8 @@ whole-UNet rows of ``python -m tools.bench.speed`` confirm it at 512 and 768 px.
 
 On CUDA the shares are different: a GPU runs a UNet's kernels faster than the host issues them at the sizes most
 people use, so a reduction's extra kernels cost more than the attention it shrinks saves, until the attention is
-large. One SD1.5 level-1 block in fp16 on an NVIDIA H200 (2026-11-26, ``python -m tools.bench.gpu``) was slower
-with every method at 256 to 9216 tokens (0.74x to 1.00x) and faster with all of them at 16384 (1.32x to 1.47x);
-whole 25-step ComfyUI runs agreed (ToDo 2 alone: 0.99x on SD1.5 at 512 px and 0.98x on SDXL at 1024 px, 1.26x on
-SD1.5 at 1024 px; ToMe block 0.5: 0.89x and 0.76x). So CUDA has its own table, ``MIN_TOKENS_CUDA``; other
+large: on a data-centre GPU in fp16 every method was slower than off below 16384 tokens and faster from there
+(``python -m tools.bench.gpu``; the figures: docs/benchmark.md). So CUDA has its own table, ``MIN_TOKENS_CUDA``; other
 devices (MPS included, not measured) keep the CPU's. A smaller GPU, slower per kernel, may already gain below
 16384 tokens: there the rule costs a little speed, never a picture; ``skip_when_slower`` off forces the reduction.
 

@@ -13,9 +13,9 @@ Joint attention needs one correction that a UNet's self-attention does not: the 
 the softmax with the image keys, so keeping a quarter of the image keys would hand the text about four times its
 share of the attention. Each kept image key stands for ``kept / grid`` of the grid, so it gets that weight back:
 ``log(grid tokens / kept tokens)`` is added to its logits through the call's additive attention mask
-(proportional attention, as ToMe does for merged tokens). On the Flux reference model this alone lifts ToDo 2's
-same-seed SSIM from 0.63 to 0.87 (docs/dit.md). A sequence that is all grid (Wan, SD3.5's x-only
-self-attention) needs no bias: the same constant on every key changes nothing, and no mask is added there.
+(proportional attention, as ToMe does for merged tokens); without it the picture is lost (docs/dit.md). A
+sequence that is all grid (Wan, SD3.5's x-only self-attention) needs no bias: the same constant on every key
+changes nothing, and no mask is added there.
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ DOWNSAMPLE_METHODS = ("nearest-exact", "avg_pool", "bilinear")
 SCOPES = ("self-attention", "block")
 # Values a saved workflow or prompt may still hold for a setting whose choice was removed: each runs as its
 # replacement, with a warning that says why. Scope "reuse" (reuse across steps token by token, ComfyUI only) did
-# less for the same picture than reuse_interval (0.73 of the tokens computed where layer reuse computes 0.52, at
-# the same SSIM; docs/step-reuse.md).
+# less for the same picture than reuse_interval (docs/step-reuse.md).
 RETIRED_CHOICES = {
     "scope": {
         "reuse": (
@@ -73,8 +72,8 @@ _SPEC_LIST = (
     Spec(
         "method",
         "choice",
-        # The default keeps the picture: on the reference models ToDo 2 changes it least (SSIM 0.98-0.997) and is
-        # the faster self-attention method at every size measured (README "Which setting to use").
+        # The default keeps the picture: on the reference models ToDo 2 changes it least and is the faster
+        # self-attention method at every size measured (docs/benchmark.md, docs/fidelity.md).
         "todo",
         choices=METHODS,
         tooltip="tome: merge similar tokens and copy the result back (ToMe); with scope block the fastest, with "

@@ -35,7 +35,7 @@ class _Entry:
     """One batch layout's record: the boundary's outputs at the last two full steps (or the last one and the
     slope between them, packed), every layer's output shape."""
 
-    __slots__ = ("outputs", "shapes", "slope", "step", "span_inputs", "full_inputs", "last_input", "moved")
+    __slots__ = ("outputs", "shapes", "slope", "step", "span_inputs")
 
     def __init__(self):
         self.outputs: list[tuple[int, torch.Tensor]] = []  # (step, boundary output), oldest first, at most two
@@ -45,11 +45,6 @@ class _Entry:
         # A DiT's span input at the last full calls, as (position, input), oldest first: what the first-block guards
         # weigh a reusing call's input against.
         self.span_inputs: list[tuple[float, torch.Tensor]] = []
-        # The rate guard's record (a UNet's first inner layer's input): that input at the last two full calls, at
-        # the last call, and the change it predicts for the boundary since the last full call.
-        self.full_inputs: list[torch.Tensor] = []
-        self.last_input: torch.Tensor | None = None
-        self.moved = 0.0
 
     # Both kept out of a compiled graph (torch.compile of the UNet): they compare and weigh the noise levels, which
     # a graph would take as constants and compile again at every step.
@@ -67,17 +62,8 @@ class _Entry:
         self.outputs = (self.outputs + [(position, output)])[-keep:]
 
     @torch.compiler.disable
-    def predict(self, position: float, extrapolate: float, order: int = 1) -> torch.Tensor:
+    def predict(self, position: float, extrapolate: float) -> torch.Tensor:
         last_position, last = self.outputs[-1]
-        if order == 2 and extrapolate and len(self.outputs) >= 3 and self.slope is None:
-            # The parabola through the last three records, moved ``extrapolate`` of the way from the last one.
-            (xa, a), (xb, b), (xc, c) = self.outputs[-3:]
-            x = position
-            la = (x - xb) * (x - xc) / ((xa - xb) * (xa - xc))
-            lb = (x - xa) * (x - xc) / ((xb - xa) * (xb - xc))
-            lc = (x - xa) * (x - xb) / ((xc - xa) * (xc - xb))
-            curve = a * la + b * lb + c * lc
-            return torch.lerp(c, curve, extrapolate)
         if self.slope is not None:
             if not extrapolate:
                 return last
@@ -142,23 +128,27 @@ class _Call:
 class LayerReuseRun:
     """The cache of one sampling run (see the module docstring); also counts what it did, for the log."""
 
-    def __init__(self, schedule: IntervalSchedule, steps: int, layers: int, extrapolate: float = DEFAULT_EXTRAPOLATE):
+    KEEP = 2  # the full steps each record holds: the line through the last two
+
+    def __init__(
+        self,
+        schedule: IntervalSchedule,
+        steps: int,
+        layers: int,
+        extrapolate: float = DEFAULT_EXTRAPOLATE,
+        first_block_guard: float | None = None,
+        line_guard: float | None = None,
+    ):
         self.schedule = schedule
         self.steps = steps
         self.layers = layers  # how many inner layers there are; the last one is the boundary
         self.extrapolate = extrapolate
-        self.order = 1  # 2: the prediction follows the parabola through the last three full steps
-        # A DiT's reusing call whose span input moved more than this since the last full call runs in full
-        # (``ReuseOptions.first_block_guard``; None: never).
-        self.first_block_guard: float | None = None
-        # A DiT's reusing call whose span input lies more than this off the line through the last two full calls'
-        # inputs (the straight path the residual's prediction follows) runs in full (``ReuseOptions.line_guard``;
-        # None: never). Either guard may be set, or both.
-        self.line_guard: float | None = None
-        # A UNet's reusing call runs in full once the boundary's change since the last full call, predicted from
-        # how far the first inner layer's input moved (each call's move times the boundary's change per unit of
-        # input change between the last two full calls), passes this (``ReuseOptions.rate_guard``; None: never).
-        self.rate_guard: float | None = None
+        # A reusing call runs in full where the span's input (a DiT's first block's output; a UNet's first inner
+        # layer's input), which every call computes, moved more than ``first_block_guard`` since the last full call
+        # (mean |x - x_full| / mean |x_full|), or lies more than ``line_guard`` off the line through the last two
+        # full calls' inputs, the path the prediction follows (None: no such guard).
+        self.first_block_guard = first_block_guard
+        self.line_guard = line_guard
         self.guarded_calls = 0  # reusing calls a guard turned into full ones
         self.entries: dict[object, _Entry] = {}
         self.current: _Call | None = None
@@ -230,7 +220,7 @@ class LayerReuseRun:
             spec = call.entry.shapes[index]
             if not boundary:
                 return _zeros_like_spec(spec)
-            predicted = call.entry.predict(call.position, self.extrapolate, self.order)
+            predicted = self.predict(call.entry, call.position)
             return predicted if isinstance(spec[0], tuple) else spec[0]((predicted,))
         out = forward(*args, **kwargs)
         call.entry.shapes[index] = _spec_of(out)
@@ -240,7 +230,7 @@ class LayerReuseRun:
                 call.entry.shapes.pop(index)
             else:
                 # A copy: the host may add to its output in place (ControlNet).
-                call.entry.record(call.position, feature.detach().clone(), keep=self.order + 1)
+                call.entry.record(call.position, feature.detach().clone(), keep=self.KEEP)
                 call.entry.step = call.step
         return out
 
@@ -272,32 +262,12 @@ class LayerReuseRun:
         """A UNet's call reaches its first inner layer with ``first_input`` (the outer input blocks' output, which
         every call computes): the guards may turn a reusing call into a full one here, before anything is skipped,
         and a full call's input is kept for them."""
-        if not self.guarded and self.rate_guard is None:
+        if not self.guarded:
             return
         self._guard(call, first_input)
-        entry = call.entry
-        if self.rate_guard is not None and call.reuse and self._rate_says_full(entry, first_input):
-            self.compute_in_full()
-            self.guarded_calls += 1
-        # A copy: the host may add to it in place later in the call (ControlNet).
-        kept = first_input.detach().clone()
         if not call.reuse:
-            self._keep_span_input(call, kept)
-            entry.full_inputs = (entry.full_inputs + [kept])[-2:]
-            entry.moved = 0.0
-        entry.last_input = kept
-
-    def _rate_says_full(self, entry: _Entry, first_input: torch.Tensor) -> bool:
-        """Whether the boundary's predicted change since the last full call passes ``rate_guard`` (see there)."""
-        if len(entry.full_inputs) < 2 or len(entry.outputs) < 2 or entry.last_input is None:
-            return False
-        (_, before), (_, last) = entry.outputs[-2:]
-        input_before, input_last = entry.full_inputs
-        if first_input.shape != input_last.shape or entry.last_input.shape != first_input.shape:
-            return False
-        rate = _relative_change(last, before) / max(_relative_change(input_last, input_before), 1e-12)
-        entry.moved += rate * _relative_change(first_input.detach(), entry.last_input)
-        return entry.moved > self.rate_guard
+            # A copy: the host may add to it in place later in the call (ControlNet).
+            self._keep_span_input(call, first_input.detach().clone())
 
     @property
     def guarded(self) -> bool:
@@ -357,10 +327,14 @@ class LayerReuseRun:
         call.entry.record(call.position, residual, compact)
         call.entry.step = call.step
 
+    def predict(self, entry: _Entry, position: float) -> torch.Tensor:
+        """What a reusing call at ``position`` stands in with: ``entry``'s record moved along its line."""
+        return entry.predict(position, self.extrapolate)
+
     def predicted_span_output(self, joined_input: torch.Tensor) -> torch.Tensor:
         """A reusing call: the span's output, its input plus the residual predicted from the last full calls."""
         call = self.current
-        return joined_input + call.entry.predict(call.position, self.extrapolate).to(joined_input.dtype)
+        return joined_input + self.predict(call.entry, call.position).to(joined_input.dtype)
 
     def span_block(
         self, first: bool, last: bool, streams: dict, run_block: Callable, streams_of: Callable, in_full=None, pack=None

@@ -26,15 +26,12 @@ class LayerReuse:
 
     # What the run's log line calls the layers that always run and the prediction (None: a UNet's words).
     RUN_WORDS: tuple[str, str] | None = None
+    run_class = LayerReuseRun  # what ``new_run`` makes
 
     def __init__(self, schedule: IntervalSchedule, layers: int, extrapolate: float = DEFAULT_EXTRAPOLATE):
         self.schedule = schedule
         self.layers = layers  # how many inner layers there are; the last one is the boundary
         self.extrapolate = extrapolate
-        self.order = 1  # see ``LayerReuseRun.order``
-        self.first_block_guard: float | None = None  # see ``LayerReuseRun.first_block_guard``
-        self.line_guard: float | None = None  # see ``LayerReuseRun.line_guard``
-        self.rate_guard: float | None = None  # see ``LayerReuseRun.rate_guard``
         # The UNet's ``reuse_plan``: which samplers it runs with (``samplers.keeps_the_picture_with``).
         self.plan = "auto"
         self._current: LayerReuseRun | None = None
@@ -50,16 +47,18 @@ class LayerReuse:
         whose calls below ``full_below`` run in full (``full_below_noise``)."""
         schedule = self.schedule.for_run(steps, noise_levels, full_below)
         reach = getattr(schedule, "extrapolate", None)  # a schedule's own reach (a UNet family's plan)
-        run = LayerReuseRun(schedule, steps, self.layers, self.extrapolate if reach is None else reach)
+        run = self.run_class(
+            schedule,
+            steps,
+            self.layers,
+            self.extrapolate if reach is None else reach,
+            # A DiT family's default carries its guards in its schedule (``StepCountSchedule``).
+            first_block_guard=getattr(self.schedule, "first_block_guard", None),
+            line_guard=getattr(self.schedule, "line_guard", None),
+        )
         run.full_below = full_below
-        run.order = self.order
         if self.RUN_WORDS is not None:
             run.outer_words, run.inner_words = self.RUN_WORDS
-        # The hooks' own guard (a benchmark's variant) or the schedule's (a DiT family's default).
-        guards = ("first_block_guard", "line_guard", "rate_guard")
-        owner = self if any(getattr(self, name) is not None for name in guards) else self.schedule
-        for name in guards:
-            setattr(run, name, getattr(owner, name, None))
         return run
 
     def begin_call(self, run: LayerReuseRun, step: int | None, key: object, allowed=True, position=None) -> bool:

@@ -32,7 +32,7 @@ KARRAS_RHO = 7.0  # the exponent of Karras et al.'s noise schedule, as every hos
 DIT_SAMPLERS_THAT_KEEP_THE_PICTURE = frozenset({"unipcmultistepscheduler", "uni_pc", "unipc"})  # "UniPC": WebUI
 
 # UniPC's corrector multiplies a predicted output's error where the details form: with it, the calls below this
-# noise level (the flow sigma, 0 to 1) run in full (docs/dit.md, measured on ref-wan).
+# noise level (the flow sigma, 0 to 1) run in full (docs/dit.md).
 SAMPLERS_WITH_A_CORRECTOR = frozenset({"unipcmultistepscheduler", "uni_pc", "unipc"})
 FULL_BELOW_NOISE_WITH_A_CORRECTOR = 0.5
 

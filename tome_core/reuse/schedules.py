@@ -38,8 +38,8 @@ class IntervalSchedule:
 
     interval: int  # between the start and the end, one step in ``interval`` is full (1: every step)
     full_start: float = 0.2  # the steps up to this share of the schedule are full (the picture's layout)
-    # The last steps are full (the finest detail): four, since a reusing step just before the last two or three
-    # lost ref-sdxl's picture (docs/step-reuse.md).
+    # The last steps are full (the finest detail): a reusing step just before the last few loses the picture
+    # (docs/step-reuse.md).
     full_end: int = 4
     # A run of fewer steps takes bigger steps, which the prediction misses more: there one step in two at most
     # reuses (docs/step-reuse.md). 0: no such rule.
@@ -123,10 +123,6 @@ class NoiseSpacedSchedule:
     # their noise falling by the largest fractions). The end's steps come on top of the one in ``interval``.
     full_first: int = 1
     full_end: int = 0
-    # The share of the run's first steps that run in full, counted against the one in ``interval`` (the later
-    # full steps lie further apart for it). 0: ``full_first`` alone. Measured, not shipped: it lost the
-    # references' picture (docs/dit.md, "How the references change from step to step").
-    warm_up: float = 0.0
 
     def __post_init__(self):
         _check_run_rules(self)
@@ -134,8 +130,6 @@ class NoiseSpacedSchedule:
             raise ValueError(
                 f"full_first must be from 1 up and full_end from 0 up, got {self.full_first!r}, {self.full_end!r}"
             )
-        if not 0.0 <= self.warm_up <= 1.0:
-            raise ValueError(f"warm_up must be a number from 0 to 1, got {self.warm_up!r}")
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
         """The full steps of a run of ``steps`` at ``noise_levels`` (one per step, falling; None or another count:
@@ -149,10 +143,9 @@ class NoiseSpacedSchedule:
         low_noise = {step for step, level in enumerate(noise_levels) if level < full_below}
         low_noise |= set(range(max(steps - self.full_end, 0), steps))
         # One in ``interval`` of the steps the host lets reuse; the ones it runs in full come on top (counted
-        # against them, they left Wan's first 23 of 30 steps one full step with UniPC at shift 3: SSIM 0.862).
+        # against them, they left the run's high-noise stretch almost without full steps: docs/dit.md).
         budget = math.ceil((steps - len(low_noise)) / interval) + len(low_noise)
-        first = max(self.full_first, math.ceil(self.warm_up * steps - 1e-9))
-        forced = set(range(min(first, steps))) | low_noise
+        forced = set(range(min(self.full_first, steps))) | low_noise
         tight, loose = 0.0, max(levels[0] - min(levels), 0.0) + 1.0  # loose: no step but the forced ones
         full = forced
         for _ in range(48):  # bisection: the fewest-noise spacing with at most ``budget`` full steps

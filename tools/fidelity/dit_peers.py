@@ -325,11 +325,10 @@ def magcache_patch(threshold: float, ratios_of: Callable) -> Callable:
 def taylorseer_style_patch(interval: int = 5, first: int = 3) -> Callable:
     """A fidelity row's patch: every ``interval``-th call and the first ``first`` computed, the others forecast
     whole (first order, one full step along the line)."""
-    from tome_core.hosts.comfyui import dit_reuse
     from tome_core.reuse import IntervalSchedule
-    from tome_core.reuse.options import ReuseOptions
     from tome_core.schedule import NoiseRange
     from tome_core.settings import PatchSettings
+    from tools.fidelity.lab import ReuseVariant, install_dit_variant
 
     def patch(model):
         clone = model.clone()
@@ -340,8 +339,8 @@ def taylorseer_style_patch(interval: int = 5, first: int = 3) -> Callable:
                 return step < first or (step - first) % interval == interval - 1
 
         schedule = FromStep(interval, full_start=0.0, full_end=0, short_run=0, min_steps=0)
-        options = ReuseOptions(schedule, extrapolate=1.0, outer=(0, 0))
-        dit_reuse.install(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), options=options)
+        variant = ReuseVariant(schedule, extrapolate=1.0, outer=(0, 0))
+        install_dit_variant(clone, settings, NoiseRange(0.0, 1.0, lambda p: p), variant)
         return with_full_below(clone, 0.0)  # TaylorSeer has no low-noise rule of its own
 
     return patch

@@ -33,8 +33,8 @@ def forecast_hooks(blend: float = 0.25, degree: int = 6, ridge: float = 0.5, his
     kept: list = []
 
     def predict_with_fit(original):
-        def predict(self, position, extrapolate, order=1):
-            line = original(self, position, extrapolate, order)
+        def predict(self, position, extrapolate):
+            line = original(self, position, extrapolate)
             if len(self.outputs) < 3 or self.slope is not None:
                 return line
             positions = torch.tensor([p for p, _ in self.outputs] + [position], dtype=torch.float64)

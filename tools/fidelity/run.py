@@ -370,8 +370,8 @@ def layer_reuse_variant(
     from tome_core.hosts.comfyui import layer_reuse as layer_reuse_hooks
     from tome_core.hosts.shared.model_patcher import patched_clone
     from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule
-    from tome_core.reuse.options import ReuseOptions
     from tome_core.schedule import NoiseRange
+    from tools.fidelity.lab import ReuseVariant, install_unet_variant
 
     def patch(model):
         everywhere = NoiseRange(0.0, 1.0, lambda p: p)
@@ -385,10 +385,10 @@ def layer_reuse_variant(
             schedule_ = NoiseSpacedSchedule(interval, **schedule)
         else:
             schedule_ = IntervalSchedule(interval, **{"short_run": 0, "full_end": 2, "min_steps": 0, **schedule})
-        options = ReuseOptions(
+        variant = ReuseVariant(
             schedule_, extrapolate, outer, by_sigma, order, first_block_guard, line_guard, rate_guard
         )
-        layer_reuse_hooks.install(clone, settings, everywhere, options)
+        install_unet_variant(clone, settings, everywhere, variant)
         if full_below is not None:  # every call below this sigma in full, in place of the sampler's rule
             hooks = clone.injections[layer_reuse_hooks.INJECTION_KEY][0].hooks
             new_run = hooks.new_run
@@ -594,12 +594,11 @@ def dit_reuse_variant(
     this since the last full call runs in full), ``curve_guarded`` (every ``interval``, guarded by the family's
     published curve as the default's interval is), ``line_guard`` (a reusing call whose first block's output lies
     more than this off the line through the last two full calls' outputs runs in full)."""
-    from tome_core.hosts.comfyui import dit_reuse
     from tome_core.hosts.shared import dit_families
     from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule, StepCountSchedule
-    from tome_core.reuse.options import ReuseOptions
     from tome_core.schedule import NoiseRange
     from tools.fidelity import dit_peers
+    from tools.fidelity.lab import ReuseVariant, install_dit_variant, with_warm_up
 
     def patch(model):
         clone = model.clone()
@@ -613,10 +612,10 @@ def dit_reuse_variant(
         elif fixed_intervals:
             schedule = IntervalSchedule(interval, full_start=0.1)
         else:
-            schedule = NoiseSpacedSchedule(interval, warm_up=warm_up)
+            schedule = with_warm_up(NoiseSpacedSchedule(interval), warm_up)
         noise_range = NoiseRange(0.0, 1.0, lambda p: p)
-        options = ReuseOptions(schedule, extrapolate, outer, first_block_guard=first_block_guard, line_guard=line_guard)
-        dit_reuse.install(clone, settings, noise_range, options=options)
+        variant = ReuseVariant(schedule, extrapolate, outer, first_block_guard=first_block_guard, line_guard=line_guard)
+        install_dit_variant(clone, settings, noise_range, variant)
         return clone if full_below is None else dit_peers.with_full_below(clone, full_below)
 
     return patch

@@ -31,7 +31,6 @@ from ...reuse import (
     DIT_OUTER_BLOCKS,
     NoiseSpacedSchedule,
 )
-from ...reuse.options import SHIPPED, ReuseOptions
 from ..shared import dit_families
 from ..shared.dit_block_hook import (
     PATCH_NAME,
@@ -127,7 +126,7 @@ class DitReuseHooks(LayerReuseHooks):
     RUN_WORDS = ("the first block", "blocks' residual")
 
     def __init__(self, schedule, keys: list, streams: tuple[str, ...], noise_range, extrapolate: float):
-        super().__init__(schedule, 1, noise_range, extrapolate, by_sigma=True)
+        super().__init__(schedule, 1, noise_range, extrapolate)
         self.keys = keys  # the span's blocks, in call order
         self.streams = streams
         self.blocks: dict = {}  # key -> SpanBlock, to tell ours from another node's replacement
@@ -153,17 +152,13 @@ class DitReuseHooks(LayerReuseHooks):
         return True
 
 
-def install(clone, settings, noise_range, schedule=None, options: ReuseOptions = SHIPPED) -> bool:
+def install(clone, settings, noise_range, schedule=None) -> bool:
     """Give ``clone`` (a DiT's patcher) reuse across steps at ``settings.reuse_interval`` (or ``schedule``: the
-    family's under ``dit_settings`` auto); False where it cannot (left as it is). ``options``: the benchmarks'
-    variants (the product runs ``SHIPPED``: the family's step along the line, ``DIT_OUTER_BLOCKS``)."""
-    outer = DIT_OUTER_BLOCKS if options.outer is None else options.outer
-    schedule = options.schedule if options.schedule is not None else schedule
-    extrapolate = options.extrapolate
+    family's under ``dit_settings`` auto); False where it cannot (left as it is)."""
     diffusion_model = clone.model.diffusion_model
     layout = layout_of(diffusion_model)
     keys = block_keys(diffusion_model)
-    first, last = outer
+    first, last = DIT_OUTER_BLOCKS
     if layout is not None and layout.last_block_runs:
         last = max(last, 1)
     if schedule is None and settings.reuse_interval <= 1:
@@ -175,11 +170,8 @@ def install(clone, settings, noise_range, schedule=None, options: ReuseOptions =
         return False
     span = keys[first : len(keys) - last]
     schedule = NoiseSpacedSchedule(settings.reuse_interval) if schedule is None else schedule
-    if extrapolate is None:
-        extrapolate = dit_families.family(layout.family).extrapolate
+    extrapolate = dit_families.family(layout.family).extrapolate
     hooks = DitReuseHooks(schedule, span, layout.streams, noise_range, extrapolate)
-    hooks.first_block_guard = options.first_block_guard
-    hooks.line_guard = options.line_guard
     if layout.hook == "dit":
         replaced = _replacements(clone)
         for position, (block_type, index) in enumerate(span):

@@ -14,13 +14,11 @@ skip connections, ControlNet residuals and block patches run as they are. Per sa
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 from ...reuse import (
     DEFAULT_EXTRAPOLATE,
-    MIN_NOISE_LEVEL,
     OUTER_BLOCKS,
     IntervalSchedule,
     LayerReuse,
@@ -32,7 +30,6 @@ from ...reuse import (
     keeps_the_picture_with,
     unet_schedule,
 )
-from ...reuse.options import SHIPPED, ReuseOptions
 from ...schedule import call_sigmas, step_of
 from ..shared.unet_layout import attention_levels, inner_layers
 from .sampling_run import sample_with_run
@@ -53,11 +50,8 @@ class LayerReuseHooks(LayerReuse):
 
     DIT = False  # which samplers reuse may run with (``layer_reuse.keeps_the_picture_with``)
 
-    def __init__(
-        self, schedule: IntervalSchedule, layers: int, noise_range, extrapolate=DEFAULT_EXTRAPOLATE, by_sigma=False
-    ):
+    def __init__(self, schedule: IntervalSchedule, layers: int, noise_range, extrapolate=DEFAULT_EXTRAPOLATE):
         super().__init__(schedule, layers, extrapolate)
-        self.by_sigma = by_sigma
         self.noise_range = noise_range
         self.last_run: LayerReuseRun | None = None  # the last run, its cache dropped (for the log and the tests)
 
@@ -65,8 +59,8 @@ class LayerReuseHooks(LayerReuse):
         guider = executor.class_obj
         if STEP_CACHE_KEY in guider.model_options.get("transformer_options", {}):
             # ComfyUI's EasyCache or LazyCache skips steps on this model too. Both reuse at once: each takes the
-            # other's predicted output for a real change, and the picture is lost (ref-sdxl, reuse every 3 and
-            # EasyCache 0.2: SSIM 0.18). So the step cache decides the steps alone; ToDo/ToMe still apply.
+            # other's predicted output for a real change, and the picture is lost (docs/step-reuse.md). So the step
+            # cache decides the steps alone; ToDo/ToMe still apply.
             log.warning(
                 "ToMe reuse across steps is off for this run: ComfyUI's EasyCache/LazyCache already skips steps on "
                 "this model (the two together change the picture). ToDo/ToMe still apply."
@@ -101,6 +95,10 @@ class LayerReuseHooks(LayerReuse):
     def _ended(self, run) -> None:
         self.last_run = run
 
+    def position(self, sigma: float) -> float:
+        """Where a call at ``sigma`` lies on the line the prediction follows: its noise level."""
+        return sigma
+
     def apply_model_wrapper(
         self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs
     ):
@@ -112,12 +110,8 @@ class LayerReuseHooks(LayerReuse):
         step = step_of(sigmas, sigma)
         layout = tuple(str(u) for u in transformer_options.get("uuids") or ())
         key = (layout, tuple(x.shape), x.dtype)
-        # The line over the sigmas (True), over their logarithm ("log"), or over the steps (False).
-        position = None
-        if self.by_sigma:
-            position = math.log(max(sigma, MIN_NOISE_LEVEL)) if self.by_sigma == "log" else sigma
         allowed = self.noise_range.contains(sigma) and sigma >= run.full_below
-        self.begin_call(run, step, key, allowed=allowed, position=position)
+        self.begin_call(run, step, key, allowed=allowed, position=self.position(sigma))
         try:
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
         finally:
@@ -172,26 +166,19 @@ class LayerInjection:
         detach_forwards(self.layers, lambda owner: owner is self.hooks)
 
 
-def install(clone, settings, noise_range, options: ReuseOptions = SHIPPED) -> bool:
+def install(clone, settings, noise_range, schedule=None) -> bool:
     """Give ``clone`` layer reuse at ``settings.reuse_interval``; False where it cannot (left as it is).
-    ``options``: the benchmarks' variants (the product runs ``SHIPPED``; a schedule's own ``extrapolate`` wins)."""
-    outer = OUTER_BLOCKS if options.outer is None else options.outer
-    layers = [layer for _, layer in inner_layers(clone.model.diffusion_model, outer)]
+    ``schedule``: which steps run in full (None: the UNet's plan for the settings, ``unet_schedule``)."""
+    layers = [layer for _, layer in inner_layers(clone.model.diffusion_model, OUTER_BLOCKS)]
     if settings.reuse_interval <= 1 or not layers:
         return False
     if not (hasattr(clone, "add_wrapper_with_key") and hasattr(clone, "set_injections")):
         return False  # a patcher without wrappers or injections (Forge): the WebUI script runs it there
-    schedule = options.schedule
     if schedule is None:
         schedule = unet_schedule(
             settings.reuse_interval, attention_levels(clone.model.diffusion_model), settings.reuse_plan
         )
-    extrapolate = DEFAULT_EXTRAPOLATE if options.extrapolate is None else options.extrapolate
-    hooks = LayerReuseHooks(schedule, len(layers), noise_range, extrapolate, options.by_sigma)
-    hooks.order = options.order
-    hooks.first_block_guard = options.first_block_guard
-    hooks.line_guard = options.line_guard
-    hooks.rate_guard = options.rate_guard
+    hooks = LayerReuseHooks(schedule, len(layers), noise_range, DEFAULT_EXTRAPOLATE)
     hooks.plan = settings.reuse_plan
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)

@@ -124,7 +124,7 @@ QWEN_IMAGE_CURVE = StepChangeCurve(published.QWEN_IMAGE, 0.10)
 HUNYUAN_VIDEO_CURVE = StepChangeCurve(published.HUNYUAN_VIDEO, 0.24)
 WAN_CURVE = StepChangeCurve(published.WAN21_T2V_14B, 0.24)
 
-# Intervals: measured on the references (Flux on ref-flux-deep, Qwen-Image on ref-qwen, Wan on ref-wan); SD3 and
+# Intervals: measured on the reference models (docs/dit.md); SD3 and
 # Lumina 2 / Z-Image (one joint stream, as Flux's single blocks) take Flux's, the video families without a reference
 # one step more often than Wan's. A family without a published curve takes the nearest family's (docs/dit.md).
 # Flux and Qwen-Image predict a whole step along the line (it kept more of their references' picture); the others
@@ -160,8 +160,7 @@ FAMILIES = (
         blocks=BlockLayout((("double_block", "joint_blocks"),), ("txt", "img"), last_block_runs=True),
     ),
     DitFamily(
-        # Every 6 with the first block's line guard at 0.07 and its guard at 0.15, chosen on ref-qwen-v2 and ref-qwen
-        # at 20, 28 and 50 steps.
+        # Every 6 with both first-block guards, chosen on the Qwen-Image references (docs/dit.md).
         "Qwen-Image", auto_intervals=((0, 6),), extrapolate=1.0, curve=QWEN_IMAGE_CURVE, curve_of="Qwen-Image",
         first_block_guard=0.15, line_guard=0.07,
         comfyui=("QwenImageTransformer2DModel",), diffusers=("QwenImageTransformer2DModel",),

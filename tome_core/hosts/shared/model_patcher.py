@@ -1,6 +1,6 @@
 """Hooks for model patchers with ComfyUI's list-hook signature: ComfyUI itself, Forge and reForge.
 
-ComfyUI (0.3.75, comfy/ldm/modules/attention.py, BasicTransformerBlock.forward, lines 749-870) calls, per
+ComfyUI (comfy/ldm/modules/attention.py, BasicTransformerBlock.forward) calls, per
 transformer block: every ``attn1_patch(n, context, value, extra_options)`` -> self-attention -> every
 ``attn1_output_patch(out, extra_options)`` -> the same pair for cross-attention. ``extra_options`` is a fresh
 dict per block call shared by all four, so the block's plan is kept there and no state outlives the call.
@@ -13,9 +13,9 @@ as a hook (there is none around the MLP). Each ``BasicTransformerBlock`` gets an
 (a ``BlockForward``) that calls the block's own forward inside the engine's ``run_block``; no module is replaced,
 so every weight keeps its key and LoRA / weight patches apply as before. It is set and removed by the patcher
 itself, at load and unload:
-- ComfyUI: an injection (``ModelPatcher.set_injections``, comfy/patcher_extension.py ``PatcherInjection``;
-  0.3.75 model_patcher.py lines 1054-1119): ``inject`` runs when the patcher loads the model, ``eject`` when it
-  unloads it or another clone of the model is loaded (model_management.py ``load_models_gpu``, line 662), and
+- ComfyUI: an injection (``ModelPatcher.set_injections``, comfy/patcher_extension.py ``PatcherInjection``):
+  ``inject`` runs when the patcher loads the model, ``eject`` when it
+  unloads it or another clone of the model is loaded (model_management.py ``load_models_gpu``), and
   ``eject`` deletes the attribute again, so the block is exactly as before.
 - Forge: an object patch per block (backend/patcher/base.py ``add_object_patch``, applied in
   ``forge_patch_model`` and undone in ``forge_unpatch_model`` when the model or a clone of it is unloaded,
@@ -75,7 +75,7 @@ class PatcherHooks:
     def apply_model_wrapper(
         self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs
     ):
-        """ComfyUI APPLY_MODEL wrapper (comfy/model_base.py, BaseModel.apply_model, 0.3.75 line 160).
+        """ComfyUI APPLY_MODEL wrapper (comfy/model_base.py, BaseModel.apply_model).
 
         Orders the hooks for this call, and takes the step decision once per call from the sigma ``t``, outside
         the diffusion model, so a compiled model sees a plain Python bool and no host sync inside. A call that

@@ -5,21 +5,19 @@ script right before the pass and finished at the next pass, at the end of the jo
 exception while sampling skips the end) and when a model is loaded. Its ``LayerReuseRun`` is made at the pass's
 first model call, when the pass's step count is known, and dropped when the pass is finished or a call fails.
 
-The step of each model call: the WebUI calls the ``cfg_denoiser`` callbacks once per denoiser call, right before
-the UNet call(s) of that call (v1.10.1 modules/sd_samplers_cfg_denoiser.py lines 211-212, UNet calls at 249 or
-255; Forge modules/sd_samplers_cfg_denoiser.py lines 183-184), with ``CFGDenoiserParams``. Its ``sampling_step`` is
-``shared.state.sampling_step``, which the sampler's ``callback_state`` sets to ``d['i']`` *after* step i's model
-calls (modules/sd_samplers_common.py ``callback_state``, called by k-diffusion's samplers after the step's model calls;
-``launch_sampling`` resets it to 0): it reads 0 at
-steps 0 and 1 and i - 1 at step i after that. Its ``total_sampling_steps`` is the step count that
-``launch_sampling`` got: ``p.steps`` for txt2img, ``t_enc + 1`` for img2img and the highres pass (the steps that
-pass really runs). The step itself comes from the denoiser the params carry (``params.denoiser``): ``step`` counts
-its calls in this pass (reset by the sampler's ``initialize``, the index the WebUI's own prompt editing uses) and
-``total_steps`` is the number of calls the sampler is expected to make (twice the steps for second-order
-samplers, ``SamplerData.total_steps``). The call's step is ``step * steps // total_steps``; it must agree with
-the lagging ``sampling_step`` (equal to it or one above), else the step is unknown and the call runs in full
-(a sampler that makes more calls than expected, such as DPM adaptive). A ``cfg_after_cfg`` callback at the end
-of the denoiser call (v1.10.1 lines 306-307, before ``self.step += 1`` at 310; Forge lines 218-219) ends it.
+The step of each model call: the WebUI calls the ``cfg_denoiser`` callbacks once per denoiser call, right before the
+UNet call(s) of that call (modules/sd_samplers_cfg_denoiser.py, the WebUI's and Forge's alike), with
+``CFGDenoiserParams``. Its ``sampling_step`` is ``shared.state.sampling_step``, which the sampler's ``callback_state``
+sets to ``d['i']`` *after* step i's model calls (modules/sd_samplers_common.py ``callback_state``, called by
+k-diffusion's samplers after the step's model calls; ``launch_sampling`` resets it to 0): it reads 0 at steps 0 and 1
+and i - 1 at step i after that. Its ``total_sampling_steps`` is the step count that ``launch_sampling`` got: ``p.steps``
+for txt2img, ``t_enc + 1`` for img2img and the highres pass (the steps that pass really runs). The step itself comes
+from the denoiser the params carry (``params.denoiser``): ``step`` counts its calls in this pass (reset by the sampler's
+``initialize``, the index the WebUI's own prompt editing uses) and ``total_steps`` is the number of calls the sampler is
+expected to make (twice the steps for second-order samplers, ``SamplerData.total_steps``). The call's step is ``step *
+steps // total_steps``; it must agree with the lagging ``sampling_step`` (equal to it or one above), else the step is
+unknown and the call runs in full (a sampler that makes more calls than expected, such as DPM adaptive). A
+``cfg_after_cfg`` callback at the end of the denoiser call (before its ``self.step += 1``) ends it.
 
 Where the layers get their forwards and where a UNet call begins and ends:
 - WebUI (ldm, sgm): every inner layer gets an instance attribute ``forward`` (a ``SkippableLayer``), the UNet a
@@ -28,9 +26,9 @@ Where the layers get their forwards and where a UNet call begins and ends:
   in one call, or one after the other when ``batch_cond_uncond`` is off) and the input's shape and dtype.
 - Forge: object patches (``add_object_patch``), set when Forge loads the clone and undone when it unloads it:
   one per inner layer (Forge's ``TimestepEmbedSequential`` calls each layer through ``nn.Module.__call__``,
-  backend/nn/unet.py lines 77-89, so an instance ``forward`` is used) and one on the UNet's ``forward`` (called by
-  backend/modules/k_model.py line 45 with ``transformer_options``, whose ``cond_or_uncond`` names the conds of the
-  call and ``sigmas`` its noise level, backend/sampling/sampling_function.py lines 253-254).
+  backend/nn/unet.py, so an instance ``forward`` is used) and one on the UNet's ``forward`` (called by
+  backend/modules/k_model.py with ``transformer_options``, whose ``cond_or_uncond`` names the conds of the
+  call and ``sigmas`` its noise level, backend/sampling/sampling_function.py).
 """
 
 from __future__ import annotations

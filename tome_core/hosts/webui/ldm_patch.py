@@ -35,7 +35,7 @@ _HOOK = "_tome_patch_hook"  # the UNet's forward pre-hook handle
 _AFTER_HOOK = "_tome_patch_after_hook"  # the UNet's forward hook handle
 _PARENT = "_tome_patch_parent"  # on our block subclasses: the class they replace
 
-# sgm's BasicTransformerBlock._forward (generative-models@45c443b, sgm/modules/attention.py lines 463-465) takes
+# sgm's BasicTransformerBlock._forward (generative-models, sgm/modules/attention.py) takes
 # ``additional_tokens`` and ``n_times_crossframe_attn_in_self`` beyond x and context. When a caller sets one, the
 # block runs unreduced with every argument passed through unchanged.
 
