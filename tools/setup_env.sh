@@ -2,6 +2,7 @@
 # Creates what the tests and the benchmark need. Idempotent: a complete environment is reused.
 #   .venv        torch, the hosts (ComfyUI with its front end, the WebUI's ldm, tomesd, diffusers), the test tools
 #   .venv-webui  the WebUI's own gradio version (3.41.2, with numpy 1.x and pydantic 1) for the page's tests
+#   .venv-pack   comfy-cli, which builds ComfyUI's registry archive in the packaging test
 #   chromium     Debian's package, the browser the page tests drive (installed with apt-get when missing, as root)
 # Quiet: one line for each thing it sets up. pip's and apt's own output goes to .venv/setup.log and is shown only
 # when a step fails (it includes pip's dependency-conflict warnings, which are expected: the hosts of
@@ -46,6 +47,15 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch 2.13.0 is the CPU build (about 200 MB); the page needs torch for the script and a small ldm UNet.
   quietly "${pip[@]}" torch==2.13.0 -r requirements/webui-page.txt
   quietly "${pip[@]}" --no-deps -r requirements/webui-page-hosts.txt
+  echo "$want" >"$stamp"
+fi
+
+stamp=.venv-pack/.tome_patch_env
+want=$(sha1sum requirements/pack.txt | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "Setting up .venv-pack (comfy-cli, for the registry archive's test)..."
+  [ -x .venv-pack/bin/python ] || quietly python3 -m venv .venv-pack
+  quietly .venv-pack/bin/python -m pip install "${pip_flags[@]}" -r requirements/pack.txt
   echo "$want" >"$stamp"
 fi
 
