@@ -174,12 +174,12 @@ def test_image_tokens_find_their_place_or_nothing():
 
 
 def test_unsupported_dit_passes_through_unchanged(node_classes, caplog):
-    dit = host.tiny_dit("omnigen2")
+    dit = host.tiny_dit("hidream")
     before = copy.deepcopy(dit.model_options)
     with caplog.at_level(logging.WARNING, logger="tome_patch"):
         out = patch(node_classes, dit)
     assert out is dit and dit.model_options == before
-    assert "OmniGen2" in caplog.text and "no block" in caplog.text and "unchanged" in caplog.text
+    assert "HiDream" in caplog.text and "no block" in caplog.text and "unchanged" in caplog.text
 
 
 def test_tome_on_a_dit_is_refused_with_a_message(node_classes, dits, caplog):

@@ -43,7 +43,7 @@ FAMILY_WORDS = {
     "z_image": "Lumina 2",
     "cosmos_predict2": "Cosmos Predict2",
 }
-NO_BLOCK_HOOK = ("hidream", "omnigen2")
+NO_BLOCK_HOOK = ("hidream",)  # OmniGen2 has a record of its own: reuse through its layers' forwards
 BLOCKS = 4  # the first block runs at every call, the three after it are the span
 STEPS = 10  # the fewest steps that reuse
 REUSE = {"reuse_interval": 3, "downsample_factor": 1.0, "dit_settings": "as set", "skip_when_slower": False}

@@ -12,6 +12,7 @@ from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: 
 
 from tome_core.hosts.comfyui import dit_reuse
 from tome_core.hosts.comfyui.layer_reuse import RUN_KEY
+from tome_core.hosts.shared import dit_families
 from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule, full_below_noise
 
 FAMILIES = ("flux", "chroma", "sd3", "wan")
@@ -363,17 +364,20 @@ def test_the_log_says_what_was_computed(node_classes, dits, caplog):
     assert "ran only the first block" in caplog.text
 
 
-@pytest.mark.parametrize("name", sorted(dit_reuse.NO_REUSE))
+REFUSED = {family.classes("comfyui")[0]: family.no_reuse for family in dit_families.FAMILIES if family.no_reuse}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
 def test_variants_that_add_between_blocks_are_not_reused(name):
     """VACE adds hints between blocks, which a skipped span would count twice; S2V, HuMo and Animate add inputs of
-    their own between blocks; Z-Image, HiDream, Cosmos and OmniGen2 have no block hook: no span there (Wan's
-    variants still get ToDo), and the log has the reason. Each derives from a class the registry knows, or has
-    blocks of the names it would look for."""
+    their own between blocks; HiDream and Cosmos 1.0 have no block hook: no span there (Wan's variants still get
+    ToDo where their tokens are Wan's), and the log has the reason, from the model's record (``no_reuse``). Each
+    derives from a class the registry knows, or has blocks of the names it would look for."""
     wan = type("WanModel", (torch.nn.Module,), {"blocks": [1, 2, 3, 4]})
     assert dit_reuse.block_keys(wan()) is not None
     variant = type(name, (wan,), {})()
     assert dit_reuse.block_keys(variant) is None and dit_reuse.layout_of(variant) is None
-    assert dit_reuse.known_without_reuse(variant) and dit_reuse.why_not(variant) == dit_reuse.NO_REUSE[name]
+    assert dit_reuse.known_without_reuse(variant) and dit_reuse.why_not(variant) == REFUSED[name]
 
 
 def test_compiled_model_samples_the_same(node_classes, dits):

@@ -81,8 +81,8 @@ def sample(model, family, steps=2, **extra):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_door_knows_the_family(dits, family):
-    found = comfy_dit.family_of(dits[family].model.diffusion_model)
-    assert found is not None and found.name == WORDS[family]
+    found = comfy_dit.token_layout_of(dits[family].model.diffusion_model)
+    assert found is not None and found.family == WORDS[family]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -155,7 +155,7 @@ def test_hunyuan_video_reference_latent_and_text_mask(node_classes, dits):
 def test_hunyuan_video_vision_tokens_join_the_text(dits):
     """HunyuanVideo 1.5's image-to-video vision tokens (``clip_fea``) are text for the layout: counted after the
     video, kept whole."""
-    family = comfy_dit.family_of(dits["hunyuan_video15"].model.diffusion_model)
+    family = comfy_dit.token_layout_of(dits["hunyuan_video15"].model.diffusion_model)
     x = torch.zeros(1, 32, 3, 7, 9)
     tokens = family.image_tokens(x, {"clip_fea": torch.zeros(1, 4, 1152)}, torch.zeros(1, 9, 64))
     assert tokens.grid == (3, 7, 9) and tokens.before == 0 and tokens.after == 13
@@ -173,7 +173,7 @@ def test_a_sequence_of_another_layout_is_left_as_it_is(dits, family):
     x = torch.zeros(batch, channels, *(grid if family in host.DIT_VIDEO else [1, *grid]))
     if family in ("lumina2", "z_image", "flux2"):  # 4-D latents
         x = x[:, :, 0]
-    tokens = comfy_dit.family_of(diffusion_model).image_tokens(x, {}, torch.zeros(1, 9, 64))
+    tokens = comfy_dit.token_layout_of(diffusion_model).image_tokens(x, {}, torch.zeros(1, 9, 64))
     _, reduced = CALLS[family]
     total = max(queries for queries, keys in reduced if keys < queries)
     assert tokens is not None and tokens.start_in(total) is not None
@@ -187,7 +187,7 @@ def test_a_sequence_of_another_layout_is_left_as_it_is(dits, family):
 
 
 def test_qwen_image_of_several_frames_is_no_image(dits):
-    family = comfy_dit.family_of(dits["qwen_image"].model.diffusion_model)
+    family = comfy_dit.token_layout_of(dits["qwen_image"].model.diffusion_model)
     assert family.image_tokens(torch.zeros(1, 16, 2, 8, 8), {}) is None
     assert family.image_tokens(torch.zeros(1, 16, 8, 8), {}).grid == (1, 4, 4)
 
@@ -213,7 +213,7 @@ def test_lumina_2_reduces_from_its_measured_threshold(node_classes, dits):
 def test_hunyuan_image_21_is_a_still_image_of_the_same_layout():
     """HunyuanImage 2.1: ``HunyuanVideo`` with a 2-D patch on 4-D latents; ByT5's glyph tokens join the text where
     the model has their input layer; a 5-D input there, or a call without text, is no layout of its own."""
-    family = comfy_dit.DitFamily("HunyuanVideo", (2, 2), text_inputs=("txt_byt5",))
+    family = comfy_dit.TokenLayout("HunyuanVideo", (2, 2), comfy_dit._hunyuan_tokens, text_inputs=("txt_byt5",))
     context = torch.zeros(1, 9, 64)
     tokens = family.image_tokens(torch.zeros(1, 64, 9, 7), {"txt_byt5": torch.zeros(1, 5, 1472)}, context)
     assert (tokens.grid, tokens.before, tokens.after) == ((1, 5, 4), 0, 14)

@@ -76,18 +76,20 @@ def test_every_model_comfyui_ships_samples_through_the_node(node_classes, name, 
     assert torch.equal(comfy_zoo.sample_model(model, cls, steps[0]), plain)  # the input model, after the patched
 
 
-def test_auraflow_is_named_as_itself_and_left_as_it_was_by_default(node_classes, caplog):
-    """AuraFlow (a class called ``MMDiT``, as SD3's) is named as itself; the node passed it through before, and with
-    no reference to measure a default on, ``dit_settings`` auto still leaves its output as it was, bit for bit;
-    "as set" with a ``reuse_interval`` reuses across steps."""
+@pytest.mark.parametrize(("name", "words"), (("AuraFlow", "AuraFlow (MMDiT)"), ("Omnigen2", "OmniGen2 (OmniGen2")))
+def test_a_family_without_a_reference_is_named_and_left_as_it_was_by_default(node_classes, caplog, name, words):
+    """AuraFlow (a class called ``MMDiT``, as SD3's) and OmniGen2 (added by the checklist of docs/how-it-works.md:
+    its record, this test) are named as themselves; the node passed them through before, and with no reference to
+    measure a default on, ``dit_settings`` auto still leaves their output as it was, bit for bit; "as set" with a
+    ``reuse_interval`` reuses across steps."""
     import logging
 
-    cls = comfy_zoo.model_class("AuraFlow")
+    cls = comfy_zoo.model_class(name)
     model = comfy_zoo.build(cls)
     plain = comfy_zoo.sample_model(model, cls, 12)
     with caplog.at_level(logging.INFO, logger="tome_patch"):
         auto = host.patch_with_node(node_classes, model)
-    assert "AuraFlow (MMDiT)" in caplog.text and "SD3" not in caplog.text
+    assert words in caplog.text and "SD3" not in caplog.text
     assert torch.equal(comfy_zoo.sample_model(auto, cls, 12), plain)
     as_set = host.patch_with_node(node_classes, model, dit_settings="as set", downsample_factor=1.0, reuse_interval=3)
     assert not torch.equal(comfy_zoo.sample_model(as_set, cls, 12), plain)

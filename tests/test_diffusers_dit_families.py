@@ -27,7 +27,7 @@ KINDS = tuple(D.FAMILY_MAKERS)
 FAMILIES = {
     "flux2": ("Flux2Transformer2DModel", "Flux", "Flux.2", 1),  # guidance-distilled: one call
     "qwen-image": ("QwenImageTransformer2DModel", "Qwen-Image", "Qwen-Image", 2),  # true CFG: two calls
-    "z-image": ("ZImageTransformer2DModel", "Z-Image", "Z-Image", 1),  # CFG batched: one call on a list of two
+    "z-image": ("ZImageTransformer2DModel", "Lumina 2", "Z-Image", 1),  # CFG batched: one call on a list of two
     "hunyuanvideo-1.5": ("HunyuanVideo15Transformer3DModel", "HunyuanVideo", "HunyuanVideo 1.5", 2),  # its guider
     "ltx-video": ("LTXVideoTransformer3DModel", "LTX-Video", "LTX-Video", 1),  # CFG batched
     "ltx-2": ("LTX2VideoTransformer3DModel", "LTX-2", "LTX-2", 1),  # CFG batched; video and audio

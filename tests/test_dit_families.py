@@ -48,6 +48,9 @@ def test_each_name_and_alias_finds_one_record_and_an_unknown_name_the_nearest():
     assert dit_families.family("no such family") is dit_families.OTHER
     assert dit_families.OTHER.curve is dit_families.FLUX_CURVE  # the nearest family's curve, not none
     for family in dit_families.FAMILIES:
+        assert (family.blocks is None) == bool(family.no_reuse), family.name  # reuse reaches it, or the log says why
+        if family.blocks is None:
+            continue
         schedule = family.auto_schedule()
         assert isinstance(schedule, StepCountSchedule) and family.curve is not None
         # A family's default is guarded by its first block where one was measured, by the real curve elsewhere.
@@ -56,7 +59,8 @@ def test_each_name_and_alias_finds_one_record_and_an_unknown_name_the_nearest():
         assert schedule.curve is (None if guarded else family.curve)
         assert (schedule.first_block_guard, schedule.line_guard) == guards
         assert dit_families.auto_schedule(family.name) == schedule
-    guarded = [family.name for family in dit_families.FAMILIES if family.auto_schedule().curve is None]
+    reused = [family for family in dit_families.FAMILIES if family.blocks is not None]
+    guarded = [family.name for family in reused if family.auto_schedule().curve is None]
     assert guarded == ["Qwen-Image"]  # the one family with a reference that passes the curve gate
 
 
@@ -64,13 +68,16 @@ def test_each_name_and_alias_finds_one_record_and_an_unknown_name_the_nearest():
     ("host", "classes", "expected"),
     (
         ("comfyui", ("Chroma",), "Flux"),
-        ("comfyui", ("VaceWanModel", "WanModel"), "Wan"),  # a subclass matches through its MRO
+        ("comfyui", ("WanModel_X", "WanModel"), "Wan"),  # a subclass matches through its MRO
+        ("comfyui", ("VaceWanModel", "WanModel"), "Wan VACE"),  # a variant's own record before its parent's
         ("comfyui", ("NextDiT",), "Lumina 2"),
         ("diffusers", ("Flux2Transformer2DModel",), "Flux"),
         ("diffusers", ("ZImageTransformer2DModel",), "Lumina 2"),
         ("neo", ("IntegratedFluxTransformer2DModel",), "Flux"),
         ("forge", ("IntegratedFluxTransformer2DModel",), "Flux"),
-        ("comfyui", ("HiDreamImageTransformer2DModel",), None),
+        ("comfyui", ("HiDreamImageTransformer2DModel",), "HiDream"),  # a record with no blocks: why, for the log
+        ("comfyui", ("OmniGen2Transformer2DModel",), "OmniGen2"),
+        ("comfyui", ("SomeNewDiT",), None),
         ("diffusers", ("Flux",), None),  # ComfyUI's name is not diffusers'
     ),
 )
@@ -115,20 +122,26 @@ def test_every_hosts_door_reads_its_families_from_the_registry():
 
     records = {family.name: family for family in dit_families.FAMILIES}
     for record in records.values():
-        assert (record.blocks is not None) == bool(record.comfyui), record.name
+        if record.comfyui:  # its blocks reached, or why not
+            assert (record.blocks is not None) != bool(record.no_reuse), record.name
         for name in (record.name, *record.aliases):
             assert dit_block_hook.layout_named(name) is record.blocks
     assert dit_block_hook.layout_named("a family no record has") is None
-    for class_name, layout in diffusers_dit_reuse.LAYOUTS.items():
-        assert class_name in dit_families.family(layout.name).diffusers, class_name
+    # diffusers' rows of argument names are keyed by the class the registry names, and every such class has one.
+    named = {name for record in records.values() for name in record.diffusers}
+    assert set(diffusers_dit_reuse.LAYOUTS) == named
     assert set(dit_attention.PROCESSORS) <= set(records)
 
 
 def test_the_words_that_list_the_families_name_every_record():
-    """The log's and the model input's tooltip's list of families (``SUPPORTED_WORDS``) names every record, so a
-    family added to the registry is not left out of what the user reads."""
+    """The log's and the model input's tooltip's list of families (``SUPPORTED_WORDS``, made from the registry)
+    names every record whose blocks ComfyUI reaches, so a family added to the registry is not left out of what the
+    user reads; the models that run every block are not in it."""
     from tome_core.hosts.comfyui import dit_reuse as comfyui_dit_reuse
 
     for family in dit_families.FAMILIES:
         for name in (family.name, *family.aliases):
-            assert name in comfyui_dit_reuse.SUPPORTED_WORDS, name
+            if family.name in ("Flux", "SD3", "Wan", "HunyuanVideo"):  # named by their models' versions
+                name = {"Flux": "Flux.1", "SD3": "SD3/SD3.5", "Wan": "Wan 2.x", "HunyuanVideo": "HunyuanVideo 1."}[name]
+            listed = name in comfyui_dit_reuse.SUPPORTED_WORDS
+            assert listed == (family.blocks is not None and bool(family.comfyui)), name

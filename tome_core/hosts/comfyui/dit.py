@@ -42,7 +42,8 @@ call's sequence (``ImageTokens``): a call whose sequence has another layout is l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ...joint_attention import ImageTokens, SequenceDownsample
 from ...schedule import NoiseRange
@@ -51,11 +52,6 @@ from ..shared import dit_families
 OVERRIDE_KEY = "optimized_attention_override"
 WRAPPER_TYPE = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
 WRAPPER_KEY = "tome_patch_dit"
-
-# The supported families' classes are the family registry's (``dit_families``, ComfyUI's names). Other DiTs
-# (HiDream, Cosmos, OmniGen2, ...) and the Wan variants that add tokens of their own (speech-to-video, HuMo,
-# Animate) are refused.
-_REFUSED_CLASSES = ("ChromaRadiance", "WanModel_S2V", "HumoWanModel", "AnimateWanModel")
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -68,12 +64,14 @@ def _cells(sizes, patch) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class DitFamily:
-    """Where a family's image tokens lie, from the shape of the model input ``x``, the call's kwargs and its text
-    context (``c_crossattn``)."""
+class TokenLayout:
+    """Where one model's image tokens lie in its attention calls: ``find(layout, x, kwargs, context)`` from the
+    shape of the model input ``x``, the call's kwargs and its text context (``c_crossattn``); one per family in
+    ``TOKEN_LAYOUTS``."""
 
-    name: str  # "Flux", "SD3", "Wan", "Qwen-Image", "HunyuanVideo", "LTX-Video", "Lumina 2": the words of messages
+    family: str  # the family's record name: the words of messages
     patch: tuple[int, ...]  # (ph, pw) or, for video, (pt, ph, pw)
+    find: Callable = field(compare=False, repr=False)
     has_reference_conv: bool = False  # Wan with ``ref_conv``: reference tokens before the video
     # HunyuanVideo: the call's kwargs whose tokens join the text after the context (ByT5's glyphs, the vision
     # tokens), where the model has their input layers.
@@ -81,76 +79,135 @@ class DitFamily:
     pad_multiple: int | None = None  # Z-Image: caption and image each padded to a multiple of this many tokens
 
     def image_tokens(self, x, kwargs: dict, context=None) -> ImageTokens | None:
-        if self.name == "Wan":
-            return self._video_tokens(x, kwargs)
-        if self.name == "HunyuanVideo":
-            return self._hunyuan_tokens(x, kwargs, context)
-        if self.name == "LTX-Video":
-            if x.dim() != 5:
-                return None
-            return ImageTokens(_cells(x.shape[2:], self.patch), before=0)
-        if self.name == "Lumina 2":
-            return self._lumina_tokens(x, context)
-        if self.name == "Qwen-Image" and x.dim() == 5:  # Wan 2.1's latent format: one frame for an image
-            if x.shape[2] != 1:
-                return None
-            x = x[:, :, 0]
-        if x.dim() != 4:
-            return None
-        grid = (1, *_cells(x.shape[-2:], self.patch))
-        after = 0
-        if self.name in ("Flux", "Qwen-Image"):  # Kontext, Qwen-Image Edit: reference latents after the image
-            for ref in kwargs.get("ref_latents") or ():
-                if self.name == "Qwen-Image" and ref.dim() == 5 and ref.shape[2] != 1:
-                    return None
-                after += math.prod(_cells(ref.shape[-2:], self.patch))
-        return ImageTokens(grid, after=after)
+        return self.find(self, x, kwargs, context)
 
-    def _video_tokens(self, x, kwargs: dict) -> ImageTokens | None:
-        if x.dim() != 5:
+
+def _image_after_text(layout, x, kwargs, context) -> ImageTokens | None:
+    """Flux, SD3, Qwen-Image: [text, image, reference images]; Qwen-Image's latents are 5-D with one frame."""
+    if layout.family == "Qwen-Image" and x.dim() == 5:  # Wan 2.1's latent format: one frame for an image
+        if x.shape[2] != 1:
             return None
-        pt, ph, pw = self.patch
-        frames = _ceil_div(x.shape[2], pt)
-        extra = kwargs.get("time_dim_concat")  # frames appended in time: part of the same grid
+        x = x[:, :, 0]
+    if x.dim() != 4:
+        return None
+    grid = (1, *_cells(x.shape[-2:], layout.patch))
+    after = 0
+    if layout.family in ("Flux", "Qwen-Image"):  # Kontext, Qwen-Image Edit: reference latents after the image
+        for ref in kwargs.get("ref_latents") or ():
+            if layout.family == "Qwen-Image" and ref.dim() == 5 and ref.shape[2] != 1:
+                return None
+            after += math.prod(_cells(ref.shape[-2:], layout.patch))
+    return ImageTokens(grid, after=after)
+
+
+def _wan_tokens(layout, x, kwargs, context) -> ImageTokens | None:
+    if x.dim() != 5:
+        return None
+    pt, ph, pw = layout.patch
+    frames = _ceil_div(x.shape[2], pt)
+    extra = kwargs.get("time_dim_concat")  # frames appended in time: part of the same grid
+    if extra is not None:
+        frames += _ceil_div(extra.shape[2], pt)
+    grid = (frames, _ceil_div(x.shape[-2], ph), _ceil_div(x.shape[-1], pw))
+    # Reference tokens (Wan 2.2 Fun) come first: let the engine count them; else the video is the sequence.
+    before = None if layout.has_reference_conv and "reference_latent" in kwargs else 0
+    return ImageTokens(grid, before=before)
+
+
+def _hunyuan_tokens(layout, x, kwargs, context) -> ImageTokens | None:
+    """[reference latent, video, text]: both counts exact, so the text refiner's call (the context alone) and any
+    other layout find no place."""
+    if context is None or x.dim() != len(layout.patch) + 2:
+        return None
+    grid = _cells(x.shape[2:], layout.patch)
+    if len(grid) == 2:  # HunyuanImage 2.1: a still image
+        grid = (1, *grid)
+    before = 0
+    ref = kwargs.get("ref_latent")
+    if ref is not None:
+        if ref.dim() != x.dim():
+            return None
+        before = math.prod(_cells(ref.shape[2:], layout.patch))
+    text = context.shape[1]
+    for key in layout.text_inputs:
+        extra = kwargs.get(key)
         if extra is not None:
-            frames += _ceil_div(extra.shape[2], pt)
-        grid = (frames, _ceil_div(x.shape[-2], ph), _ceil_div(x.shape[-1], pw))
-        # Reference tokens (Wan 2.2 Fun) come first: let the engine count them; else the video is the sequence.
-        before = None if self.has_reference_conv and "reference_latent" in kwargs else 0
-        return ImageTokens(grid, before=before)
+            text += extra.shape[1]
+    return ImageTokens(grid, after=text, before=before)
 
-    def _hunyuan_tokens(self, x, kwargs: dict, context) -> ImageTokens | None:
-        """[reference latent, video, text]: both counts exact, so the text refiner's call (the context alone) and
-        any other layout find no place."""
-        if context is None or x.dim() != len(self.patch) + 2:
-            return None
-        grid = _cells(x.shape[2:], self.patch)
-        if len(grid) == 2:  # HunyuanImage 2.1: a still image
-            grid = (1, *grid)
-        before = 0
-        ref = kwargs.get("ref_latent")
-        if ref is not None:
-            if ref.dim() != x.dim():
-                return None
-            before = math.prod(_cells(ref.shape[2:], self.patch))
-        text = context.shape[1]
-        for key in self.text_inputs:
-            extra = kwargs.get(key)
-            if extra is not None:
-                text += extra.shape[1]
-        return ImageTokens(grid, after=text, before=before)
 
-    def _lumina_tokens(self, x, context) -> ImageTokens | None:
-        """[caption, image, image padding]: the caption (padded) counted exactly, so the refiners' calls (caption
-        alone, image alone) find no place."""
-        if context is None or x.dim() != 4:
-            return None
-        grid = (1, *_cells(x.shape[-2:], self.patch))
-        caption, after = context.shape[1], 0
-        if self.pad_multiple:
-            caption += -caption % self.pad_multiple
-            after = -math.prod(grid) % self.pad_multiple
-        return ImageTokens(grid, after=after, before=caption)
+def _ltxv_tokens(layout, x, kwargs, context) -> ImageTokens | None:
+    if x.dim() != 5:
+        return None
+    return ImageTokens(_cells(x.shape[2:], layout.patch), before=0)
+
+
+def _lumina_tokens(layout, x, kwargs, context) -> ImageTokens | None:
+    """[caption, image, image padding]: the caption (padded) counted exactly, so the refiners' calls (caption alone,
+    image alone) find no place."""
+    if context is None or x.dim() != 4:
+        return None
+    grid = (1, *_cells(x.shape[-2:], layout.patch))
+    caption, after = context.shape[1], 0
+    if layout.pad_multiple:
+        caption += -caption % layout.pad_multiple
+        after = -math.prod(grid) % layout.pad_multiple
+    return ImageTokens(grid, after=after, before=caption)
+
+
+def _square(model) -> tuple[int, int]:
+    p = int(model.patch_size)
+    return (p, p)
+
+
+def _flux(name, model):
+    return TokenLayout(name, _square(model), _image_after_text)
+
+
+def _sd3(name, model):
+    return TokenLayout(name, tuple(int(p) for p in model.x_embedder.patch_size), _image_after_text)
+
+
+def _wan(name, model):
+    patch = tuple(int(p) for p in model.patch_size)
+    if len(patch) != 3:
+        return None
+    return TokenLayout(name, patch, _wan_tokens, has_reference_conv=getattr(model, "ref_conv", None) is not None)
+
+
+def _hunyuan(name, model):
+    patch = tuple(int(p) for p in model.patch_size)
+    if len(patch) not in (2, 3):
+        return None
+    inputs = (("txt_byt5", "byt5_in"), ("clip_fea", "vision_in"))
+    text_inputs = tuple(key for key, layer in inputs if getattr(model, layer, None) is not None)
+    return TokenLayout(name, patch, _hunyuan_tokens, text_inputs=text_inputs)
+
+
+def _ltxv(name, model):
+    patch = tuple(int(p) for p in model.patchifier.patch_size)
+    return TokenLayout(name, patch, _ltxv_tokens) if len(patch) == 3 else None
+
+
+def _lumina(name, model):
+    pad = getattr(model, "pad_tokens_multiple", None)
+    return TokenLayout(name, _square(model), _lumina_tokens, pad_multiple=int(pad) if pad else None)
+
+
+# ComfyUI's ToDo per family, keyed by the family's record (``dit_families``): how its token layout is read from
+# the model, and the classes of the family whose attention sees other tokens (refused: reuse only). A family not
+# here (Qwen-Image's, LTX-2's, ... are) gets no ToDo; Wan's variants whose inputs join between blocks keep
+# Wan's layout for ToDo (VACE) or have none (S2V, HuMo, Animate: tokens of their own).
+TOKEN_LAYOUTS = {
+    "Flux": (_flux, ("ChromaRadiance",)),
+    "SD3": (_sd3, ()),
+    "Wan": (_wan, ()),
+    "Wan VACE": (_wan, ()),
+    "Qwen-Image": (_flux, ()),
+    "HunyuanVideo": (_hunyuan, ()),
+    "LTX-Video": (_ltxv, ()),
+    "Lumina 2": (_lumina, ()),
+}
 
 
 def class_names(module) -> set[str]:
@@ -158,49 +215,18 @@ def class_names(module) -> set[str]:
     return {c.__name__ for c in type(module).__mro__}
 
 
-def family_name(diffusion_model) -> str | None:
-    """The family ("Flux", Chroma too, "SD3", "Wan", "Qwen-Image", "HunyuanVideo", "LTX-Video", "Lumina 2") by
-    the model's classes, or None for any other model."""
-    record = dit_families.of_model("comfyui", diffusion_model)
-    return record.name if record is not None else None
-
-
-def family_of(diffusion_model) -> DitFamily | None:
-    """The family of a ComfyUI diffusion model, or None if this patch does not support it."""
-    if class_names(diffusion_model) & set(_REFUSED_CLASSES):
+def token_layout_of(diffusion_model) -> TokenLayout | None:
+    """Where ToDo finds the image tokens of a ComfyUI diffusion model, or None if it does not know its attention."""
+    record = dit_families.of_model("comfyui", diffusion_model) if diffusion_model is not None else None
+    if record is None or record.name not in TOKEN_LAYOUTS:
         return None
-    name = family_name(diffusion_model)
+    build, refused = TOKEN_LAYOUTS[record.name]
+    if class_names(diffusion_model) & set(refused):
+        return None
     try:
-        if name == "Flux":
-            p = int(diffusion_model.patch_size)
-            return DitFamily("Flux", (p, p))
-        if name == "SD3":
-            return DitFamily("SD3", tuple(int(p) for p in diffusion_model.x_embedder.patch_size))
-        if name == "Wan":
-            patch = tuple(int(p) for p in diffusion_model.patch_size)
-            if len(patch) != 3:
-                return None
-            return DitFamily("Wan", patch, getattr(diffusion_model, "ref_conv", None) is not None)
-        if name == "Qwen-Image":
-            p = int(diffusion_model.patch_size)
-            return DitFamily("Qwen-Image", (p, p))
-        if name == "HunyuanVideo":
-            patch = tuple(int(p) for p in diffusion_model.patch_size)
-            if len(patch) not in (2, 3):
-                return None
-            inputs = (("txt_byt5", "byt5_in"), ("clip_fea", "vision_in"))
-            text_inputs = tuple(key for key, layer in inputs if getattr(diffusion_model, layer, None) is not None)
-            return DitFamily("HunyuanVideo", patch, text_inputs=text_inputs)
-        if name == "LTX-Video":
-            patch = tuple(int(p) for p in diffusion_model.patchifier.patch_size)
-            return DitFamily("LTX-Video", patch) if len(patch) == 3 else None
-        if name == "Lumina 2":
-            p = int(diffusion_model.patch_size)
-            pad = getattr(diffusion_model, "pad_tokens_multiple", None)
-            return DitFamily("Lumina 2", (p, p), pad_multiple=int(pad) if pad else None)
+        return build(record.name, diffusion_model)
     except (AttributeError, TypeError, ValueError):  # a subclass laid out differently
         return None
-    return None
 
 
 def describe(diffusion_model) -> str:
@@ -241,8 +267,8 @@ class AttentionOverride:
 class DitHooks:
     """The APPLY_MODEL wrapper of one patched clone. Immutable; shared by copies of the clone's options."""
 
-    def __init__(self, family: DitFamily, reducer: SequenceDownsample, noise_range: NoiseRange):
-        self.family = family
+    def __init__(self, layout: TokenLayout, reducer: SequenceDownsample, noise_range: NoiseRange):
+        self.layout = layout
         self.reducer = reducer
         self.noise_range = noise_range
 
@@ -259,7 +285,7 @@ class DitHooks:
             self.noise_range.everywhere or self.noise_range.contains(float(t.max()))
         ):
             try:
-                tokens = self.family.image_tokens(x, kwargs, c_crossattn)
+                tokens = self.layout.image_tokens(x, kwargs, c_crossattn)
             except (AttributeError, TypeError, ValueError, IndexError):  # an input of another kind: left as it is
                 tokens = None
             if tokens is not None:
@@ -285,16 +311,16 @@ def patched_clone(patcher, settings, percent_to_sigma, time_factor: float = 1.0)
     for a model of another family, ValueError for a bad ``time_factor``.
     """
     model = getattr(getattr(patcher, "model", None), "diffusion_model", None)
-    family = family_of(model) if model is not None else None
-    if family is None:
+    layout = token_layout_of(model)
+    if layout is None:
         raise NotADitError(describe(model) if model is not None else type(patcher).__name__)
     if not hasattr(patcher, "add_wrapper_with_key"):
         raise NotADitError(f"{type(patcher).__name__} without model wrappers")
-    reducer = SequenceDownsample(settings, time_factor, dit_families.family(family.name).todo_min_image_tokens)
+    reducer = SequenceDownsample(settings, time_factor, dit_families.family(layout.family).todo_min_image_tokens)
     clone = patcher.clone()
     remove_patch(clone)  # applying the patch again replaces the earlier one
     if reducer.does_nothing:
         return clone
     noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
-    clone.add_wrapper_with_key(WRAPPER_TYPE, WRAPPER_KEY, DitHooks(family, reducer, noise_range).apply_model_wrapper)
+    clone.add_wrapper_with_key(WRAPPER_TYPE, WRAPPER_KEY, DitHooks(layout, reducer, noise_range).apply_model_wrapper)
     return clone

@@ -6,16 +6,16 @@ plus its residual (output minus input) predicted from the last full calls (the e
 ``LayerReuseRun.start_span`` / ``predicted_span_output``, the UNets' prediction). Which calls run in full:
 ``NoiseSpacedSchedule``, one step in ``reuse_interval``, spaced evenly in the run's sigmas.
 
-Hook point (checked in ComfyUI 0.3.75; 0.8.0 the same): the forward loop of every family with a block layout hands
-block ``i`` to ``transformer_options["patches_replace"]["dit"][(block_type, i)]`` when that key is set, with the
-block's inputs as a dict and ``{"original_block": ...}``, and reads the block's outputs back from the dict it
-returns. The patch sets such a replacement (``SpanBlock``) on every block of the span, on the clone's options
-only, wrapping a replacement another node put there before. A family's layout is part of its registry record: its
-block lists, the streams a block passes on and the order the model joins them in, and whether its last block must
-run. The argument names of each family's dict (``attention_mask`` or ``attn_mask``, ``vec`` as a tensor or
-Flux.2's tuple of modulations) never matter: a span block passes the dict on or runs the original block with it,
-and reads and writes only the streams. Families that hand no block to the hook, or add inputs between blocks
-outside it, are in ``NO_REUSE`` with the reason the log gives.
+Hook point (checked in ComfyUI 0.3.75; 0.8.0 the same): the forward loop of every family with a block layout hands block
+``i`` to ``transformer_options["patches_replace"]["dit"][(block_type, i)]`` when that key is set, with the block's
+inputs as a dict and ``{"original_block": ...}``, and reads the block's outputs back from the dict it returns. The patch
+sets such a replacement (``SpanBlock``) on every block of the span, on the clone's options only, wrapping a replacement
+another node put there before. A family's layout is part of its registry record: its block lists, the streams a block
+passes on and the order the model joins them in, and whether its last block must run, or why a model runs every block
+(``no_reuse``). The argument names of each family's dict (``attention_mask`` or ``attn_mask``, ``vec`` as a tensor or
+Flux.2's tuple of modulations) never matter: a span block passes the dict on or runs the original block with it, and
+reads and writes only the streams. Families that hand no block to the hook (and have no ``forward`` layout), or add
+inputs between blocks outside it, have a record whose ``no_reuse`` gives the log its reason.
 
 The sampling run, the step of each call and the batch layout come from the same wrappers as on the UNets
 (``layer_reuse.LayerReuseHooks``). A call computes every block (and records) where a step cache, a ControlNet,
@@ -42,7 +42,6 @@ from ..shared.dit_block_hook import (
 from ..shared.dit_block_hook import block_keys as hook_block_keys
 from ..shared.dit_block_hook import replacements as _replacements
 from ..shared.dit_families import BlockLayout
-from .dit import class_names
 from .layer_reuse import APPLY_MODEL, OUTER_SAMPLE, WRAPPER_KEY, LayerInjection, LayerReuseHooks
 
 log = logging.getLogger("tome_patch")
@@ -50,36 +49,20 @@ log = logging.getLogger("tome_patch")
 INJECTION_KEY = "tome_patch_dit_reuse"  # the span's forwards of a family without a block hook
 
 
-# Families that run every block, and why (the log says it). Checked before the registry: most derive from a class
-# there.
-NO_REUSE = {
-    "VaceWanModel": "VACE adds its hints between blocks, outside the block hook, which a skipped span would miss",
-    "WanModel_S2V": "Wan S2V injects audio and adds tokens of its own between blocks",
-    "HumoWanModel": "Wan HuMo adds audio inputs of its own between blocks",
-    "AnimateWanModel": "Wan Animate fuses face features every few blocks, outside the block hook",
-    "HiDreamImageTransformer2DModel": "HiDream hands no block to the block hook, and its blocks change the token count",
-    "GeneralDIT": "Cosmos 1.0 hands no block to the block hook",
-    "OmniGen2Transformer2DModel": "OmniGen2 hands no block to the block hook",
-}
-
-
 def layout_of(diffusion_model) -> BlockLayout | None:
     """The block layout of a DiT whose blocks reuse can skip, or None (``why_not`` says why)."""
-    if class_names(diffusion_model) & set(NO_REUSE):
-        return None
     record = dit_families.of_model("comfyui", diffusion_model)
     return layout_named(record.name) if record is not None else None
 
 
-SUPPORTED_WORDS = (
-    "Flux.1, Flux.2, Chroma, SD3/SD3.5, AuraFlow, Wan 2.x, Qwen-Image, HunyuanVideo 1.0/1.5, LTX-Video, LTX-2, "
-    "Lumina 2, Z-Image, Cosmos Predict2, Anima"
-)
+# The families whose blocks reuse reaches here, as the log and the node's tooltip name them.
+SUPPORTED_WORDS = dit_families.listed("comfyui")
 
 
 def known_without_reuse(diffusion_model) -> bool:
-    """Whether ``diffusion_model`` is a DiT this patch knows to run every block (``NO_REUSE``)."""
-    return diffusion_model is not None and bool(class_names(diffusion_model) & set(NO_REUSE))
+    """Whether ``diffusion_model`` is a DiT whose record says it runs every block (``DitFamily.no_reuse``)."""
+    record = dit_families.of_model("comfyui", diffusion_model) if diffusion_model is not None else None
+    return record is not None and bool(record.no_reuse)
 
 
 def unfit_record(diffusion_model):
@@ -92,9 +75,9 @@ def unfit_record(diffusion_model):
 
 def why_not(diffusion_model) -> str:
     """Why reuse does not run on ``diffusion_model`` (for the log)."""
-    for name in class_names(diffusion_model):
-        if name in NO_REUSE:
-            return NO_REUSE[name]
+    record = dit_families.of_model("comfyui", diffusion_model)
+    if record is not None and record.no_reuse:
+        return record.no_reuse
     unfit = unfit_record(diffusion_model)
     if unfit is not None:
         return (

@@ -24,7 +24,7 @@ def patch_model(model, settings):
     be patched (with a warning that says why)."""
     percent_to_sigma = model.get_model_object("model_sampling").percent_to_sigma
     diffusion_model = getattr(getattr(model, "model", None), "diffusion_model", None)
-    if dit.family_of(diffusion_model) is not None or dit_reuse.layout_of(diffusion_model) is not None:
+    if dit.token_layout_of(diffusion_model) is not None or dit_reuse.layout_of(diffusion_model) is not None:
         return _patch_dit(model, settings, percent_to_sigma)
     if dit_reuse.known_without_reuse(diffusion_model) or dit_reuse.unfit_record(diffusion_model) is not None:
         log.warning(
@@ -60,9 +60,9 @@ def _patch_dit(model, settings, percent_to_sigma):
     """A DiT: ToDo on the image tokens' keys and values where the family's attention is known (``dit``), reuse
     across steps where its blocks are (``dit_reuse``); with ``dit_settings`` auto, the family's measured setting."""
     diffusion_model = model.model.diffusion_model
-    family = dit.family_of(diffusion_model)  # None: ToDo does not know this family's attention
+    tokens = dit.token_layout_of(diffusion_model)  # None: ToDo does not know this family's attention
     layout = dit_reuse.layout_of(diffusion_model)  # None: reuse does not know its blocks
-    name = layout.family if layout is not None else family.name
+    name = layout.family if layout is not None else tokens.family
     schedule = None
     if settings.dit_settings == "auto":
         record = dit_families.family(name)
@@ -91,7 +91,7 @@ def _patch_dit(model, settings, percent_to_sigma):
             "ToMe Patch: max_downsample does not apply to %s (a DiT has one token grid, always reduced); ignored.",
             name,
         )
-    if family is not None:
+    if tokens is not None:
         try:
             clone = dit.patched_clone(model, settings, percent_to_sigma)
         except dit.NotADitError as err:  # a patcher without model wrappers (an older ComfyUI)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -83,9 +83,6 @@ def output(streams: Streams, values: dict):
 class DitLayout:
     """How one transformer class calls its blocks."""
 
-    # The family: the family registry's key (``hosts.shared.dit_families``) and that of
-    # ToDo's processors (``dit_attention.PROCESSORS``); in messages unless ``title`` says otherwise.
-    name: str
     block_lists: tuple[str, ...]  # the attributes holding the blocks, in call order
     # The streams a block passes on, in the order it returns them; where the blocks return several, the joined
     # tensor (``join_streams``) must list the tokens in the same order in every block list of the span.
@@ -101,6 +98,9 @@ class DitLayout:
     # where the forward names them otherwise (Z-Image); None (the default): ``hidden_states`` and ``timestep``.
     inputs: Callable[[tuple, dict], tuple] | None = None
     todo: bool = True  # whether ``dit_attention`` has ToDo processors for this class's attention
+    # The family: its record's name in the registry (``hosts.shared.dit_families``), set by ``layout_of``; the key
+    # of ToDo's processors (``dit_attention.PROCESSORS``); in messages unless ``title`` says otherwise.
+    name: str = ""
 
     @property
     def label(self) -> str:
@@ -145,20 +145,18 @@ _JOINT = (("encoder_hidden_states", 1), ("hidden_states", 0))  # Flux's, SD3's, 
 _IMAGE = (("hidden_states", 0),)  # blocks that pass on the image (video) tokens alone
 LAYOUTS = {
     "FluxTransformer2DModel": DitLayout(
-        "Flux",
         ("transformer_blocks", "single_transformer_blocks"),
         _JOINT,
         1000.0,
         ("controlnet_block_samples", "controlnet_single_block_samples"),
     ),
     "SD3Transformer2DModel": DitLayout(
-        "SD3", ("transformer_blocks",), _JOINT, 1.0, ("block_controlnet_hidden_states", "skip_layers"), True
+        ("transformer_blocks",), _JOINT, 1.0, ("block_controlnet_hidden_states", "skip_layers"), True
     ),
-    "WanTransformer3DModel": DitLayout("Wan", ("blocks",), _IMAGE, 1.0, ()),
+    "WanTransformer3DModel": DitLayout(("blocks",), _IMAGE, 1.0, ()),
     # Flux2Pipeline and the Klein pipelines pass ``timestep / 1000``; ToDo's Flux processors do not fit Flux.2's
     # attention (``Flux2AttnProcessor``, the parallel single blocks' fused projections).
     "Flux2Transformer2DModel": DitLayout(
-        "Flux",
         ("transformer_blocks", "single_transformer_blocks"),
         _JOINT,
         1000.0,
@@ -171,15 +169,20 @@ LAYOUTS = {
     # QwenImagePipeline, its Edit, image-to-image, inpainting and ControlNet pipelines pass ``timestep / 1000``;
     # the Edit pipelines' reference latents are image tokens after the image's, in the same stream.
     "QwenImageTransformer2DModel": DitLayout(
-        "Qwen-Image", ("transformer_blocks",), _JOINT, 1000.0, ("controlnet_block_samples",), todo=False
+        ("transformer_blocks",), _JOINT, 1000.0, ("controlnet_block_samples",), todo=False
     ),
     "ZImageTransformer2DModel": DitLayout(
-        "Z-Image", ("layers",), (("x", 0),), 1000.0, ("controlnet_block_samples",), inputs=_z_image_inputs, todo=False
+        ("layers",),
+        (("x", 0),),
+        1000.0,
+        ("controlnet_block_samples",),
+        title="Z-Image",
+        inputs=_z_image_inputs,
+        todo=False,
     ),
     # HunyuanVideo15Pipeline (its guider runs the prompt and the negative prompt as two calls) and its
     # image-to-video pipeline pass the scheduler's timestep as it is.
     "HunyuanVideo15Transformer3DModel": DitLayout(
-        "HunyuanVideo",
         ("transformer_blocks",),
         (("hidden_states", 0), ("encoder_hidden_states", 1)),
         1.0,
@@ -189,12 +192,11 @@ LAYOUTS = {
     ),
     # LTXPipeline (and its image-to-video and condition pipelines, whose conditioning tokens get timestep 0: the
     # call's largest is the step's) passes the scheduler's timestep as it is.
-    "LTXVideoTransformer3DModel": DitLayout("LTX-Video", ("transformer_blocks",), _IMAGE, 1.0, (), todo=False),
+    "LTXVideoTransformer3DModel": DitLayout(("transformer_blocks",), _IMAGE, 1.0, (), todo=False),
     # LTX2Pipeline and its image-to-video and condition pipelines pass the scheduler's timestep as it is. Its
     # blocks pass on the video and the audio tokens, of two widths, and return both. A call with spatio-temporal
     # guidance perturbs some blocks, one with modalities isolated skips the cross-attention between them: full.
     "LTX2VideoTransformer3DModel": DitLayout(
-        "LTX-2",
         ("transformer_blocks",),
         (("hidden_states", 0), ("audio_hidden_states", 1)),
         1.0,
@@ -207,8 +209,10 @@ LAYOUTS = {
 
 def layout_of(transformer) -> DitLayout | None:
     """The layout of a transformer whose blocks reuse can skip (exact class: subclasses such as Wan's VACE add
-    inputs between blocks that a skipped span would count twice), or None."""
-    return LAYOUTS.get(type(transformer).__name__)
+    inputs between blocks that a skipped span would count twice), named by its family's record, or None."""
+    layout = LAYOUTS.get(type(transformer).__name__)
+    record = dit_families.of_model("diffusers", transformer) if layout is not None else None
+    return None if record is None else replace(layout, name=record.name)
 
 
 class DitReuse(PipelineReuse):

@@ -2,7 +2,9 @@
 
 A record per family, keyed by the family's name as the hosts' doors call it (ComfyUI's "Lumina 2" is diffusers'
 "Z-Image": one record, two names). Every host reads the same record, so a family's default changes everywhere at
-once; the engine keeps no family names. Adding a family is a record here and its tests.
+once; the engine keeps no family names. Adding a family is a record here and its tests (the checklist:
+docs/how-it-works.md, "Adding a DiT family"). A record without blocks names a model every host leaves to run
+every block, and why (``no_reuse``).
 
 The measurements behind each value are in docs/dit.md ("The default per family", "What the default computes on
 the real models' curves").
@@ -64,6 +66,7 @@ class BlockLayout:
 class DitFamily:
     name: str  # the family's name in messages and docs
     aliases: tuple[str, ...] = ()  # other hosts' names for it
+    words: str = ""  # the models as their users name them, in the lists the user reads ("": the name, the aliases)
     # The model classes of the family in each host, by name (any class of the model's MRO matches): ComfyUI's
     # ``comfy.ldm`` classes, diffusers' transformers, Forge Neo's and lllyasviel's Forge's ``backend.nn`` classes.
     comfyui: tuple[str, ...] = ()
@@ -94,10 +97,17 @@ class DitFamily:
     # Why ``dit_settings`` auto leaves the family as it is ("": it runs ``auto_schedule``); reuse across steps is
     # still there with ``dit_settings`` "as set" and a ``reuse_interval``.
     unchanged_by_default: str = ""
+    # Why reuse across steps cannot run on it (a record without ``blocks``): the log says it.
+    no_reuse: str = ""
 
     def __post_init__(self):
         if self.blocks is not None and self.blocks.family != self.name:
             object.__setattr__(self, "blocks", replace(self.blocks, family=self.name))
+
+    @property
+    def listed_as(self) -> str:
+        """The family in the lists the user reads: its ``words``, else its name and aliases."""
+        return self.words or ", ".join((self.name, *self.aliases))
 
     def classes(self, host: str) -> tuple[str, ...]:
         if host not in HOSTS:
@@ -128,13 +138,14 @@ WAN_CURVE = StepChangeCurve(published.WAN21_T2V_14B, 0.24)
 # Lumina 2 / Z-Image (one joint stream, as Flux's single blocks) take Flux's, the video families without a reference
 # one step more often than Wan's. A family without a published curve takes the nearest family's (docs/dit.md).
 # Flux and Qwen-Image predict a whole step along the line (it kept more of their references' picture); the others
-# half a step. Order matters where one family's class derives from another's: the first record that matches wins.
+# half a step. A record naming the model's own class wins over one naming a class it derives from (``_named``).
 # Class names as read in ComfyUI 0.3.75 / 0.8.0, diffusers 0.39.0, Forge Neo neo-2.26 and Forge dfdcbab6; Flux
 # covers Flux.1, Flux.2 (the same classes), Kontext and Chroma (Neo's and Forge's ``IntegratedChromaTransformer2DModel``
 # lays its blocks out as their Flux class).
 FAMILIES = (
     DitFamily(
-        "Flux", auto_intervals=((0, 3), (40, 4)), extrapolate=1.0, todo_min_image_tokens=4096,
+        "Flux", words="Flux.1, Flux.2, Chroma", auto_intervals=((0, 3), (40, 4)), extrapolate=1.0,
+        todo_min_image_tokens=4096,
         curve=FLUX_CURVE, curve_of="FLUX.1-dev",
         comfyui=("Flux", "Chroma"), diffusers=("FluxTransformer2DModel", "Flux2Transformer2DModel"),
         neo=("IntegratedFluxTransformer2DModel", "IntegratedChromaTransformer2DModel"),
@@ -155,7 +166,8 @@ FAMILIES = (
         blocks=BlockLayout((("double_block", "double_layers"), ("single_block", "single_layers")), ("txt", "img")),
     ),
     DitFamily(
-        "SD3", auto_intervals=((0, 3), (40, 4)), curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)",
+        "SD3", words="SD3/SD3.5", auto_intervals=((0, 3), (40, 4)),
+        curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)",
         comfyui=("MMDiT",), diffusers=("SD3Transformer2DModel",),
         blocks=BlockLayout((("double_block", "joint_blocks"),), ("txt", "img"), last_block_runs=True),
     ),
@@ -177,8 +189,17 @@ FAMILIES = (
         # ``layer(x, mask, freqs_cis, adaln_input, ...)``); the refiners before them run at every call.
         blocks=BlockLayout((("layer", "layers"),), ("img",), hook="forward"),
     ),
+    # Wan's variants that add inputs of their own between blocks, outside the block hook: a skipped span would miss
+    # them or count them twice.
+    DitFamily("Wan VACE", comfyui=("VaceWanModel",),
+              no_reuse="VACE adds its hints between blocks, outside the block hook, which a skipped span would miss"),
+    DitFamily("Wan S2V", comfyui=("WanModel_S2V",),
+              no_reuse="Wan S2V injects audio and adds tokens of its own between blocks"),
+    DitFamily("Wan HuMo", comfyui=("HumoWanModel",), no_reuse="Wan HuMo adds audio inputs of its own between blocks"),
+    DitFamily("Wan Animate", comfyui=("AnimateWanModel",),
+              no_reuse="Wan Animate fuses face features every few blocks, outside the block hook"),
     DitFamily(
-        "Wan", auto_intervals=((0, 5),), curve=WAN_CURVE, curve_of="Wan 2.1 T2V 14B",
+        "Wan", words="Wan 2.x", auto_intervals=((0, 5),), curve=WAN_CURVE, curve_of="Wan 2.1 T2V 14B",
         comfyui=("WanModel",), diffusers=("WanTransformer3DModel",), neo=("WanModel",),
         blocks=BlockLayout((("double_block", "blocks"),), ("img",)),
     ),
@@ -194,7 +215,8 @@ FAMILIES = (
         blocks=BlockLayout((("layer", "blocks"),), ("img",), hook="forward"),
     ),
     DitFamily(
-        "HunyuanVideo", auto_intervals=((0, 4),), curve=HUNYUAN_VIDEO_CURVE, curve_of="HunyuanVideo",
+        "HunyuanVideo", words="HunyuanVideo 1.0/1.5", auto_intervals=((0, 4),),
+        curve=HUNYUAN_VIDEO_CURVE, curve_of="HunyuanVideo",
         comfyui=("HunyuanVideo",), diffusers=("HunyuanVideo15Transformer3DModel",),
         # HunyuanVideo 1.0 and 1.5, HunyuanImage 2.1: image before text in the single blocks' joined stream.
         blocks=BlockLayout((("double_block", "double_blocks"), ("single_block", "single_blocks")), ("img", "txt")),
@@ -202,7 +224,7 @@ FAMILIES = (
     # LTX-2 (video and audio): its class derives from LTX-Video's, its blocks pass on one stream, ``img``, that is
     # the tuple (video tokens, audio tokens) of two widths (``cache.join_streams`` cuts both into rows of one
     # width), and read the text as ``v_context`` and ``a_context``. No published curve: LTX-Video's interval and
-    # the nearest family's curve (docs/dit.md). Before LTX-Video: the first record that matches wins.
+    # the nearest family's curve (docs/dit.md).
     DitFamily(
         "LTX-2", auto_intervals=((0, 4),), curve=HUNYUAN_VIDEO_CURVE, curve_of="HunyuanVideo (nearest family)",
         comfyui=("LTXAVModel",), diffusers=("LTX2VideoTransformer3DModel",),
@@ -214,11 +236,30 @@ FAMILIES = (
         comfyui=("LTXVModel",), diffusers=("LTXVideoTransformer3DModel",),
         blocks=BlockLayout((("double_block", "transformer_blocks"),), ("img",), takes=("context",)),
     ),
+    # OmniGen2 (Lumina 2's layout: refiners, then ``layers`` on one joined stream of text, reference and image
+    # tokens, called as ``layer(x, mask, rotary_emb, temb, ...)``). No reference measures a default on it, so auto
+    # leaves it as before; no published curve: Lumina 2's (the nearest family's).
+    DitFamily(
+        "OmniGen2", auto_intervals=((0, 3), (40, 4)), curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)",
+        unchanged_by_default="no reference measures a default on OmniGen2 yet; dit_settings 'as set' with a "
+        "reuse_interval reuses across steps",
+        comfyui=("OmniGen2Transformer2DModel",),
+        blocks=BlockLayout((("layer", "layers"),), ("img",), hook="forward"),
+    ),
+    # Models every host leaves to run every block.
+    DitFamily("HiDream", comfyui=("HiDreamImageTransformer2DModel",),
+              no_reuse="HiDream hands no block to the block hook, and its blocks change the token count"),
+    DitFamily("Cosmos 1.0", comfyui=("GeneralDIT",), no_reuse="Cosmos 1.0 hands no block to the block hook"),
 )  # fmt: skip
 # A DiT no record names (a family a host door knows before it has a record): Flux's interval and curve.
 OTHER = DitFamily("other", curve=FLUX_CURVE, curve_of="FLUX.1-dev (nearest family)")
 
 _BY_NAME = {name: family for family in FAMILIES for name in (family.name, *family.aliases)}
+
+
+def listed(host: str) -> str:
+    """The families whose blocks ``host`` reaches, as the user reads them (the node's tooltip, the log)."""
+    return ", ".join(f.listed_as for f in FAMILIES if f.blocks is not None and f.classes(host))
 
 
 def family(name: str) -> DitFamily:
@@ -231,14 +272,15 @@ _LAID_OUT = ("comfyui", "neo", "forge")
 
 
 def _named(host: str, model) -> list[DitFamily]:
-    names = {cls.__name__ for cls in type(model).__mro__}
-    return [family for family in FAMILIES if names & set(family.classes(host))]
+    """The records naming one of ``model``'s classes, the model's own class first, then the classes it derives from
+    in order (a variant's record before its parent's); records naming the same class in ``FAMILIES`` order."""
+    return [family for cls in type(model).__mro__ for family in FAMILIES if cls.__name__ in family.classes(host)]
 
 
 def of_model(host: str, model) -> DitFamily | None:
-    """The record of the family ``model`` (a host's diffusion model) belongs to in ``host``: the first whose class
-    names one of the model's classes and, in the hosts its block layout describes, whose blocks the model has and
-    take what the layout says (``BlockLayout.fits``). None for a model no record fits."""
+    """The record of the family ``model`` (a host's diffusion model) belongs to in ``host``: the first of ``_named``
+    that, in the hosts its block layout describes, the model's blocks fit (their lists, and what they take:
+    ``BlockLayout.fits``). None for a model no record fits."""
     for family in _named(host, model):
         if host not in _LAID_OUT or family.blocks is None or family.blocks.fits(model):
             return family
