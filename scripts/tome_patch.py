@@ -4,235 +4,31 @@ The WebUI imports every ``.py`` in ``scripts/`` as a script, with the extension 
 loading, so the helper package ``tome_core`` is imported here at the top. Nothing from ``ldm``, ``sgm`` or gradio
 is imported at module level (Forge has no ``ldm``/``sgm``; gradio is only needed to build the UI).
 
-Job order in WebUI v1.10.1 (modules/processing.py): ``before_process`` -> built-in token merging applied ->
-``process`` -> ``process_before_every_sampling`` per pass (the first pass, then the highres pass with
-``p.is_hr_pass`` set, after the built-in applied its highres ratio; img2img's) -> ``postprocess`` (not in a
-``finally``) -> built-in removed in a ``finally``. Every script hook is wrapped in a try/except that only prints
-(modules/scripts.py), so nothing here may rely on an exception
-reaching the user: bad input is reported in one console line and the job runs unpatched.
+Job order in WebUI v1.10.1 (modules/processing.py): ``before_process`` -> built-in token merging applied -> ``process``
+-> ``process_before_every_sampling`` per pass (the first pass, then the highres pass with ``p.is_hr_pass`` set, after
+the built-in applied its highres ratio; img2img's) -> ``postprocess`` (not in a ``finally``) -> built-in removed in a
+``finally``. Every script hook is wrapped in a try/except that only prints (modules/scripts.py), so nothing here may
+rely on an exception reaching the user: bad input is reported in one console line and the job runs unpatched.
 
-The patch is applied right before each sampling pass, re-reading ``p.sd_model`` (the highres pass may use another
-checkpoint), and removed after the job, at the start of the next one (an exception while sampling skips
-``postprocess``), when a model is loaded and when the scripts are reloaded.
-
-Reuse across steps (``reuse_interval``) belongs to one sampling pass: it is set up with the patch and finished at
-the next pass, at the end of the job and wherever the patch is removed; the step of each model call comes from the
-``cfg_denoiser`` callbacks (see ``tome_core/hosts/webui/layer_reuse.py``).
+What each pass gets is decided by the WebUI's front door, ``tome_core/hosts/webui/patch.py``; this file keeps the script
+class, its UI glue (paste-back, the X/Y/Z plot's axes) and the WebUI's callbacks.
 """
 
 from __future__ import annotations
 
 from modules import script_callbacks, scripts
 
-from tome_core.hosts.shared.model_patcher import NotAUNetError, patched_clone
 from tome_core.hosts.webui import args as webui_args
-from tome_core.hosts.webui import dit_reuse as webui_dit_reuse
 from tome_core.hosts.webui import layer_reuse as webui_layer_reuse
-from tome_core.hosts.webui import ldm_patch
-
-TITLE = "ToMe Patch"
-_JOB = "_tome_patch_job"  # per-job state on the processing object
-_OVERRIDES = "_tome_patch_overrides"  # X/Y/Z plot axis values on the processing object
-
-
-def _console(message: str) -> None:
-    print(f"[{TITLE}] {message}")
-
-
-class _Job:
-    # A plain class: the WebUI imports scripts without registering them in sys.modules, where a dataclass
-    # with string annotations would look its module up.
-    def __init__(self, args: webui_args.ScriptArgs | None):
-        self.args = args
-        self.warned: set[str] = set()
-        self.infotext_written = False
-        self.reuse_runs: list = []  # the LayerReuseRun of each pass that reused across steps (log, tests)
-        self.dit_family: str | None = None  # the DiT family whose default a pass ran (Forge Neo), for the infotext
-
-    def warn_once(self, message: str) -> None:
-        if message not in self.warned:
-            self.warned.add(message)
-            _console(message)
-
-
-def _unet_of(sd_model):
-    return getattr(getattr(sd_model, "model", None), "diffusion_model", None)
-
-
-def remove_everywhere(sd_model=None) -> None:
-    """Leave no patch of ours on any UNet: those we patched, and ``sd_model``'s (it may be a reloaded object)."""
-    webui_layer_reuse.end_pass()
-    ldm_patch.remove_all()
-    unet = _unet_of(sd_model)
-    if unet is not None and hasattr(unet, "modules"):
-        ldm_patch.remove_patch(unet)
-
-
-def _builtin_ratio(p, is_hr_pass: bool) -> float:
-    """The built-in token merging ratio in force for this pass (0 when off)."""
-    # modules/sd_models.py records what apply_token_merging applied; Forge has no such attribute but the same
-    # p.get_token_merging_ratio (modules/processing.py).
-    ratios = [getattr(p.sd_model, "applied_token_merged_ratio", 0) or 0]
-    try:
-        ratios.append(p.get_token_merging_ratio(for_hr=is_hr_pass) or 0)
-    except Exception:  # an old or unusual processing object: rely on the applied ratio alone
-        pass
-    return max(float(r) for r in ratios)
-
-
-def _job_seed(p) -> int:
-    for name in ("seeds", "all_seeds"):
-        seeds = getattr(p, name, None)
-        if seeds:
-            return int(seeds[0])
-    return int(getattr(p, "seed", 0) or 0)
-
-
-def _tensorrt_active() -> bool:
-    try:
-        from modules import sd_unet
-    except ImportError:
-        return False
-    return getattr(sd_unet, "current_unet", None) is not None
-
-
-def _forge_percent_to_sigma(unet_patcher):
-    predictor = getattr(getattr(unet_patcher, "model", None), "predictor", None)  # Forge backend KModel
-    if predictor is not None and hasattr(predictor, "percent_to_sigma"):
-        return predictor.percent_to_sigma
-    try:  # reForge keeps ComfyUI's model_sampling object
-        return unet_patcher.get_model_object("model_sampling").percent_to_sigma
-    except Exception:
-        return None
-
-
-def start_job(p, args) -> _Job:
-    """Read the script's args for this job (UI, API or X/Y/Z plot); on bad input report it once and do nothing."""
-    try:
-        parsed = webui_args.parse_args(args)
-        parsed = webui_args.with_overrides(parsed, getattr(p, _OVERRIDES, None) or {})
-    except ValueError as err:
-        message = f"{err}. This generation runs without it."
-        _console(message)
-        if hasattr(p, "comment"):
-            p.comment(message)
-        job = _Job(None)
-    else:
-        job = _Job(parsed if parsed.enabled else None)
-    setattr(p, _JOB, job)
-    return job
-
-
-def end_reuse_pass(job: _Job | None) -> None:
-    """Finish the reuse across steps of the pass before (its run is dropped) and log what it did."""
-    run = webui_layer_reuse.end_pass()
-    if run is not None and job is not None:
-        job.reuse_runs.append(run)
-        _console(f"reuse across steps: {run.summary()}")
-
-
-def patch_for_pass(p, job: _Job) -> None:
-    end_reuse_pass(job)
-    is_hr_pass = bool(getattr(p, "is_hr_pass", False))
-    sd_model = p.sd_model
-    forge_objects = getattr(sd_model, "forge_objects", None)
-    if forge_objects is None:
-        remove_everywhere(sd_model)  # the previous pass's patch, maybe on another checkpoint
-    if job.args is None:
-        return
-    settings = job.args.settings_for_pass(is_hr_pass, _job_seed(p))
-    if settings is None:
-        return
-    if _builtin_ratio(p, is_hr_pass) > 0:
-        job.warn_once(
-            "the built-in token merging (Settings > Optimizations) is on for this pass; ToMe Patch leaves the pass "
-            "to it. Set the built-in ratio to 0 to use ToMe Patch."
-        )
-        return
-    if forge_objects is not None:
-        patched = _patch_forge(p, forge_objects, settings, job)
-    else:
-        patched = _patch_ldm(p, sd_model, settings, job)
-    if patched and not job.infotext_written:
-        if job.dit_family is not None:
-            params = webui_args.dit_infotext_params(job.args, job.dit_family)
-        else:
-            params = webui_args.infotext_params(job.args)
-        p.extra_generation_params.update(params)
-        job.infotext_written = True
-
-
-def _patch_ldm(p, sd_model, settings, job: _Job) -> bool:
-    unet = _unet_of(sd_model)
-    if unet is None or not hasattr(unet, "named_modules"):
-        job.warn_once(f"this model ({type(sd_model).__name__}) has no UNet to patch; generating without it.")
-        return False
-    if _tensorrt_active():
-        job.warn_once("a TensorRT UNet is active and bypasses the transformer blocks; generating without it.")
-        return False
-    try:
-        reduced = ldm_patch.install_patch(unet, settings)  # False where the token reduction does nothing
-    except ldm_patch.UnsupportedModelError as err:
-        job.warn_once(f"not applied: {err}.")
-        return False
-    _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
-    reusing = webui_layer_reuse.install_ldm(unet, settings, p) is not None
-    return reduced or reusing
-
-
-def _warn_if_the_sampler_keeps_reuse_off(p, settings, job: _Job) -> None:
-    if settings.reuse_interval > 1 and not webui_layer_reuse.sampler_keeps_the_picture(p, settings.reuse_plan):
-        scheduler = getattr(p, "scheduler", None)
-        on = f" on the schedule {scheduler!r}" if scheduler and scheduler != "Automatic" else ""
-        job.warn_once(
-            f"reuse across steps is off with the sampler {getattr(p, 'sampler_name', None)!r}{on} (it keeps the "
-            "picture with Euler, Heun, DDIM and DPM++ SDE, not on Karras sigmas but for DPM++ 2M under the reuse "
-            "plan 'auto'); every step runs in full, the token reduction still applies."
-        )
-
-
-def _patch_forge(p, forge_objects, settings, job: _Job) -> bool:
-    unet = forge_objects.unet
-    percent_to_sigma = _forge_percent_to_sigma(unet)
-    if percent_to_sigma is None:
-        if settings.start_percent > 0 or settings.end_percent < 1:
-            job.warn_once("this Forge version exposes no sampling schedule; reducing at every step instead.")
-        settings = settings.replace(start_percent=0.0, end_percent=1.0)
-    try:
-        clone = patched_clone(unet, settings, percent_to_sigma)
-    except NotAUNetError as err:
-        return _patch_dit(p, forge_objects, settings, percent_to_sigma, job, str(err))
-    # The step of each call comes from the WebUI's callbacks here, not from a ComfyUI-style sampler wrapper (which
-    # a reForge patcher may take but the WebUI's samplers never run).
-    _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
-    webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma)
-    forge_objects.unet = clone
-    return True
-
-
-def _patch_dit(p, forge_objects, settings, percent_to_sigma, job: _Job, model_name: str) -> bool:
-    """A DiT in Forge Neo or lllyasviel's Forge: the family's default (as ComfyUI's ``dit_settings`` auto), or one
-    line saying why not."""
-    unet = forge_objects.unet
-    why = webui_dit_reuse.why_not(unet, p)
-    if why is None and settings.reuse_interval <= 1:
-        why = "reuse across steps is off (reuse interval 1)"
-    if why is not None:
-        job.warn_once(f"this model ({model_name}) is generated unchanged: {why}.")
-        return False
-    clone = unet.clone()
-    owner = webui_dit_reuse.install_neo(clone, settings, p, percent_to_sigma)
-    if owner is None:
-        job.warn_once(f"this model ({model_name}) is generated unchanged: too few blocks to reuse.")
-        return False
-    job.warn_once(
-        f"{owner.family} ({model_name}): the family's measured default, reuse across steps "
-        f"{owner.schedule.describe()}; no ToDo (on a DiT it shifts the colours; ComfyUI's default runs none "
-        "either); the other controls act on SD1.x, SD2.x and SDXL."
-    )
-    forge_objects.unet = clone
-    job.dit_family = owner.family
-    return True
+from tome_core.hosts.webui.patch import (
+    JOB,
+    OVERRIDES,
+    TITLE,
+    end_reuse_pass,
+    patch_for_pass,
+    remove_everywhere,
+    start_job,
+)
 
 
 class ToMePatchScript(scripts.Script):
@@ -255,7 +51,7 @@ class ToMePatchScript(scripts.Script):
         start_job(p, args)
 
     def process_before_every_sampling(self, p, *args, **kwargs):
-        job = getattr(p, _JOB, None) or start_job(p, args)
+        job = getattr(p, JOB, None) or start_job(p, args)
         try:
             patch_for_pass(p, job)
         except Exception as err:  # never leave a half-applied patch behind, never stop the generation
@@ -263,7 +59,7 @@ class ToMePatchScript(scripts.Script):
             job.warn_once(f"not applied because of an error: {err!r}")
 
     def postprocess(self, p, processed, *args):
-        end_reuse_pass(getattr(p, _JOB, None))
+        end_reuse_pass(getattr(p, JOB, None))
         remove_everywhere(getattr(p, "sd_model", None))
 
 
@@ -284,9 +80,9 @@ def _infotext_fields(components):
 
 def _xyz_apply(name):
     def apply(p, value, values):
-        overrides = dict(getattr(p, _OVERRIDES, None) or {})
+        overrides = dict(getattr(p, OVERRIDES, None) or {})
         overrides[name] = value
-        setattr(p, _OVERRIDES, overrides)
+        setattr(p, OVERRIDES, overrides)
 
     return apply
 

@@ -14,7 +14,7 @@ from hosts import diffusers_host as H
 
 import tome_core
 from tome_core import PatchSettings, Reducer
-from tome_core.hosts.diffusers import pipeline_patch, step_range
+from tome_core.hosts.diffusers import patch, step_range, unet_patch
 
 # The token reduction alone, at every size (reuse across steps, on by default, has its own tests).
 FORCE = {"skip_when_slower": False, "reuse_interval": 1}
@@ -31,7 +31,7 @@ def pipeline(pipes, kind):
     if kind not in pipes:
         pipes[kind] = H.make_pipeline(kind)
     pipe = pipes[kind]
-    assert not pipeline_patch.is_patched(pipe)
+    assert not patch.is_patched(pipe)
     return pipe
 
 
@@ -114,8 +114,8 @@ def test_default_settings_leave_small_images_alone(pipes):
 def test_levels_follow_the_layout():
     """Automatic levels: the finest with attention, so SDXL (none at level 1) is reduced at level 2."""
     sd1, sdxl = H.sd1_unet(), H.sdxl_unet()
-    assert pipeline_patch.attention_levels(sd1) == (1, 2)
-    assert pipeline_patch.attention_levels(sdxl) == (2, 4)
+    assert unet_patch.attention_levels(sd1) == (1, 2)
+    assert unet_patch.attention_levels(sdxl) == (2, 4)
     seen = []
     original = Reducer.start_block
 
@@ -135,7 +135,7 @@ def test_levels_follow_the_layout():
             Reducer.start_block = original
             tome_core.remove_patch(unet)
         assert {tokens for _, tokens, reduced in seen if reduced} == {reduced_tokens}
-        assert len(seen) == len(pipeline_patch.transformer_blocks(unet))
+        assert len(seen) == len(unet_patch.transformer_blocks(unet))
 
 
 # --- settings and models that are refused ------------------------------------------------------------------------
@@ -248,7 +248,7 @@ def test_patching_twice_equals_once_and_removal_leaves_nothing(make):
     tome_core.apply_patch(unet, method="todo", **FORCE)
     tome_core.apply_patch(unet, method="tome", ratio=0.4, merge_crossattn=True, **FORCE)
     twice = call(unet, sample, kwargs)
-    for _, block in pipeline_patch.transformer_blocks(unet):
+    for _, block in unet_patch.transformer_blocks(unet):
         assert [c.__name__ for c in type(block).__mro__].count("TomePatchDiffusersBlock") == 1
     assert len(unet._forward_pre_hooks) == 1
     tome_core.remove_patch(unet)
@@ -344,7 +344,7 @@ def test_a_scheduler_swapped_after_patching_is_followed(pipes):
     original = pipe.scheduler
     tome_core.apply_patch(pipe, method="tome", ratio=0.5, end_percent=0.5, **FORCE)
     try:
-        step_range = pipe.unet.__dict__[pipeline_patch._STATE].step_range
+        step_range = pipe.unet.__dict__[unet_patch._STATE].step_range
         assert step_range.contains(600.0) and not step_range.contains(400.0)
         pipe.scheduler = EDMEulerScheduler()
         threshold = float(pipe.scheduler.precondition_noise(torch.tensor((0.002 * 80.0) ** 0.5)))
@@ -454,7 +454,7 @@ def test_chunked_feed_forward_with_merged_mlp():
     # 256 -> 180 tokens, not a multiple of 8
     tome_core.apply_patch(unet, method="tome", ratio=0.3, merge_mlp=True, **FORCE)
     whole = call(unet, sample, kwargs)
-    for _, block in pipeline_patch.transformer_blocks(unet):
+    for _, block in unet_patch.transformer_blocks(unet):
         block.set_chunk_feed_forward(chunk_size=8, dim=1)
     chunked = call(unet, sample, kwargs)
     tome_core.remove_patch(unet)

@@ -15,7 +15,7 @@ from hosts import diffusers_dit_host as D
 from test_diffusers import module_snapshot
 
 import tome_core
-from tome_core.hosts.diffusers import dit_attention, dit_reuse, pipeline_patch
+from tome_core.hosts.diffusers import dit_attention, dit_reuse, patch
 from tome_core.hosts.shared import dit_families
 from tome_core.reuse import FullSteps, LayerReuse, LayerReuseRun, StepCountSchedule
 
@@ -40,7 +40,7 @@ def pipeline(pipes, kind):
     if kind not in pipes:
         pipes[kind] = MAKERS[kind]()
     pipe = pipes[kind]
-    assert not pipeline_patch.is_patched(pipe)
+    assert not patch.is_patched(pipe)
     return pipe
 
 
@@ -83,12 +83,12 @@ def test_the_default_changes_the_picture_and_removal_is_exact(pipes, kind):
     plain = D.run(pipe)
     before = snapshot(pipe)  # after a run: the pipeline's cache_context adds diffusers' hook registry once
     assert tome_core.apply_patch(pipe, **FORCE) is pipe
-    assert pipeline_patch.is_patched(pipe)
+    assert patch.is_patched(pipe)
     patched = D.run(pipe)
     assert patched.shape == plain.shape and torch.isfinite(patched).all()
     assert not torch.equal(patched, plain)
     assert tome_core.remove_patch(pipe) is pipe
-    assert not pipeline_patch.is_patched(pipe)
+    assert not patch.is_patched(pipe)
     assert snapshot(pipe) == before  # classes, attributes, hooks and processors as they were
     assert torch.equal(D.run(pipe), plain)  # bit-identical to never patched
 
@@ -249,7 +249,7 @@ def test_tome_and_reuse_on_a_bare_transformer_are_refused_unchanged(pipes):
         tome_core.apply_patch(pipe.transformer, reuse_interval=3)
     with pytest.raises(ValueError, match="reuse_interval"):
         tome_core.apply_patch(pipe, reuse_interval=0)
-    assert snapshot(pipe) == before and not pipeline_patch.is_patched(pipe)
+    assert snapshot(pipe) == before and not patch.is_patched(pipe)
 
 
 def test_a_bare_transformer_gets_todo_and_leaves_the_default_reuse_out(pipes, caplog):
@@ -513,6 +513,6 @@ def test_auto_keeps_what_the_user_names(pipes, monkeypatch):
     assert torch.equal(named, by_hand)
     tome_core.apply_patch(pipe.transformer)  # no pipeline: no reuse, and no ToDo unless named
     try:
-        assert not pipeline_patch.is_patched(pipe)
+        assert not patch.is_patched(pipe)
     finally:
         tome_core.remove_patch(pipe)

@@ -18,7 +18,7 @@ from test_diffusers import module_snapshot
 from test_diffusers_dit import counting_runs
 
 import tome_core
-from tome_core.hosts.diffusers import dit_attention, dit_reuse, pipeline_patch
+from tome_core.hosts.diffusers import dit_attention, dit_reuse, patch
 from tome_core.hosts.shared import dit_families
 from tome_core.reuse import NoiseSpacedSchedule
 
@@ -61,7 +61,7 @@ def pipeline(pipes, kind):
     if kind not in pipes:
         pipes[kind] = D.FAMILY_MAKERS[kind]()
     pipe = pipes[kind]
-    assert not pipeline_patch.is_patched(pipe)
+    assert not patch.is_patched(pipe)
     return pipe
 
 
@@ -107,7 +107,7 @@ def test_reuse_skips_the_span_at_the_schedules_reusing_steps_and_removal_is_exac
     runs = counting_runs(monkeypatch)
     assert tome_core.apply_patch(pipe, reuse_interval=3, **AS_SET) is pipe
     try:
-        assert pipeline_patch.is_patched(pipe)
+        assert patch.is_patched(pipe)
         patched = D.family_run(pipe, steps=12)
     finally:
         assert tome_core.remove_patch(pipe) is pipe
@@ -116,7 +116,7 @@ def test_reuse_skips_the_span_at_the_schedules_reusing_steps_and_removal_is_exac
     assert not run.entries  # the cache is dropped after the last step
     assert patched.shape == plain.shape and torch.isfinite(patched).all()
     assert not torch.equal(patched, plain)
-    assert not pipeline_patch.is_patched(pipe)
+    assert not patch.is_patched(pipe)
     assert snapshot(pipe) == before  # classes, attributes, hooks and processors as they were
     assert torch.equal(D.family_run(pipe, steps=12), plain)  # bit-identical to never patched
 
@@ -185,7 +185,7 @@ def test_todo_asked_for_is_left_out_with_a_log_line(pipes, kind, caplog):
         assert not dit_attention.installed(pipe.transformer) and snapshot(pipe)[-1] == processors
     finally:
         tome_core.remove_patch(pipe)
-    assert not pipeline_patch.is_patched(pipe)
+    assert not patch.is_patched(pipe)
 
 
 @pytest.mark.parametrize("kind", KINDS)

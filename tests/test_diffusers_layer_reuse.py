@@ -16,7 +16,7 @@ from test_diffusers import module_snapshot, unet_inputs
 
 import tome_core
 from tome_core.hosts.diffusers import layer_reuse as diffusers_layer_reuse
-from tome_core.hosts.diffusers import pipeline_patch
+from tome_core.hosts.diffusers import patch
 
 REUSE = {"reuse_interval": 3, "method": "tome", "ratio": 0.0}  # reuse alone, no token merging
 
@@ -30,7 +30,7 @@ def pipeline(pipes, kind):
     if kind not in pipes:
         pipes[kind] = H.make_pipeline(kind)
     pipe = pipes[kind]
-    assert not pipeline_patch.is_patched(pipe)
+    assert not patch.is_patched(pipe)
     return pipe
 
 
@@ -73,7 +73,7 @@ def test_reuse_skips_the_expected_calls_and_removal_is_exact(pipes, kind):
     before = module_snapshot(pipe.unet)
     plain = H.run(pipe, kind, steps=10)
     tome_core.apply_patch(pipe, **REUSE)
-    assert pipeline_patch.is_patched(pipe)
+    assert patch.is_patched(pipe)
     reused = H.run(pipe, kind, steps=10)
     run = last_run(pipe)
     assert (run.calls, run.reused_calls) == (10, 2)  # a short run: steps 2 and 4 (6-9 are the last four)
@@ -91,7 +91,7 @@ def test_runs_where_every_step_is_full_are_bit_identical(pipes):
     pipe = pipeline(pipes, "txt2img")
     plain = H.run(pipe, "txt2img", steps=3)
     tome_core.apply_patch(pipe, **{**REUSE, "reuse_interval": 1})
-    assert not pipeline_patch.is_patched(pipe)
+    assert not patch.is_patched(pipe)
     tome_core.apply_patch(pipe, **REUSE)
     assert np.array_equal(H.run(pipe, "txt2img", steps=3), plain)
     assert last_run(pipe).reused_calls == 0
@@ -196,7 +196,7 @@ def test_the_default_reuses_on_a_pipeline_and_leaves_reuse_out_on_a_bare_unet(pi
     with caplog.at_level("INFO", logger="tome_patch"):
         tome_core.apply_patch(unet, skip_when_slower=False)
     try:
-        assert diffusers_layer_reuse.installed(unet) is None and pipeline_patch.is_patched(unet)
+        assert diffusers_layer_reuse.installed(unet) is None and patch.is_patched(unet)
         assert any("is left out" in r.getMessage() for r in caplog.records)
     finally:
         tome_core.remove_patch(unet)

@@ -28,18 +28,18 @@ def apply_patch(pipe_or_unet, **settings):
     ``settings`` (see ``SPECS``).
 
     Raises ValueError for a bad setting, TypeError for a model it cannot patch (both name what is allowed),
-    leaving the model unchanged. See ``tome_core.hosts.diffusers.pipeline_patch.apply_patch``.
+    leaving the model unchanged. See ``tome_core.hosts.diffusers.patch.apply_patch``.
     """
-    from .hosts.diffusers import pipeline_patch  # imported here: hosts other than diffusers never load it
+    from .hosts.diffusers import patch  # imported here: hosts other than diffusers never load it
 
-    return pipeline_patch.apply_patch(pipe_or_unet, **settings)
+    return patch.apply_patch(pipe_or_unet, **settings)
 
 
 def remove_patch(pipe_or_unet):
     """Undo ``apply_patch``: the UNet or transformer then computes bit-identically to one never patched."""
-    from .hosts.diffusers import pipeline_patch
+    from .hosts.diffusers import patch
 
-    return pipeline_patch.remove_patch(pipe_or_unet)
+    return patch.remove_patch(pipe_or_unet)
 
 
 __all__ = [

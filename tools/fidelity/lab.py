@@ -27,7 +27,7 @@ from tome_core.reuse.schedules import MIN_NOISE_LEVEL
 
 @dataclass(frozen=True)
 class ReuseVariant:
-    # A schedule in place of the one the settings give (None: the settings').
+    # Which steps run in full (a variant always names one: the product's front door picks the shipped one).
     schedule: object | None = None
     # How far along the line the prediction moves (None: the schedule's own, else the model's shipped one).
     extrapolate: float | None = None
@@ -166,10 +166,10 @@ def _position(by_sigma):
 
 
 def _guarded(variant: ReuseVariant, schedule):
+    if schedule is None:
+        raise ValueError("a variant names its schedule (the product's front door picks the shipped one)")
     if variant.first_block_guard is None and variant.line_guard is None:
         return schedule
-    if schedule is None:
-        raise ValueError("a variant's guards need the variant's schedule")
     return GuardedSchedule(schedule, variant.first_block_guard, variant.line_guard)
 
 

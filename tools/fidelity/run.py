@@ -530,6 +530,25 @@ def spectrum_rows(steps: int, shares: tuple[float, ...]) -> list[FidelityRow]:
     return rows
 
 
+def whole_step_rows(steps: int) -> list[FidelityRow]:
+    """A skipped step that runs nothing (issue #60): Spectrum's plan of 12 and 13 of 25 with the whole output
+    forecast along the line alone (no Chebyshev fit), moved all the way or three quarters of it (SD1.x's reach)."""
+    from tools.fidelity import spectrum
+
+    rows = []
+    for target in (12, 13):
+        for reach in (1.0, 0.75):
+            for by_sigma in (False, True):
+                base = spectrum.settings_computing(steps, math.ceil(target / 25 * steps))
+                settings = spectrum.SpectrumSettings(
+                    blend=0.0, window=base.window, warm_up=base.warm_up, reach=reach, by_sigma=by_sigma
+                )
+                over = " over sigma" if by_sigma else ""
+                name = f"whole-step line {reach}{over} ({settings.label(steps)} computed)"
+                rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+    return rows
+
+
 _COMPACT_DEFAULTS: dict = {}
 
 
@@ -665,6 +684,7 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
     rows += spectrum_rows(args.steps, (0.48, 0.52, 0.6, 0.76))
     if args.variants:  # EasyCache at the work of the default's plan (12 full steps of 25: 0.48 of the calls)
         rows += [row for row in step_cache_rows((0.5, 0.6)) if row.name.startswith("EasyCache")]
+        rows += whole_step_rows(args.steps)
     state_dict = base_model.diffusion_model.state_dict()
     for everywhere in (False, True):
         row = tomesd_row(family, state_dict, 0.5, finest, everywhere)

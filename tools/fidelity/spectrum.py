@@ -31,6 +31,10 @@ class SpectrumSettings:
     window: int = 2
     warm_up: int = 6
     stop: float = 0.9
+    # How far along the line through the last two the forecast's line moves (1: Spectrum's; a variant's below).
+    reach: float = 1.0
+    # The line drawn over the noise level in place of the step (a variant's; the fit stays over the step).
+    by_sigma: bool = False
 
     def computed(self, steps: int) -> list[bool]:
         """Which of a run's ``steps`` run the model (Neo's rule: a skipped step counts toward the window)."""
@@ -68,6 +72,7 @@ class Forecaster:
         self.keep = max(settings.degree + 2, 8)
         self.outputs: list[torch.Tensor] = []
         self.at: list[int] = []
+        self.sigmas: list[float] = []
         self.shape: torch.Size | None = None
 
     def _tau(self, step: float) -> float:
@@ -79,21 +84,24 @@ class Forecaster:
             columns.append(2 * taus * columns[-1] - columns[-2])
         return torch.stack(columns[: self.settings.degree + 1], dim=1)
 
-    def add(self, step: int, output: torch.Tensor) -> None:
+    def add(self, step: int, output: torch.Tensor, sigma: float = 0.0) -> None:
         if self.shape != output.shape:
-            self.outputs, self.at, self.shape = [], [], output.shape
+            self.outputs, self.at, self.sigmas, self.shape = [], [], [], output.shape
         self.outputs = (self.outputs + [output.detach().flatten().float()])[-self.keep :]
         self.at = (self.at + [step])[-self.keep :]
+        self.sigmas = (self.sigmas + [sigma])[-self.keep :]
 
-    def forecast(self, step: int, dtype: torch.dtype) -> torch.Tensor:
+    def forecast(self, step: int, dtype: torch.dtype, sigma: float = 0.0) -> torch.Tensor:
         history = torch.stack(self.outputs)
         design = self._chebyshev(torch.tensor([self._tau(s) for s in self.at], dtype=torch.float32))
         gram = design.T @ design + self.settings.ridge * torch.eye(design.shape[1])
         coefficients = torch.linalg.solve(gram, design.T @ history)
         fit = (self._chebyshev(torch.tensor([self._tau(step)], dtype=torch.float32)) @ coefficients)[0]
         if len(self.outputs) >= 2:
-            (a, before), (b, last) = zip(self.at[-2:], self.outputs[-2:], strict=True)
-            line = last + (step - b) / max(b - a, 1e-8) * (last - before)
+            positions, here = (self.sigmas, sigma) if self.settings.by_sigma else (self.at, step)
+            (a, before), (b, last) = zip(positions[-2:], self.outputs[-2:], strict=True)
+            ahead = (here - b) / (b - a) if b != a else 0.0
+            line = last + self.settings.reach * ahead * (last - before)
         else:
             line = self.outputs[-1]
         forecast = (1 - self.settings.blend) * line + self.settings.blend * fit
@@ -141,9 +149,9 @@ class SpectrumWrapper:
             self.computed_calls += 1
             if forecaster is None:
                 forecaster = self.forecasters[key] = Forecaster(self.settings, self.steps)
-            forecaster.add(self.step, out)
+            forecaster.add(self.step, out, sigma)
             return out
-        return forecaster.forecast(self.step, x.dtype)
+        return forecaster.forecast(self.step, x.dtype, sigma)
 
 
 def spectrum_patch(settings: SpectrumSettings):

@@ -96,6 +96,11 @@ UNET_VARIANTS = (
     (4, {"full_start": 0.16, "full_end": 4, "short_run": 25, "todo": 2.0}),
     (4, {"full_start": 0.16, "full_end": 3, "short_run": 25, "extrapolate": 0.75, "todo": 2.0}),
     (4, {"full_start": 0.16, "full_end": 4, "short_run": 25, "extrapolate": 0.75, "todo": 2.0}),
+    # Issue #60: Spectrum's 13-of-25 shape (four full steps at the start, one in three between, the last four)
+    # with ours' prediction, SD1.x's reach; with ToDo 2 and alone.
+    (3, {"full_start": 0.159, "full_end": 3, "short_run": 25, "extrapolate": 0.75, "todo": 2.0}),
+    (3, {"full_start": 0.159, "full_end": 3, "short_run": 25, "extrapolate": 0.75}),
+    (3, {"full_start": 0.159, "full_end": 3, "short_run": 25, "todo": 2.0}),
     # Guards on what every reusing call computes (the first inner layer's input): the rate guard (the boundary's
     # change predicted from that input's moves), the first-block guard and the line guard, on SDXL's plan and on
     # plans with fewer scheduled full steps (one in 4; none between the start's two and the end's four).

@@ -29,7 +29,6 @@ import logging
 
 from ...reuse import (
     DIT_OUTER_BLOCKS,
-    NoiseSpacedSchedule,
 )
 from ..shared import dit_families
 from ..shared.dit_block_hook import (
@@ -135,24 +134,21 @@ class DitReuseHooks(LayerReuseHooks):
         return True
 
 
-def install(clone, settings, noise_range, schedule=None) -> bool:
-    """Give ``clone`` (a DiT's patcher) reuse across steps at ``settings.reuse_interval`` (or ``schedule``: the
-    family's under ``dit_settings`` auto); False where it cannot (left as it is)."""
+def install(clone, settings, noise_range, schedule) -> bool:
+    """Give ``clone`` (a DiT's patcher) reuse across steps on ``schedule`` (the front door's: the family's under
+    ``dit_settings`` auto, else one step in ``reuse_interval``); False where it cannot (left as it is)."""
     diffusion_model = clone.model.diffusion_model
     layout = layout_of(diffusion_model)
     keys = block_keys(diffusion_model)
     first, last = DIT_OUTER_BLOCKS
     if layout is not None and layout.last_block_runs:
         last = max(last, 1)
-    if schedule is None and settings.reuse_interval <= 1:
-        return False
     if keys is None or len(keys) <= first + last + 1:
         return False
     needs = "set_model_patch_replace" if layout.hook == "dit" else "set_injections"
     if not (hasattr(clone, "add_wrapper_with_key") and hasattr(clone, needs)):
         return False
     span = keys[first : len(keys) - last]
-    schedule = NoiseSpacedSchedule(settings.reuse_interval) if schedule is None else schedule
     extrapolate = dit_families.family(layout.family).extrapolate
     hooks = DitReuseHooks(schedule, span, layout.streams, noise_range, extrapolate)
     if layout.hook == "dit":

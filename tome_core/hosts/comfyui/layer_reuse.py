@@ -28,10 +28,9 @@ from ...reuse import (
     full_below_noise,
     is_karras,
     keeps_the_picture_with,
-    unet_schedule,
 )
 from ...schedule import call_sigmas, step_of
-from ..shared.unet_layout import attention_levels, inner_layers
+from ..shared.unet_layout import inner_layers
 from .sampling_run import sample_with_run
 
 log = logging.getLogger("tome_patch")
@@ -166,18 +165,14 @@ class LayerInjection:
         detach_forwards(self.layers, lambda owner: owner is self.hooks)
 
 
-def install(clone, settings, noise_range, schedule=None) -> bool:
-    """Give ``clone`` layer reuse at ``settings.reuse_interval``; False where it cannot (left as it is).
-    ``schedule``: which steps run in full (None: the UNet's plan for the settings, ``unet_schedule``)."""
+def install(clone, settings, noise_range, schedule) -> bool:
+    """Give ``clone`` layer reuse on ``schedule`` (the front door's: ``unet_schedule`` of the settings), with the
+    samplers ``settings.reuse_plan`` allows; False where it cannot (left as it is)."""
     layers = [layer for _, layer in inner_layers(clone.model.diffusion_model, OUTER_BLOCKS)]
-    if settings.reuse_interval <= 1 or not layers:
+    if not layers:
         return False
     if not (hasattr(clone, "add_wrapper_with_key") and hasattr(clone, "set_injections")):
         return False  # a patcher without wrappers or injections (Forge): the WebUI script runs it there
-    if schedule is None:
-        schedule = unet_schedule(
-            settings.reuse_interval, attention_levels(clone.model.diffusion_model), settings.reuse_plan
-        )
     hooks = LayerReuseHooks(schedule, len(layers), noise_range, DEFAULT_EXTRAPOLATE)
     hooks.plan = settings.reuse_plan
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 
+from ...reuse import NoiseSpacedSchedule, unet_schedule
 from ...schedule import NoiseRange
 from ...settings import SPECS
 from ..shared import dit_families, model_patcher
+from ..shared.unet_layout import attention_levels
 from . import dit, dit_reuse, layer_reuse
 
 log = logging.getLogger("tome_patch")
@@ -52,7 +54,10 @@ def patched_unet(patcher, settings, percent_to_sigma):
     layer_reuse.remove(clone)  # an earlier patch's, on the model it was given
     if not settings.is_noop and settings.reuse_interval > 1:
         noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
-        layer_reuse.install(clone, settings, noise_range)
+        levels = attention_levels(clone.model.diffusion_model)
+        layer_reuse.install(
+            clone, settings, noise_range, unet_schedule(settings.reuse_interval, levels, settings.reuse_plan)
+        )
     return clone
 
 
@@ -106,7 +111,8 @@ def _patch_dit(model, settings, percent_to_sigma):
     in_range = settings.start_percent < settings.end_percent
     if in_range and (schedule is not None or settings.reuse_interval > 1):
         noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
-        if not dit_reuse.install(clone, settings, noise_range, schedule=schedule):
+        schedule = schedule if schedule is not None else NoiseSpacedSchedule(settings.reuse_interval)
+        if not dit_reuse.install(clone, settings, noise_range, schedule):
             log.info(
                 "ToMe Patch: reuse across steps (reuse_interval) is not available for %s (%s): %s.",
                 name,

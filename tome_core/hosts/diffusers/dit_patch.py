@@ -6,15 +6,16 @@ variants), Z-Image (``ZImagePipeline`` and variants), HunyuanVideo 1.5 (``Hunyua
 image-to-video pipeline), LTX-Video (``LTXPipeline`` and variants) and LTX-2 (``LTX2Pipeline`` and variants).
 
 What it does: ToDo on the attention of the image (video) tokens (``dit_attention``) and reuse across steps
-(``dit_reuse``), through the engine objects that ComfyUI's DiT doors use. ToMe is not offered on DiTs (as in
-ComfyUI). ``pipeline_patch.apply_patch`` / ``remove_patch`` call this module for a pipeline whose denoiser is one
-of these transformers, or for such a transformer itself (ToDo only: reuse needs the pipeline's scheduler).
+(``dit_reuse``), through the engine objects that ComfyUI's DiT doors use. ToMe is not offered on DiTs (as in ComfyUI).
+The front door (``patch.apply_patch`` / ``remove_patch``) calls this module for a pipeline whose denoiser is one of
+these transformers, or for such a transformer itself (ToDo only: reuse needs the pipeline's scheduler).
 """
 
 from __future__ import annotations
 
 import logging
 
+from ...reuse import NoiseSpacedSchedule
 from ...settings import SPECS, PatchSettings
 from ..shared import dit_families
 from . import dit_attention, dit_reuse
@@ -102,6 +103,8 @@ def apply_patch(found: tuple[list, object | None], validated: PatchSettings, ask
     for transformer in transformers:
         remove(transformer)
     allowed = StepRange(validated, pipeline, flow_timestep_of_percent)
+    if reuse and schedule is None:  # "as set": one step in reuse_interval, spaced by the noise
+        schedule = NoiseSpacedSchedule(validated.reuse_interval)
     for transformer in transformers:
         if reuse:
             if getattr(transformer, "is_cache_enabled", False):

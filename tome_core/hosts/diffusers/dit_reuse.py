@@ -45,7 +45,6 @@ import torch
 
 from ...reuse import (
     DIT_OUTER_BLOCKS,
-    NoiseSpacedSchedule,
     SkippableLayer,
     attach_forwards,
     detach_forwards,
@@ -256,7 +255,7 @@ class DitReuse(PipelineReuse):
         return False
 
 
-class SpanForward(SkippableLayer):
+class DiffusersSpanForward(SkippableLayer):
     """The ``forward`` of one block of the span: run it (a full call), or pass its streams on (a reusing call);
     the last one adds the predicted residual."""
 
@@ -283,20 +282,18 @@ def span_of(transformer, layout: DitLayout, outer=DIT_OUTER_BLOCKS) -> list[tupl
     return blocks[first : len(blocks) - last] if len(blocks) > first + last + 1 else []
 
 
-def install(transformer, pipeline, settings, allowed: Callable[[float], bool], schedule=None) -> bool:
-    """Give ``transformer`` reuse across steps at ``settings.reuse_interval`` (or ``schedule``: the family's under
-    ``dit_settings`` auto), following ``pipeline``'s scheduler; False where its class is not one this door knows
-    (it is then left as it is)."""
+def install(transformer, pipeline, settings, allowed: Callable[[float], bool], schedule) -> bool:
+    """Give ``transformer`` reuse across steps on ``schedule`` (the front door's: the family's under
+    ``dit_settings`` auto, else one step in ``reuse_interval``), following ``pipeline``'s scheduler; False where
+    its class is not one this door knows (it is then left as it is)."""
     layout = layout_of(transformer)
-    if (schedule is None and settings.reuse_interval <= 1) or layout is None:
+    if layout is None:
         return False
     span = span_of(transformer, layout)
     if not span:
         return False
-    if schedule is None:
-        schedule = NoiseSpacedSchedule(settings.reuse_interval)
     owner = DitReuse(pipeline, transformer, layout, schedule, span, allowed)
-    attach_forwards(owner, [block for block, _ in span], SpanForward)
+    attach_forwards(owner, [block for block, _ in span], DiffusersSpanForward)
     transformer.__dict__[_STATE] = owner
     transformer.__dict__[_HOOKS] = (
         transformer.register_forward_pre_hook(_disabled(owner.before_call), with_kwargs=True),

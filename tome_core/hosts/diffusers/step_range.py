@@ -1,5 +1,5 @@
 """diffusers: the step range (``start_percent`` / ``end_percent``) of a call, from the timestep the pipeline gives
-the denoiser, mapped through the pipeline's current scheduler. Shared by the UNet patch (``pipeline_patch``) and
+the denoiser, mapped through the pipeline's current scheduler. Shared by the UNet patch (``unet_patch``) and
 the DiT patch (``dit_patch``), which differ only in how a percent maps to a scheduler's timestep."""
 
 from __future__ import annotations

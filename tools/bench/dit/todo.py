@@ -311,7 +311,7 @@ class FreeKeysOverride:
 def bound_clone(patcher, free_attention: bool):
     from tome_core.hosts.comfyui import dit as comfy_dit
 
-    family = comfy_dit.family_of(patcher.model.diffusion_model)
+    family = comfy_dit.token_layout_of(patcher.model.diffusion_model)
 
     def wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs):
         options = dict(transformer_options)

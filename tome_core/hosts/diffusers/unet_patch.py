@@ -1,5 +1,4 @@
-"""The patch for diffusers' UNets: ``apply_patch(pipe_or_unet, **settings)`` and ``remove_patch(pipe_or_unet)``
-(a pipeline whose denoiser is a Flux, SD3 or Wan transformer goes to ``dit_patch``).
+"""The token reduction on diffusers' UNets (``install`` / ``remove``), for the front door ``patch``.
 
 Supported: a ``UNet2DConditionModel`` (SD1.x, SD2.x, SDXL and their fine-tunes) on its own or as ``.unet`` of a
 pipeline (text-to-image, image-to-image, inpainting, ControlNet, SDXL, ...). Checked against diffusers 0.39.0 and
@@ -38,7 +37,6 @@ import torch
 from ...reducer import Reducer
 from ...settings import PatchSettings
 from ..shared.class_swap import restore_classes
-from . import dit_patch
 from . import layer_reuse as diffusers_layer_reuse
 from .step_range import StepRange, unet_timestep_of_percent
 from .unet_blocks import attention_levels, class_names, transformer_blocks
@@ -51,12 +49,6 @@ _PARENT = "_tome_patch_diffusers_parent"  # on our block subclasses: the class t
 # "allowed in graph" for torch.compile, so Dynamo cannot trace ``BasicTransformerBlock.forward`` looked up through
 # the class; the function itself traces like any other.
 _PARENT_FORWARD = "_tome_patch_diffusers_parent_forward"
-
-SUPPORTED = (
-    "a diffusers pipeline whose denoiser is a UNet2DConditionModel (Stable Diffusion 1.x/2.x, SDXL and their "
-    "text-to-image, image-to-image, inpainting and ControlNet pipelines) or a UNet2DConditionModel itself, and "
-    + dit_patch.SUPPORTED
-)
 
 _subclasses: dict[type, type] = {}
 
@@ -81,18 +73,27 @@ def _unwrap(module):
     return getattr(module, "_orig_mod", module)
 
 
-def find_unet(pipe_or_unet) -> tuple[torch.nn.Module, object | None]:
-    """Return (unet, pipeline or None) for what the user passed; raise UnsupportedModelError naming what is."""
+def find_unet(pipe_or_unet) -> tuple[torch.nn.Module, object | None] | None:
+    """(unet, pipeline or None) for what the user passed, or None where it is no UNet nor holds one."""
     if UNET_CLASS_NAME in class_names(_unwrap(pipe_or_unet)):
         return _unwrap(pipe_or_unet), None
     unet = getattr(pipe_or_unet, "unet", None)
     if unet is not None and UNET_CLASS_NAME in class_names(_unwrap(unet)):
         return _unwrap(unet), pipe_or_unet
+    return None
+
+
+def describe(pipe_or_unet) -> str:
+    """What the user passed, and its denoiser where it has one (for the error)."""
     what = type(pipe_or_unet).__name__
-    denoiser = getattr(pipe_or_unet, "transformer", None) or getattr(pipe_or_unet, "prior", None) or unet
+    denoiser = (
+        getattr(pipe_or_unet, "transformer", None)
+        or getattr(pipe_or_unet, "prior", None)
+        or getattr(pipe_or_unet, "unet", None)
+    )
     if denoiser is not None:
         what += f" (its denoiser is {type(_unwrap(denoiser)).__name__})"
-    raise UnsupportedModelError(f"tome_core.apply_patch supports {SUPPORTED}; got {what}")
+    return what
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,13 +246,8 @@ def find_conflict(unet) -> str | None:
     return None
 
 
-def is_patched(pipe_or_unet) -> bool:
-    dits = dit_patch.find_transformers(pipe_or_unet)
-    if dits is not None:
-        return any(dit_patch.is_patched(t) for t in dits[0])
-    unet = _unet_or_none(pipe_or_unet)
-    if unet is None:
-        return False
+def installed(unet) -> bool:
+    """Whether ``unet`` carries anything of ours (the token reduction or reuse across steps)."""
     return (
         _STATE in unet.__dict__
         or diffusers_layer_reuse.installed(unet) is not None
@@ -259,32 +255,16 @@ def is_patched(pipe_or_unet) -> bool:
     )
 
 
-def _unet_or_none(pipe_or_unet):
-    try:
-        return find_unet(pipe_or_unet)[0]
-    except UnsupportedModelError:
-        return None
-
-
-def remove_patch(pipe_or_unet):
-    """Undo ``apply_patch``; a no-op on anything not patched. Returns what it was given."""
-    dits = dit_patch.find_transformers(pipe_or_unet)
-    if dits is not None:
-        for transformer in dits[0]:
-            dit_patch.remove(transformer)
-        return pipe_or_unet
-    unet = _unet_or_none(pipe_or_unet)
-    if unet is None:
-        return pipe_or_unet
+def remove(unet) -> None:
+    """Undo ``install``; a no-op on a UNet never patched."""
     handle = unet.__dict__.pop(_HOOK, None)
     if handle is not None:
         handle.remove()
     restore_classes(unet, _STATE, _PARENT)
     diffusers_layer_reuse.remove(unet)
-    return pipe_or_unet
 
 
-def _check_layer_reuse(unet, pipeline) -> None:
+def check_layer_reuse(unet, pipeline) -> None:
     """Raise (before anything is changed) where reuse_interval cannot work: it follows a pipeline's scheduler."""
     if pipeline is None:
         raise ValueError(
@@ -300,62 +280,19 @@ def _check_layer_reuse(unet, pipeline) -> None:
         )
 
 
-def apply_patch(pipe_or_unet, **settings):
-    """Patch a diffusers pipeline (its ``.unet``) or a ``UNet2DConditionModel`` in place; returns what it was given.
-
-    ``settings`` are those of the engine's settings table (``tome_core.SPECS``: method, ratio,
-    downsample_factor, max_downsample, start_percent, end_percent, ...), validated by
-    ``PatchSettings.from_values``: a bad value raises ValueError naming the setting and its range, an
-    unsupported model UnsupportedModelError (a TypeError) naming what is supported; in both cases, and for a
-    conflicting patch (PatchConflictError, a ValueError), the model is left as it was. Applying again replaces
-    the earlier patch; settings that can never change the output leave the UNet unpatched.
-
-    ``reuse_interval`` above 1 (reuse across steps, ``diffusers_layer_reuse``) needs a pipeline: on a bare UNet,
-    or a UNet layout it does not know, it raises when asked for by name; the default (3) is then left out with a
-    log line, and the token reduction alone applies.
-
-    A ``ratio`` without a ``method`` means ToMe, as in tomesd's ``apply_patch`` (code written for tomesd keeps
-    its meaning); with neither, the default method (ToDo) applies.
-    """
-    if "ratio" in settings and "method" not in settings:
-        settings = {"method": "tome", **settings}
-    validated = PatchSettings.from_values(**settings)
-    dits = dit_patch.find_transformers(pipe_or_unet)
-    if dits is not None:  # Flux, SD3, Wan: ToDo on the image tokens and reuse across steps (dit_patch)
-        dit_patch.apply_patch(dits, validated, settings)
-        return pipe_or_unet
-    unet, pipeline = find_unet(pipe_or_unet)
-    levels = attention_levels(unet)
-    blocks = transformer_blocks(unet)
-    if not levels or not blocks:
-        raise UnsupportedModelError(
-            f"tome_core.apply_patch supports {SUPPORTED}; this {type(unet).__name__} has no transformer blocks "
-            "to reduce (pixel-space UNets such as DeepFloyd IF use another attention block)"
-        )
-    conflict = find_conflict(unet)
-    if conflict is not None:
-        raise PatchConflictError(conflict)
-    reuse = validated.reuse_interval > 1 and not validated.is_noop
-    if reuse:
-        try:
-            _check_layer_reuse(unet, pipeline)
-        except (ValueError, TypeError) as err:
-            if "reuse_interval" in settings:  # asked for by name: say why it cannot be
-                raise
-            log.info("ToMe Patch: reuse across steps (the default reuse_interval 3) is left out: %s", err)
-            reuse = False
-            validated = validated.replace(reuse_interval=1)
-    remove_patch(unet)
+def install(unet, pipeline, validated: PatchSettings, reuse: bool) -> None:
+    """Replace any earlier patch of ``unet`` by the token reduction of ``validated`` and, where ``reuse``, reuse
+    across steps (the pipeline's scheduler tells each call's step)."""
+    remove(unet)
     step_range = StepRange(validated, pipeline, unet_timestep_of_percent)
     if reuse:
         diffusers_layer_reuse.install(unet, pipeline, validated, step_range.contains)
-    reducer = Reducer(validated, levels)
+    reducer = Reducer(validated, attention_levels(unet))
     if reducer.does_nothing:
-        return pipe_or_unet
+        return
     unet_state = _UNetState(reducer, step_range)
-    for name, block in blocks:
+    for name, block in transformer_blocks(unet):
         block.__dict__[_STATE] = _BlockState(unet_state, name)
         block.__class__ = _reduced_class(_original_class(block))
     unet.__dict__[_STATE] = unet_state
     unet.__dict__[_HOOK] = unet.register_forward_pre_hook(unet_state.before_unet_call, with_kwargs=True)
-    return pipe_or_unet

@@ -1,0 +1,102 @@
+"""diffusers' front door: ``apply_patch(pipe_or_unet, **settings)`` and ``remove_patch(pipe_or_unet)``.
+
+It validates the settings once and decides what the model gets: a pipeline whose denoiser is a DiT of the family
+registry goes to ``dit_patch`` (reuse across steps, and ToDo where the family's attention is mapped); a
+``UNet2DConditionModel`` (SD1.x, SD2.x, SDXL and their fine-tunes), on its own or as ``.unet`` of a pipeline, to
+``unet_patch`` (the token reduction) and ``layer_reuse`` (reuse across steps, which needs the pipeline's
+scheduler); anything else is refused with a ``TypeError`` naming what is supported, the model left as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ...settings import PatchSettings
+from . import dit_patch, unet_patch
+from .unet_blocks import attention_levels, transformer_blocks
+from .unet_patch import PatchConflictError, UnsupportedModelError
+
+log = logging.getLogger("tome_patch")
+
+SUPPORTED = (
+    "a diffusers pipeline whose denoiser is a UNet2DConditionModel (Stable Diffusion 1.x/2.x, SDXL and their "
+    "text-to-image, image-to-image, inpainting and ControlNet pipelines) or a UNet2DConditionModel itself, and "
+    + dit_patch.SUPPORTED
+)
+
+
+def _unet(pipe_or_unet) -> tuple:
+    found = unet_patch.find_unet(pipe_or_unet)
+    if found is None:
+        raise UnsupportedModelError(
+            f"tome_core.apply_patch supports {SUPPORTED}; got {unet_patch.describe(pipe_or_unet)}"
+        )
+    return found
+
+
+def is_patched(pipe_or_unet) -> bool:
+    dits = dit_patch.find_transformers(pipe_or_unet)
+    if dits is not None:
+        return any(dit_patch.is_patched(t) for t in dits[0])
+    found = unet_patch.find_unet(pipe_or_unet)
+    return found is not None and unet_patch.installed(found[0])
+
+
+def remove_patch(pipe_or_unet):
+    """Undo ``apply_patch``; a no-op on anything not patched. Returns what it was given."""
+    dits = dit_patch.find_transformers(pipe_or_unet)
+    if dits is not None:
+        for transformer in dits[0]:
+            dit_patch.remove(transformer)
+        return pipe_or_unet
+    found = unet_patch.find_unet(pipe_or_unet)
+    if found is not None:
+        unet_patch.remove(found[0])
+    return pipe_or_unet
+
+
+def apply_patch(pipe_or_unet, **settings):
+    """Patch a diffusers pipeline or its denoiser in place; returns what it was given.
+
+    ``settings`` are those of the engine's settings table (``tome_core.SPECS``: method, ratio,
+    downsample_factor, max_downsample, start_percent, end_percent, ...), validated by
+    ``PatchSettings.from_values``: a bad value raises ValueError naming the setting and its range, an
+    unsupported model UnsupportedModelError (a TypeError) naming what is supported; in both cases, and for a
+    conflicting patch (PatchConflictError, a ValueError), the model is left as it was. Applying again replaces
+    the earlier patch; settings that can never change the output leave the UNet unpatched.
+
+    ``reuse_interval`` above 1 (reuse across steps) needs a pipeline: on a bare UNet, or a UNet layout it does not
+    know, it raises when asked for by name; the default (3) is then left out with a log line, and the token
+    reduction alone applies.
+
+    A ``ratio`` without a ``method`` means ToMe, as in tomesd's ``apply_patch`` (code written for tomesd keeps
+    its meaning); with neither, the default method (ToDo) applies.
+    """
+    if "ratio" in settings and "method" not in settings:
+        settings = {"method": "tome", **settings}
+    validated = PatchSettings.from_values(**settings)
+    dits = dit_patch.find_transformers(pipe_or_unet)
+    if dits is not None:  # a DiT: the family's reuse across steps, and ToDo where its attention is mapped
+        dit_patch.apply_patch(dits, validated, settings)
+        return pipe_or_unet
+    unet, pipeline = _unet(pipe_or_unet)
+    if not attention_levels(unet) or not transformer_blocks(unet):
+        raise UnsupportedModelError(
+            f"tome_core.apply_patch supports {SUPPORTED}; this {type(unet).__name__} has no transformer blocks "
+            "to reduce (pixel-space UNets such as DeepFloyd IF use another attention block)"
+        )
+    conflict = unet_patch.find_conflict(unet)
+    if conflict is not None:
+        raise PatchConflictError(conflict)
+    reuse = validated.reuse_interval > 1 and not validated.is_noop
+    if reuse:
+        try:
+            unet_patch.check_layer_reuse(unet, pipeline)
+        except (ValueError, TypeError) as err:
+            if "reuse_interval" in settings:  # asked for by name: say why it cannot be
+                raise
+            log.info("ToMe Patch: reuse across steps (the default reuse_interval 3) is left out: %s", err)
+            reuse = False
+            validated = validated.replace(reuse_interval=1)
+    unet_patch.install(unet, pipeline, validated, reuse)
+    return pipe_or_unet

@@ -1,0 +1,224 @@
+"""The WebUI's and Forge's front door: what each sampling pass gets (a UNet's token reduction and reuse across steps,
+a DiT's family default in Forge Neo and Forge, or nothing, with one console line saying why), resolved once per
+pass from the script's arguments; and the removal that leaves no patch behind.
+
+The script (``scripts/tome_patch.py``) calls it from the WebUI's hooks: ``start_job`` at ``before_process``,
+``patch_for_pass`` at ``process_before_every_sampling`` (every pass, the highres pass included, re-reading
+``p.sd_model``: the pass may use another checkpoint), ``end_reuse_pass`` and ``remove_everywhere`` at
+``postprocess``, at the next job's start (an exception while sampling skips ``postprocess``), when a model is
+loaded and when the scripts are reloaded. Reuse across steps belongs to one sampling pass: set up with the patch,
+finished at the next pass or the job's end; the step of each model call comes from the ``cfg_denoiser`` callbacks
+(``layer_reuse``).
+"""
+
+from __future__ import annotations
+
+from ..shared.model_patcher import NotAUNetError, patched_clone
+from . import args as webui_args
+from . import dit_reuse as webui_dit_reuse
+from . import layer_reuse as webui_layer_reuse
+from . import ldm_patch
+
+TITLE = "ToMe Patch"
+JOB = "_tome_patch_job"  # per-job state on the processing object
+OVERRIDES = "_tome_patch_overrides"  # X/Y/Z plot axis values on the processing object
+
+
+def _console(message: str) -> None:
+    print(f"[{TITLE}] {message}")
+
+
+class Job:
+    # A plain class: the WebUI imports scripts without registering them in sys.modules, where a dataclass
+    # with string annotations would look its module up.
+    def __init__(self, args: webui_args.ScriptArgs | None):
+        self.args = args
+        self.warned: set[str] = set()
+        self.infotext_written = False
+        self.reuse_runs: list = []  # the LayerReuseRun of each pass that reused across steps (log, tests)
+        self.dit_family: str | None = None  # the DiT family whose default a pass ran (Forge Neo), for the infotext
+
+    def warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            _console(message)
+
+
+def _unet_of(sd_model):
+    return getattr(getattr(sd_model, "model", None), "diffusion_model", None)
+
+
+def remove_everywhere(sd_model=None) -> None:
+    """Leave no patch of ours on any UNet: those we patched, and ``sd_model``'s (it may be a reloaded object)."""
+    webui_layer_reuse.end_pass()
+    ldm_patch.remove_all()
+    unet = _unet_of(sd_model)
+    if unet is not None and hasattr(unet, "modules"):
+        ldm_patch.remove_patch(unet)
+
+
+def _builtin_ratio(p, is_hr_pass: bool) -> float:
+    """The built-in token merging ratio in force for this pass (0 when off)."""
+    # modules/sd_models.py records what apply_token_merging applied; Forge has no such attribute but the same
+    # p.get_token_merging_ratio (modules/processing.py).
+    ratios = [getattr(p.sd_model, "applied_token_merged_ratio", 0) or 0]
+    try:
+        ratios.append(p.get_token_merging_ratio(for_hr=is_hr_pass) or 0)
+    except Exception:  # an old or unusual processing object: rely on the applied ratio alone
+        pass
+    return max(float(r) for r in ratios)
+
+
+def _job_seed(p) -> int:
+    for name in ("seeds", "all_seeds"):
+        seeds = getattr(p, name, None)
+        if seeds:
+            return int(seeds[0])
+    return int(getattr(p, "seed", 0) or 0)
+
+
+def _tensorrt_active() -> bool:
+    try:
+        from modules import sd_unet
+    except ImportError:
+        return False
+    return getattr(sd_unet, "current_unet", None) is not None
+
+
+def _forge_percent_to_sigma(unet_patcher):
+    predictor = getattr(getattr(unet_patcher, "model", None), "predictor", None)  # Forge backend KModel
+    if predictor is not None and hasattr(predictor, "percent_to_sigma"):
+        return predictor.percent_to_sigma
+    try:  # reForge keeps ComfyUI's model_sampling object
+        return unet_patcher.get_model_object("model_sampling").percent_to_sigma
+    except Exception:
+        return None
+
+
+def start_job(p, args) -> Job:
+    """Read the script's args for this job (UI, API or X/Y/Z plot); on bad input report it once and do nothing."""
+    try:
+        parsed = webui_args.parse_args(args)
+        parsed = webui_args.with_overrides(parsed, getattr(p, OVERRIDES, None) or {})
+    except ValueError as err:
+        message = f"{err}. This generation runs without it."
+        _console(message)
+        if hasattr(p, "comment"):
+            p.comment(message)
+        job = Job(None)
+    else:
+        job = Job(parsed if parsed.enabled else None)
+    setattr(p, JOB, job)
+    return job
+
+
+def end_reuse_pass(job: Job | None) -> None:
+    """Finish the reuse across steps of the pass before (its run is dropped) and log what it did."""
+    run = webui_layer_reuse.end_pass()
+    if run is not None and job is not None:
+        job.reuse_runs.append(run)
+        _console(f"reuse across steps: {run.summary()}")
+
+
+def patch_for_pass(p, job: Job) -> None:
+    end_reuse_pass(job)
+    is_hr_pass = bool(getattr(p, "is_hr_pass", False))
+    sd_model = p.sd_model
+    forge_objects = getattr(sd_model, "forge_objects", None)
+    if forge_objects is None:
+        remove_everywhere(sd_model)  # the previous pass's patch, maybe on another checkpoint
+    if job.args is None:
+        return
+    settings = job.args.settings_for_pass(is_hr_pass, _job_seed(p))
+    if settings is None:
+        return
+    if _builtin_ratio(p, is_hr_pass) > 0:
+        job.warn_once(
+            "the built-in token merging (Settings > Optimizations) is on for this pass; ToMe Patch leaves the pass "
+            "to it. Set the built-in ratio to 0 to use ToMe Patch."
+        )
+        return
+    if forge_objects is not None:
+        patched = _patch_forge(p, forge_objects, settings, job)
+    else:
+        patched = _patch_ldm(p, sd_model, settings, job)
+    if patched and not job.infotext_written:
+        if job.dit_family is not None:
+            params = webui_args.dit_infotext_params(job.args, job.dit_family)
+        else:
+            params = webui_args.infotext_params(job.args)
+        p.extra_generation_params.update(params)
+        job.infotext_written = True
+
+
+def _patch_ldm(p, sd_model, settings, job: Job) -> bool:
+    unet = _unet_of(sd_model)
+    if unet is None or not hasattr(unet, "named_modules"):
+        job.warn_once(f"this model ({type(sd_model).__name__}) has no UNet to patch; generating without it.")
+        return False
+    if _tensorrt_active():
+        job.warn_once("a TensorRT UNet is active and bypasses the transformer blocks; generating without it.")
+        return False
+    try:
+        reduced = ldm_patch.install_patch(unet, settings)  # False where the token reduction does nothing
+    except ldm_patch.UnsupportedModelError as err:
+        job.warn_once(f"not applied: {err}.")
+        return False
+    _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
+    reusing = webui_layer_reuse.install_ldm(unet, settings, p) is not None
+    return reduced or reusing
+
+
+def _warn_if_the_sampler_keeps_reuse_off(p, settings, job: Job) -> None:
+    if settings.reuse_interval > 1 and not webui_layer_reuse.sampler_keeps_the_picture(p, settings.reuse_plan):
+        scheduler = getattr(p, "scheduler", None)
+        on = f" on the schedule {scheduler!r}" if scheduler and scheduler != "Automatic" else ""
+        job.warn_once(
+            f"reuse across steps is off with the sampler {getattr(p, 'sampler_name', None)!r}{on} (it keeps the "
+            "picture with Euler, Heun, DDIM and DPM++ SDE, not on Karras sigmas but for DPM++ 2M under the reuse "
+            "plan 'auto'); every step runs in full, the token reduction still applies."
+        )
+
+
+def _patch_forge(p, forge_objects, settings, job: Job) -> bool:
+    unet = forge_objects.unet
+    percent_to_sigma = _forge_percent_to_sigma(unet)
+    if percent_to_sigma is None:
+        if settings.start_percent > 0 or settings.end_percent < 1:
+            job.warn_once("this Forge version exposes no sampling schedule; reducing at every step instead.")
+        settings = settings.replace(start_percent=0.0, end_percent=1.0)
+    try:
+        clone = patched_clone(unet, settings, percent_to_sigma)
+    except NotAUNetError as err:
+        return _patch_dit(p, forge_objects, settings, percent_to_sigma, job, str(err))
+    # The step of each call comes from the WebUI's callbacks here, not from a ComfyUI-style sampler wrapper (which
+    # a reForge patcher may take but the WebUI's samplers never run).
+    _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
+    webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma)
+    forge_objects.unet = clone
+    return True
+
+
+def _patch_dit(p, forge_objects, settings, percent_to_sigma, job: Job, model_name: str) -> bool:
+    """A DiT in Forge Neo or lllyasviel's Forge: the family's default (as ComfyUI's ``dit_settings`` auto), or one
+    line saying why not."""
+    unet = forge_objects.unet
+    why = webui_dit_reuse.why_not(unet, p)
+    if why is None and settings.reuse_interval <= 1:
+        why = "reuse across steps is off (reuse interval 1)"
+    if why is not None:
+        job.warn_once(f"this model ({model_name}) is generated unchanged: {why}.")
+        return False
+    clone = unet.clone()
+    owner = webui_dit_reuse.install_neo(clone, settings, p, percent_to_sigma)
+    if owner is None:
+        job.warn_once(f"this model ({model_name}) is generated unchanged: too few blocks to reuse.")
+        return False
+    job.warn_once(
+        f"{owner.family} ({model_name}): the family's measured default, reuse across steps "
+        f"{owner.schedule.describe()}; no ToDo (on a DiT it shifts the colours; ComfyUI's default runs none "
+        "either); the other controls act on SD1.x, SD2.x and SDXL."
+    )
+    forge_objects.unet = clone
+    job.dit_family = owner.family
+    return True
