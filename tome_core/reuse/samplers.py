@@ -27,8 +27,8 @@ SCHEDULES_THAT_LOSE_THE_PICTURE = frozenset({"karras"})
 KARRAS_RHO = 7.0  # the exponent of Karras et al.'s noise schedule, as every host uses it
 
 
-# On DiTs only: UniPC, Wan's usual sampler, kept the DiT references' picture (docs/dit.md); uni_pc_bh2 is not
-# measured.
+# On DiTs only: UniPC, Wan's usual sampler, kept the DiT references' picture (docs/dit-measurements.md);
+# uni_pc_bh2 is not measured.
 DIT_SAMPLERS_THAT_KEEP_THE_PICTURE = frozenset({"unipcmultistepscheduler", "uni_pc", "unipc"})  # "UniPC": WebUI
 
 # UniPC's corrector multiplies a predicted output's error where the details form: with it, the calls below this

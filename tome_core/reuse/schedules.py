@@ -110,9 +110,9 @@ class NoiseSpacedSchedule:
     host runs in full, below ``full_below``, come on top). A flow model's noise falls slowly over most of a run
     and fast over its last steps, and its output changes with it: spaced by the noise, the full steps go where the
     output changes, all of the last ones among them, whatever the model's shift or the scale of its noise levels.
-    It kept the DiT references' picture better than fixed intervals at the same speed (docs/dit.md). The plan is
-    made when the run starts, so its speed is known. As on the UNets, a run of fewer than ``short_run`` steps runs
-    one step in two at least and a run of fewer than ``min_steps`` every step."""
+    It kept the DiT references' picture better than fixed intervals at the same speed (docs/dit-measurements.md).
+    The plan is made when the run starts, so its speed is known. As on the UNets, a run of fewer than
+    ``short_run`` steps runs one step in two at least and a run of fewer than ``min_steps`` every step."""
 
     interval: int
     short_run: int = 25

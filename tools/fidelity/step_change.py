@@ -22,8 +22,8 @@ scenes (as the fidelity benchmark judges them), so that a model that no longer d
 samples at another shift than the family's default (``--shift size``: a Flux.1 layout at ComfyUI's ModelSamplingFlux
 node's shift for the sampled size, as the curve gate asks). ``--chart`` draws the curves beside the published ones.
 
-The curve gate (docs/dit.md, "The second generation"): ``--cfg 1 --tokens image --seeds 2 --over-prompts median
---shift size --judge`` at 28 steps (and at 50 for Qwen-Image, beside its published curve).
+The curve gate (docs/dit-measurements.md, "The second generation"): ``--cfg 1 --tokens image --seeds 2 --over-prompts
+median --shift size --judge`` at 28 steps (and at 50 for Qwen-Image, beside its published curve).
 
 The video reference (``--models ref-wan --steps 50``, sampled with ``uni_pc`` and the ``simple`` scheduler as Wan
 users sample in ComfyUI): the residual of Wan's block stack, beside real Wan 2.1 1.3B's ratios at 50 steps as

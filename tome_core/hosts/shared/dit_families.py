@@ -86,7 +86,7 @@ class DitFamily:
     curve_of: str = ""  # whose curve it is, for the log and the docs
     # A reusing step runs in full where the first block's output moved more than this since the last full step
     # (None: no such guard, the curve guards); set only where a reference that passes the curve gate measured it
-    # (docs/dit.md, "The first-block guard on Qwen-Image").
+    # (docs/dit-measurements.md, "Qwen-Image's default: the first-block guard").
     first_block_guard: float | None = None
     # A reusing step runs in full where the first block's output lies more than this off the line through the last
     # two full steps' outputs (the path the residual's prediction follows; None: no such guard); with or without
@@ -134,7 +134,7 @@ QWEN_IMAGE_CURVE = StepChangeCurve(published.QWEN_IMAGE, 0.10)
 HUNYUAN_VIDEO_CURVE = StepChangeCurve(published.HUNYUAN_VIDEO, 0.24)
 WAN_CURVE = StepChangeCurve(published.WAN21_T2V_14B, 0.24)
 
-# Intervals: measured on the reference models (docs/dit.md); SD3 and
+# Intervals: measured on the reference models (docs/dit-measurements.md); SD3 and
 # Lumina 2 / Z-Image (one joint stream, as Flux's single blocks) take Flux's, the video families without a reference
 # one step more often than Wan's. A family without a published curve takes the nearest family's (docs/dit.md).
 # Flux and Qwen-Image predict a whole step along the line (it kept more of their references' picture); the others
@@ -172,7 +172,7 @@ FAMILIES = (
         blocks=BlockLayout((("double_block", "joint_blocks"),), ("txt", "img"), last_block_runs=True),
     ),
     DitFamily(
-        # Every 6 with both first-block guards, chosen on the Qwen-Image references (docs/dit.md).
+        # Every 6 with both first-block guards, chosen on the Qwen-Image references (docs/dit-measurements.md).
         "Qwen-Image", auto_intervals=((0, 6),), extrapolate=1.0, curve=QWEN_IMAGE_CURVE, curve_of="Qwen-Image",
         first_block_guard=0.15, line_guard=0.07,
         comfyui=("QwenImageTransformer2DModel",), diffusers=("QwenImageTransformer2DModel",),

@@ -1,11 +1,11 @@
 """``python -m tools.bench.dit.whole``: whole ComfyUI sampling runs of full-depth DiTs, unpatched and with reuse.
 
-The GPU table's DiT part (``tools/gpu_bench.sh --dit-whole ...``; docs/dit.md, "On a GPU"). Each model is built
-at its full depth and width with ComfyUI's own class (0.3.75), random weights drawn on the device, in ``--dtype``
-(bf16), and sampled through ComfyUI's ``common_ksampler`` under ``torch.inference_mode()`` as ComfyUI's executor
-runs a prompt (ComfyUI's ``uni_pc`` has no ``no_grad`` of its own: without it every block's activations are kept).
-ComfyUI runs in its high-VRAM mode: the weights are made on the device and stay there (its usual mode would count
-them as not loaded yet and load part of them on each call). Rows, each one whole run of the family's steps:
+The GPU table's DiT part (``tools/gpu_bench.sh --dit-whole ...``; docs/dit-measurements.md, "On a GPU"). Each model is
+built at its full depth and width with ComfyUI's own class (0.3.75), random weights drawn on the device, in ``--dtype``
+(bf16), and sampled through ComfyUI's ``common_ksampler`` under ``torch.inference_mode()`` as ComfyUI's executor runs a
+prompt (ComfyUI's ``uni_pc`` has no ``no_grad`` of its own: without it every block's activations are kept). ComfyUI runs
+in its high-VRAM mode: the weights are made on the device and stay there (its usual mode would count them as not loaded
+yet and load part of them on each call). Rows, each one whole run of the family's steps:
 - unpatched (timed first and last: the speed-ups are against the mean of the two);
 - ours default: the node's defaults (``dit_settings`` auto: the family's reuse interval for the step count);
 - ours every N (``dit_settings`` "as set", ``downsample_factor`` 1) at the family's two other intervals;

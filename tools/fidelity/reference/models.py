@@ -15,8 +15,8 @@ encoder, and a classifier.
   joint text+image blocks, one-frame 3-D latents of Wan 2.1's format, as ComfyUI samples Qwen-Image.
 - ``ref-wan``: Wan 2.1 text-to-video layout (``WanModel``), on short clips.
 - ``ref-flux-v2``, ``ref-qwen-v2``: the second generation, ``ref-flux-deep``'s and ``ref-qwen``'s layouts on
-  16-channel latents of scenes the prompt decides less of (``data.batch_v2``), so that their residual changes over
-  the first steps as the real models' does (docs/dit.md, "The second generation of references"); judged by a
+  16-channel latents of scenes the prompt decides less of (``data.batch_v2``), so that their residual changes over the
+  first steps as the real models' does (docs/dit-measurements.md, "The second generation of references"); judged by a
   classifier of their own (``classifier-v2``).
 The UNets are trained at 32x32 latents (``TRAIN_SIZE``) as v-prediction models on ComfyUI's discrete SD schedule
 (as SD 2.x 768-v and the v-prediction SDXL fine-tunes are), so any ComfyUI sampler samples them as it samples
