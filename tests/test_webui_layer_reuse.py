@@ -191,7 +191,8 @@ def test_with_todo_both_apply_and_removal_restores_the_unet(host):
         for remove in (lambda: ldm_patch.remove_patch(unet), ldm_patch.remove_all):
             assert not ldm_patch.install_patch(unet, settings)  # the reduction does nothing ...
             euler = types.SimpleNamespace(sampler_name="Euler")  # a job of a sampler reuse keeps the picture with
-            assert webui_layer_reuse.install_ldm(unet, settings, p=euler) is not None  # ... the reuse does
+            schedule = webui_layer_reuse.schedule_for(settings, unet, euler)
+            assert webui_layer_reuse.install_ldm(unet, settings, euler, schedule) is not None  # ... the reuse does
             assert ldm_patch.is_patched(unet) and skippable_layers(unet)
             # A call outside a denoiser call has no known step: it runs in full.
             assert torch.equal(unet(x, t, context=context), plain)

@@ -1,5 +1,8 @@
 """The doors into the hosts, one package each; the engine (``tome_core``'s own modules) never imports them.
 
+Each host's front door is its ``patch.py``: it resolves the settings once (a UNet, a DiT of the family registry,
+or refused; which schedule reuse runs on) and hands the host's installs what to run.
+
 - ``comfyui``: ComfyUI's reuse across steps wiring, its sampling-run wrapper and its DiT patch (every family of
   the registry, ``shared.dit_families``);
 - ``webui``: the AUTOMATIC1111 WebUI, Forge and Forge Neo: the ldm/sgm block patch, Neo's and Forge's DiT blocks,

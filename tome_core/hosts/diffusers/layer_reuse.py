@@ -40,9 +40,7 @@ from ...reuse import (
     detach_forwards,
     full_below_noise,
     keeps_the_picture_with,
-    unet_schedule,
 )
-from .unet_blocks import attention_levels
 
 log = logging.getLogger("tome_patch")
 
@@ -268,13 +266,13 @@ def _sigma_of(scheduler, step: int, timestep: float) -> float | None:
     return None
 
 
-def install(unet, pipeline, settings, allowed: Callable[[float], bool]) -> bool:
-    """Give ``unet`` layer reuse at ``settings.reuse_interval``, following ``pipeline``'s scheduler; False where
-    the layout is not one this split knows (the UNet is then left as it is)."""
+def install(unet, pipeline, settings, allowed: Callable[[float], bool], schedule) -> bool:
+    """Give ``unet`` layer reuse on ``schedule`` (the front door's: ``unet_schedule`` of the settings), following
+    ``pipeline``'s scheduler; False where the layout is not one this split knows (the UNet is then left as it
+    is)."""
     layers = inner_layers(unet)
-    if settings.reuse_interval <= 1 or not layers:
+    if not layers:
         return False
-    schedule = unet_schedule(settings.reuse_interval, attention_levels(unet), settings.reuse_plan)
     owner = PipelineReuse(pipeline, schedule, layers, allowed)
     owner.plan = settings.reuse_plan
     attach_forwards(owner, [layer for _, layer in layers])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from ...reuse import unet_schedule
 from ...settings import PatchSettings
 from . import dit_patch, unet_patch
 from .unet_blocks import attention_levels, transformer_blocks
@@ -98,5 +99,7 @@ def apply_patch(pipe_or_unet, **settings):
             log.info("ToMe Patch: reuse across steps (the default reuse_interval 3) is left out: %s", err)
             reuse = False
             validated = validated.replace(reuse_interval=1)
-    unet_patch.install(unet, pipeline, validated, reuse)
+    levels = attention_levels(unet)
+    schedule = unet_schedule(validated.reuse_interval, levels, validated.reuse_plan) if reuse else None
+    unet_patch.install(unet, pipeline, validated, schedule)
     return pipe_or_unet

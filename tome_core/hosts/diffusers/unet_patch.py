@@ -280,13 +280,13 @@ def check_layer_reuse(unet, pipeline) -> None:
         )
 
 
-def install(unet, pipeline, validated: PatchSettings, reuse: bool) -> None:
-    """Replace any earlier patch of ``unet`` by the token reduction of ``validated`` and, where ``reuse``, reuse
-    across steps (the pipeline's scheduler tells each call's step)."""
+def install(unet, pipeline, validated: PatchSettings, schedule) -> None:
+    """Replace any earlier patch of ``unet`` by the token reduction of ``validated`` and, on ``schedule`` (None:
+    off), reuse across steps (the pipeline's scheduler tells each call's step)."""
     remove(unet)
     step_range = StepRange(validated, pipeline, unet_timestep_of_percent)
-    if reuse:
-        diffusers_layer_reuse.install(unet, pipeline, validated, step_range.contains)
+    if schedule is not None:
+        diffusers_layer_reuse.install(unet, pipeline, validated, step_range.contains, schedule)
     reducer = Reducer(validated, attention_levels(unet))
     if reducer.does_nothing:
         return

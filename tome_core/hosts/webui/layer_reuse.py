@@ -178,7 +178,11 @@ def low_noise_in_full(p, plan: str = "auto") -> float:
     return full_below_noise(*sampler_and_schedule(p), dit=False, plan=plan)
 
 
-def _schedule(settings, unet):
+def schedule_for(settings, unet, p):
+    """The schedule a pass's reuse runs on (the front door asks): the UNet's plan for the settings, or None where
+    reuse is off for this pass (``reuse_interval`` 1, or a sampler it does not keep the picture with)."""
+    if settings.reuse_interval <= 1 or not sampler_keeps_the_picture(p, settings.reuse_plan):
+        return None
     return unet_schedule(settings.reuse_interval, attention_levels(unet), settings.reuse_plan)
 
 
@@ -218,17 +222,18 @@ def on_cfg_after_cfg(params) -> None:
 # --- WebUI (ldm, sgm) -----------------------------------------------------------------------------------------------
 
 
-def install_ldm(unet, settings, p, num_timesteps: int = 1000) -> PassReuse | None:
-    """Give the WebUI's ``unet`` layer reuse for one pass of job ``p``; None where there is nothing to do."""
+def install_ldm(unet, settings, p, schedule, num_timesteps: int = 1000) -> PassReuse | None:
+    """Give the WebUI's ``unet`` layer reuse on ``schedule`` (``schedule_for``) for one pass of job ``p``; None
+    where there is nothing to do."""
     remove_ldm(unet)
     layers = [layer for _, layer in inner_layers(unet, OUTER_BLOCKS)]
-    if settings.reuse_interval <= 1 or not layers or not sampler_keeps_the_picture(p, settings.reuse_plan):
+    if schedule is None or not layers:
         return None
     # The WebUI's UNet receives the DDPM timestep (999 at the start of sampling, 0 at the end).
     noise_range = NoiseRange(
         settings.start_percent, settings.end_percent, lambda q: timestep_of_percent(q, num_timesteps)
     )
-    owner = PassReuse(p, _schedule(settings, unet), len(layers), noise_range, low_noise_in_full(p, settings.reuse_plan))
+    owner = PassReuse(p, schedule, len(layers), noise_range, low_noise_in_full(p, settings.reuse_plan))
 
     def before(module, args, kwargs):
         x = args[0] if args else kwargs.get("x")
@@ -326,20 +331,19 @@ def whole_model_wrapped(p) -> bool:
     return (getattr(unet, "model_options", None) or {}).get("model_function_wrapper") is not None
 
 
-def install_forge(patcher, settings, p, percent_to_sigma) -> PassReuse | None:
-    """Give Forge's ``patcher`` (a clone of this pass) layer reuse for one pass of job ``p``."""
+def install_forge(patcher, settings, p, percent_to_sigma, schedule) -> PassReuse | None:
+    """Give Forge's ``patcher`` (a clone of this pass) layer reuse on ``schedule`` (``schedule_for``) for one pass
+    of job ``p``."""
     remove_forge(patcher)
     unet = patcher.model.diffusion_model
     layers = inner_layers(unet, OUTER_BLOCKS)
-    if settings.reuse_interval <= 1 or not layers or not hasattr(patcher, "add_object_patch"):
-        return None
-    if not sampler_keeps_the_picture(p, settings.reuse_plan):
+    if schedule is None or not layers or not hasattr(patcher, "add_object_patch"):
         return None
     if percent_to_sigma is None:
         noise_range = NoiseRange(0.0, 1.0, lambda q: math.nan)
     else:
         noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
-    owner = PassReuse(p, _schedule(settings, unet), len(layers), noise_range, low_noise_in_full(p, settings.reuse_plan))
+    owner = PassReuse(p, schedule, len(layers), noise_range, low_noise_in_full(p, settings.reuse_plan))
     for index, (name, layer) in enumerate(layers):
         patcher.add_object_patch(f"diffusion_model.{name}.forward", SkippableLayer(owner, index, layer))
     inner = getattr(patcher, "object_patches", {}).get("diffusion_model.forward")

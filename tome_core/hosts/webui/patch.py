@@ -165,7 +165,8 @@ def _patch_ldm(p, sd_model, settings, job: Job) -> bool:
         job.warn_once(f"not applied: {err}.")
         return False
     _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
-    reusing = webui_layer_reuse.install_ldm(unet, settings, p) is not None
+    schedule = webui_layer_reuse.schedule_for(settings, unet, p)
+    reusing = webui_layer_reuse.install_ldm(unet, settings, p, schedule) is not None
     return reduced or reusing
 
 
@@ -194,7 +195,8 @@ def _patch_forge(p, forge_objects, settings, job: Job) -> bool:
     # The step of each call comes from the WebUI's callbacks here, not from a ComfyUI-style sampler wrapper (which
     # a reForge patcher may take but the WebUI's samplers never run).
     _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
-    webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma)
+    schedule = webui_layer_reuse.schedule_for(settings, clone.model.diffusion_model, p)
+    webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma, schedule)
     forge_objects.unet = clone
     return True
 
