@@ -274,27 +274,28 @@ def test_a_warm_up_runs_the_first_steps_in_full_within_the_same_count():
     the steps run in full, and the count of full steps stays one in ``interval``, so the later ones lie further
     apart."""
     from tome_core.reuse import NoiseSpacedSchedule
-    from tools.fidelity.lab import WarmUpSchedule, with_warm_up
+    from tools.fidelity.lab import EdgeSchedule, with_warm_up
 
     levels = [1.0 - step / 28 for step in range(28)]
     plain = NoiseSpacedSchedule(3).for_run(28, levels).full
     for share, first in ((0.05, 2), (0.1, 3), (0.15, 5)):
         warm = with_warm_up(NoiseSpacedSchedule(3), share).for_run(28, levels).full
         assert set(range(first)) <= warm and first not in warm and len(warm) == len(plain), share
-    assert WarmUpSchedule(3, warm_up=0.0).for_run(28, levels) == NoiseSpacedSchedule(3).for_run(28, levels)
+    assert EdgeSchedule(3, warm_up=0.0).for_run(28, levels) == NoiseSpacedSchedule(3).for_run(28, levels)
     assert with_warm_up(NoiseSpacedSchedule(3), 0.0) == NoiseSpacedSchedule(3)
     with pytest.raises(ValueError, match="warm_up"):
-        WarmUpSchedule(3, warm_up=1.5)
+        EdgeSchedule(3, warm_up=1.5)
 
 
 def test_the_noise_schedule_can_keep_its_first_and_last_steps_full():
-    """A UNet's schedule by the noise (measured for issue #37, not shipped): the first ``full_first`` and the last
-    ``full_end`` steps run in full, the last ones on top of one in N of the others, as the steps below
-    ``full_below``; the defaults keep the DiTs' plan."""
+    """A UNet's schedule by the noise (measured for issue #37, not shipped; ``tools.fidelity.lab.EdgeSchedule``):
+    the first ``full_first`` and the last ``full_end`` steps run in full, the last ones on top of one in N of the
+    others, as the steps below ``full_below``; the defaults keep the DiTs' plan."""
     from tome_core.reuse import NoiseSpacedSchedule
+    from tools.fidelity.lab import EdgeSchedule
 
     def pattern(steps, levels, **options):
-        plan = NoiseSpacedSchedule(**options).for_run(steps, levels)
+        plan = EdgeSchedule(**options).for_run(steps, levels)
         return "".join("F" if plan.is_full(step, steps) else "." for step in range(steps))
 
     # ComfyUI's "normal" sigmas of the SD schedule at 25 steps, rounded.
@@ -305,12 +306,15 @@ def test_the_noise_schedule_can_keep_its_first_and_last_steps_full():
     assert pattern(25, sd, interval=3, full_first=2, full_end=3) == "FF.F..F..F..F...F..F..FFF"
     assert pattern(25, sd, interval=3, full_first=2, full_end=4) == "FF..F..F..F...F...F..FFFF"
     assert pattern(25, sd, interval=3.5, full_first=2, full_end=3).count("F") == math.ceil(22 / 3.5) + 3
-    assert pattern(30, WAN_SIGMAS_30, interval=3, full_first=1, full_end=0) == pattern(30, WAN_SIGMAS_30, interval=3)
+    plain = NoiseSpacedSchedule(3).for_run(30, WAN_SIGMAS_30)
+    assert pattern(30, WAN_SIGMAS_30, interval=3, full_first=1, full_end=0) == "".join(
+        "F" if plain.is_full(step, 30) else "." for step in range(30)
+    )
     assert pattern(25, sd, interval=3, full_first=30, full_end=30) == "F" * 25
     with pytest.raises(ValueError, match="full_first"):
-        NoiseSpacedSchedule(3, full_first=0)
+        EdgeSchedule(3, full_first=0)
     with pytest.raises(ValueError, match="full_end"):
-        NoiseSpacedSchedule(3, full_end=-1)
+        EdgeSchedule(3, full_end=-1)
 
 
 def test_the_parabola_through_three_full_steps():

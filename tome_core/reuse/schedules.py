@@ -117,23 +117,18 @@ class NoiseSpacedSchedule:
     interval: int
     short_run: int = 25
     min_steps: int = 10
-    # Steps at the start and at the end that are always full, whatever the noise says. A DiT's first step alone
-    # (its flow noise falls slowly at first); a UNet's first two (a line to extrapolate on from the first reusing
-    # step) and its last ones (the finest detail: the steps whose error the sampler carries into the picture most,
-    # their noise falling by the largest fractions). The end's steps come on top of the one in ``interval``.
-    full_first: int = 1
-    full_end: int = 0
 
     def __post_init__(self):
         _check_run_rules(self)
-        if self.full_first < 1 or self.full_end < 0:
-            raise ValueError(
-                f"full_first must be from 1 up and full_end from 0 up, got {self.full_first!r}, {self.full_end!r}"
-            )
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
         """The full steps of a run of ``steps`` at ``noise_levels`` (one per step, falling; None or another count:
-        evenly spaced)."""
+        evenly spaced); the first step always full (a flow model's noise falls slowly at first)."""
+        return self.plan(steps, noise_levels, full_below, first=1, end=0)
+
+    def plan(self, steps: int, noise_levels, full_below: float, first: int, end: int) -> FullSteps:
+        """``for_run`` with the first ``first`` and the last ``end`` steps full whatever the noise says (the end's
+        on top of the one in ``interval``)."""
         if steps < self.min_steps:
             return FullSteps(steps, frozenset(range(steps)))
         if noise_levels is None or len(noise_levels) != steps:
@@ -141,11 +136,11 @@ class NoiseSpacedSchedule:
         levels = [math.log(max(float(v), MIN_NOISE_LEVEL)) for v in noise_levels]
         interval = min(self.interval, 2) if steps < self.short_run else self.interval
         low_noise = {step for step, level in enumerate(noise_levels) if level < full_below}
-        low_noise |= set(range(max(steps - self.full_end, 0), steps))
+        low_noise |= set(range(max(steps - end, 0), steps))
         # One in ``interval`` of the steps the host lets reuse; the ones it runs in full come on top (counted
         # against them, they left the run's high-noise stretch almost without full steps: docs/dit.md).
         budget = math.ceil((steps - len(low_noise)) / interval) + len(low_noise)
-        forced = set(range(min(self.full_first, steps))) | low_noise
+        forced = set(range(min(first, steps))) | low_noise
         tight, loose = 0.0, max(levels[0] - min(levels), 0.0) + 1.0  # loose: no step but the forced ones
         full = forced
         for _ in range(48):  # bisection: the fewest-noise spacing with at most ``budget`` full steps

@@ -6,7 +6,7 @@ and docs/dit.md hold their figures).
 
 - ``ReuseVariant``: what a fidelity row changes around the shipped choices;
 - ``install_unet_variant`` / ``install_dit_variant``: the product's ``install`` with those changes;
-- ``WarmUpSchedule``: a DiT's noise-spaced schedule whose first share of steps runs in full;
+- ``EdgeSchedule``: the noise-spaced schedule with more of its first and last steps in full;
 - ``GuardedSchedule``: any schedule with the first-block guards a DiT family's own schedule carries;
 - ``ParabolaRun``: the prediction along the parabola through the last three full steps;
 - ``RateGuardRun``: a UNet's reusing call in full once the boundary's predicted change passes a threshold.
@@ -46,21 +46,27 @@ class ReuseVariant:
 
 
 @dataclass(frozen=True)
-class WarmUpSchedule(NoiseSpacedSchedule):
-    """``NoiseSpacedSchedule`` whose first ``warm_up`` share of the steps runs in full, counted against the one in
-    ``interval`` (the later full steps lie further apart for it)."""
+class EdgeSchedule(NoiseSpacedSchedule):
+    """``NoiseSpacedSchedule`` with more of its edges in full: the first ``full_first`` steps (a UNet's first two: a
+    line to extrapolate on), the last ``full_end`` (on top of the one in ``interval``), and the first ``warm_up``
+    share of the steps (counted against the one in ``interval``, so the later full steps lie further apart)."""
 
+    full_first: int = 1
+    full_end: int = 0
     warm_up: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
+        if self.full_first < 1 or self.full_end < 0:
+            raise ValueError(
+                f"full_first must be from 1 up and full_end from 0 up, got {self.full_first!r}, {self.full_end!r}"
+            )
         if not 0.0 <= self.warm_up <= 1.0:
             raise ValueError(f"warm_up must be a number from 0 to 1, got {self.warm_up!r}")
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0):
         first = max(self.full_first, math.ceil(self.warm_up * steps - 1e-9))
-        plain = NoiseSpacedSchedule(self.interval, self.short_run, self.min_steps, first, self.full_end)
-        return plain.for_run(steps, noise_levels, full_below)
+        return self.plan(steps, noise_levels, full_below, first, self.full_end)
 
 
 @dataclass(frozen=True)
@@ -226,15 +232,15 @@ def with_warm_up(schedule: NoiseSpacedSchedule, warm_up: float) -> NoiseSpacedSc
     """``schedule`` with its first ``warm_up`` share of the steps in full (0: itself)."""
     if not warm_up:
         return schedule
-    return WarmUpSchedule(**{**schedule.__dict__, "warm_up": warm_up})
+    return EdgeSchedule(schedule.interval, schedule.short_run, schedule.min_steps, warm_up=warm_up)
 
 
 __all__ = [
     "GuardedSchedule",
     "ParabolaRun",
     "RateGuardRun",
+    "EdgeSchedule",
     "ReuseVariant",
-    "WarmUpSchedule",
     "install_dit_variant",
     "install_unet_variant",
     "installed_hooks",

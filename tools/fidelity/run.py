@@ -369,9 +369,9 @@ def layer_reuse_variant(
     schedule; ``by_sigma`` "log": the line drawn over log sigma."""
     from tome_core.hosts.comfyui import layer_reuse as layer_reuse_hooks
     from tome_core.hosts.shared.model_patcher import patched_clone
-    from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule
+    from tome_core.reuse import IntervalSchedule
     from tome_core.schedule import NoiseRange
-    from tools.fidelity.lab import ReuseVariant, install_unet_variant
+    from tools.fidelity.lab import EdgeSchedule, ReuseVariant, install_unet_variant
 
     def patch(model):
         everywhere = NoiseRange(0.0, 1.0, lambda p: p)
@@ -382,7 +382,7 @@ def layer_reuse_variant(
         # A variant changes the schedule its rows were measured against: the last two steps full and no short-run
         # or few-steps rule (docs/step-reuse.md, "before"); it names any other value.
         if kind == "noise":  # the shipped short-run and few-steps rules unless named
-            schedule_ = NoiseSpacedSchedule(interval, **schedule)
+            schedule_ = EdgeSchedule(interval, **schedule)
         else:
             schedule_ = IntervalSchedule(interval, **{"short_run": 0, "full_end": 2, "min_steps": 0, **schedule})
         variant = ReuseVariant(
