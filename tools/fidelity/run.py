@@ -531,17 +531,20 @@ def spectrum_rows(steps: int, shares: tuple[float, ...]) -> list[FidelityRow]:
 
 
 def whole_step_rows(steps: int) -> list[FidelityRow]:
-    """A skipped step that runs nothing (issue #60): Spectrum's plan of 12 and 13 of 25 with the whole output
-    forecast along the line alone (no Chebyshev fit), moved all the way or three quarters of it (SD1.x's reach)."""
+    """A skipped step that runs nothing (issue #60): the whole output forecast along the line through the last two
+    computed steps alone (no Chebyshev fit), over the step (Spectrum's line) or over the noise level (ours), moved
+    all the way or three quarters of it; computed: the first 2, 3 or 4 steps, one in three after, the last tenth
+    (11, 12, 13 of 25), and Spectrum's plan of about three quarters of the steps (DPM++ 2M's low-noise share)."""
     from tools.fidelity import spectrum
 
+    plans = [spectrum.SpectrumSettings(window=3, warm_up=warm_up) for warm_up in (2, 3, 4)]
+    plans.append(spectrum.settings_computing(steps, math.ceil(0.76 * steps)))
     rows = []
-    for target in (12, 13):
+    for plan in plans:
         for reach in (1.0, 0.75):
             for by_sigma in (False, True):
-                base = spectrum.settings_computing(steps, math.ceil(target / 25 * steps))
                 settings = spectrum.SpectrumSettings(
-                    blend=0.0, window=base.window, warm_up=base.warm_up, reach=reach, by_sigma=by_sigma
+                    blend=0.0, window=plan.window, warm_up=plan.warm_up, reach=reach, by_sigma=by_sigma
                 )
                 over = " over sigma" if by_sigma else ""
                 name = f"whole-step line {reach}{over} ({settings.label(steps)} computed)"
