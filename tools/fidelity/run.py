@@ -534,11 +534,13 @@ def whole_step_rows(steps: int) -> list[FidelityRow]:
     """A skipped step that runs nothing (issue #60): the whole output forecast along the line through the last two
     computed steps alone (no Chebyshev fit), over the step (Spectrum's line) or over the noise level (ours), moved
     all the way or three quarters of it; computed: the first 2, 3 or 4 steps, one in three after, the last tenth
-    (11, 12, 13 of 25), and Spectrum's plan of about three quarters of the steps (DPM++ 2M's low-noise share)."""
+    (11, 12, 13 of 25), Spectrum's plan of about three quarters of the steps (DPM++ 2M's low-noise share) and
+    Neo's own (17 of 25)."""
     from tools.fidelity import spectrum
 
     plans = [spectrum.SpectrumSettings(window=3, warm_up=warm_up) for warm_up in (2, 3, 4)]
     plans.append(spectrum.settings_computing(steps, math.ceil(0.76 * steps)))
+    plans.append(spectrum.SpectrumSettings())  # Neo's own plan (17 of 25)
     rows = []
     for plan in plans:
         for reach in (1.0, 0.75):
