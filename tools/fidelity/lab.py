@@ -197,35 +197,33 @@ def installed_hooks(clone):
     return wrappers[0].__self__
 
 
-def _apply(hooks, variant: ReuseVariant, extrapolate) -> None:
-    if extrapolate is not None:
-        hooks.extrapolate = extrapolate
-    hooks.run_class = _run_class(variant)
-    position = _position(variant.by_sigma)
-    if position is not None:
-        hooks.position = position
+def _install(door, outer_name: str, clone, settings, noise_range, variant: ReuseVariant) -> bool:
+    """``door.install`` (a ComfyUI reuse door) with ``variant``'s changes."""
+    with _outer_blocks(door, outer_name, variant.outer):
+        installed = door.install(clone, settings, noise_range, _guarded(variant, variant.schedule))
+    if installed:
+        hooks = installed_hooks(clone)
+        if variant.extrapolate is not None:
+            hooks.extrapolate = variant.extrapolate
+        hooks.run_class = _run_class(variant)
+        position = _position(variant.by_sigma)
+        if position is not None:
+            hooks.position = position
+    return installed
 
 
 def install_unet_variant(clone, settings, noise_range, variant: ReuseVariant) -> bool:
     """``layer_reuse.install`` with ``variant``'s changes (a schedule's own ``extrapolate`` still wins)."""
     from tome_core.hosts.comfyui import layer_reuse
 
-    with _outer_blocks(layer_reuse, "OUTER_BLOCKS", variant.outer):
-        installed = layer_reuse.install(clone, settings, noise_range, _guarded(variant, variant.schedule))
-    if installed:
-        _apply(installed_hooks(clone), variant, variant.extrapolate)
-    return installed
+    return _install(layer_reuse, "OUTER_BLOCKS", clone, settings, noise_range, variant)
 
 
 def install_dit_variant(clone, settings, noise_range, variant: ReuseVariant) -> bool:
     """``dit_reuse.install`` with ``variant``'s changes."""
     from tome_core.hosts.comfyui import dit_reuse
 
-    with _outer_blocks(dit_reuse, "DIT_OUTER_BLOCKS", variant.outer):
-        installed = dit_reuse.install(clone, settings, noise_range, _guarded(variant, variant.schedule))
-    if installed:
-        _apply(installed_hooks(clone), variant, variant.extrapolate)
-    return installed
+    return _install(dit_reuse, "DIT_OUTER_BLOCKS", clone, settings, noise_range, variant)
 
 
 def with_warm_up(schedule: NoiseSpacedSchedule, warm_up: float) -> NoiseSpacedSchedule:

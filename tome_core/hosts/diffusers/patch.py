@@ -81,7 +81,8 @@ def apply_patch(pipe_or_unet, **settings):
         dit_patch.apply_patch(dits, validated, settings)
         return pipe_or_unet
     unet, pipeline = _unet(pipe_or_unet)
-    if not attention_levels(unet) or not transformer_blocks(unet):
+    levels = attention_levels(unet)
+    if not levels or not transformer_blocks(unet):
         raise UnsupportedModelError(
             f"tome_core.apply_patch supports {SUPPORTED}; this {type(unet).__name__} has no transformer blocks "
             "to reduce (pixel-space UNets such as DeepFloyd IF use another attention block)"
@@ -99,7 +100,6 @@ def apply_patch(pipe_or_unet, **settings):
             log.info("ToMe Patch: reuse across steps (the default reuse_interval 3) is left out: %s", err)
             reuse = False
             validated = validated.replace(reuse_interval=1)
-    levels = attention_levels(unet)
     schedule = unet_schedule(validated.reuse_interval, levels, validated.reuse_plan) if reuse else None
     unet_patch.install(unet, pipeline, validated, schedule)
     return pipe_or_unet
