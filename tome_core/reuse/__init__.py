@@ -13,7 +13,8 @@ current input. This package knows no host; one module per idea:
   ``hosts.shared.dit_families``);
 - ``samplers``: the samplers and noise schedules reuse may run with;
 - ``cache``: one sampling run's records and the prediction from them (``LayerReuseRun``);
-- ``hooks``: the skippable forwards every host door shares (``LayerReuse``, ``SkippableLayer``).
+- ``hooks``: the skippable forwards every host door shares (``LayerReuse``, ``SkippableLayer``);
+- ``whole_step``: ``reuse_plan`` "forecast", where a skipped step runs no layer at all (``WholeStepRun``).
 """
 
 from .cache import COMPACT_SLOPE_BYTES, LayerReuseRun, join_streams, split_streams
@@ -25,7 +26,10 @@ from .plans import (
     UNET_LONG_RUN,
     UNET_LONG_RUN_PLANS,
     UNET_PLANNED_INTERVAL,
+    WHOLE_STEP_PLAN,
+    WHOLE_STEP_REACH,
     unet_schedule,
+    whole_step_schedule,
 )
 from .samplers import (
     DIT_SAMPLERS_THAT_KEEP_THE_PICTURE,
@@ -39,6 +43,7 @@ from .samplers import (
     full_below_noise,
     is_karras,
     keeps_the_picture_with,
+    whole_step_kind,
 )
 from .schedules import (
     MIN_NOISE_LEVEL,
@@ -50,6 +55,7 @@ from .schedules import (
     StepCountSchedule,
     spaced_by_noise,
 )
+from .whole_step import WholeStepRun, denoised_of, output_of
 
 __all__ = [
     "COMPACT_SLOPE_BYTES",
@@ -68,6 +74,8 @@ __all__ = [
     "UNET_LONG_RUN",
     "UNET_LONG_RUN_PLANS",
     "UNET_PLANNED_INTERVAL",
+    "WHOLE_STEP_PLAN",
+    "WHOLE_STEP_REACH",
     "FullSteps",
     "IntervalSchedule",
     "LayerReuse",
@@ -77,13 +85,18 @@ __all__ = [
     "SkippableLayer",
     "StepChangeCurve",
     "StepCountSchedule",
+    "WholeStepRun",
     "attach_forwards",
+    "denoised_of",
     "detach_forwards",
     "full_below_noise",
     "is_karras",
     "join_streams",
     "keeps_the_picture_with",
+    "output_of",
     "spaced_by_noise",
     "split_streams",
     "unet_schedule",
+    "whole_step_kind",
+    "whole_step_schedule",
 ]

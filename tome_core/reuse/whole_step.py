@@ -1,0 +1,88 @@
+"""A skipped step that runs nothing: ``reuse_plan`` "forecast" on a UNet.
+
+At a computed step the whole model runs and its output, as the denoised image, is recorded per batch layout; at a
+skipped step no layer runs and the denoised image is the line through the last two computed steps' over the noise
+level, moved part of the way (``plans.WHOLE_STEP_REACH``), turned back into what the host's model call returns.
+Where layer reuse saves the inner layers, this saves the whole call: on a GPU a skipped step costs one
+multiply-add of the latent instead of the outer layers' kernels (docs/step-reuse.md, "A skipped step that runs
+nothing").
+
+The run is a ``LayerReuseRun`` with one "layer", the whole call: the same records, batch layouts, step ranges and
+drops as layer reuse. A host whose model call returns the denoised image (ComfyUI's ``apply_model``) forecasts it
+as it is; one whose call returns the UNet's prediction (the WebUI's, Forge's and diffusers' UNet) converts with
+``denoised_of`` / ``output_of`` at the call's noise level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .cache import LayerReuseRun, _spec_of
+from .plans import WHOLE_STEP_REACH
+from .schedules import IntervalSchedule
+
+
+def _scales(x: torch.Tensor, sigma: float) -> tuple[torch.Tensor, float]:
+    """(sqrt of alpha-bar, sigma) at noise level ``sigma`` (k-diffusion's sigma: alpha-bar = 1 / (1 + sigma^2))."""
+    return torch.tensor(1.0 / (1.0 + sigma * sigma) ** 0.5, dtype=x.dtype, device=x.device), sigma
+
+
+def denoised_of(output: torch.Tensor, x: torch.Tensor, sigma: float, v_prediction: bool = False) -> torch.Tensor:
+    """The denoised image of a UNet's ``output`` (its noise, or its velocity where ``v_prediction``) for its input
+    ``x`` (the noisy image as the UNet sees it: scaled to unit variance) at noise level ``sigma``."""
+    root, s = _scales(x, sigma)
+    if v_prediction:
+        return root * x - (s * root) * output
+    return x / root - s * output
+
+
+def output_of(denoised: torch.Tensor, x: torch.Tensor, sigma: float, v_prediction: bool = False) -> torch.Tensor:
+    """The inverse of ``denoised_of``: what the UNet would return for ``denoised`` (``sigma`` above 0)."""
+    root, s = _scales(x, sigma)
+    if v_prediction:
+        return (root * x - denoised) / (s * root)
+    return (x / root - denoised) / s
+
+
+def _same(out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+class WholeStepRun(LayerReuseRun):
+    """One sampling run of the whole-step forecast. A host calls ``begin_call`` (as for layer reuse, with the noise
+    level as the position), then ``run_call``, then ``end_call``."""
+
+    def __init__(
+        self, schedule: IntervalSchedule, steps: int, layers: int = 1, extrapolate: float = WHOLE_STEP_REACH, **guards
+    ):
+        # ``layers`` and the guards: ``LayerReuse.new_run``'s arguments; the whole call is the one "layer", unguarded.
+        super().__init__(schedule, steps, layers=1, extrapolate=extrapolate)
+        self.outer_words, self.inner_words = "nothing", "output"
+
+    def run_call(
+        self,
+        compute: Callable[[], torch.Tensor],
+        denoised: Callable[[torch.Tensor], torch.Tensor] = _same,
+        output: Callable[[torch.Tensor], torch.Tensor] = _same,
+    ) -> torch.Tensor:
+        """The call in progress: ``compute()`` (the whole model) where it is computed, recording ``denoised(out)``;
+        where it is skipped, ``output(forecast)`` without running anything."""
+        call = self.current
+        if call is None:
+            return compute()
+        if call.reuse:
+            return output(self.predict(call.entry, call.position))
+        out = compute()
+        call.entry.shapes[0] = _spec_of(out)
+        # A copy: a host may change the output in place after the call.
+        call.entry.record(call.position, denoised(out).detach().clone(), keep=self.KEEP)
+        call.entry.step = call.step
+        return out
+
+    def summary(self) -> str:
+        return (
+            f"{self.calls - self.reused_calls} of {self.calls} model calls computed; {self.reused_calls} ran "
+            "nothing, their output forecast from the last two computed steps"
+        )
