@@ -67,19 +67,24 @@ def full_steps_of(patched, steps: int = 25) -> int:
 def test_a_workflow_saved_before_reuse_plan_existed_keeps_one_step_in_n(node_classes, model):
     """reuse_plan came after reuse every 3 was the default: a workflow saved then stores values up to
     dit_settings, and a prompt saved then leaves reuse_plan out; both run 14 full steps of 25 (every N) as they
-    did, where a node added anew runs the SD1.x plan (12 of 25). The pictures differ, and the saved one is
-    bit-identical to every N set by hand."""
+    did; one saved with "auto" keeps the SD1.x plan (12 of 25), and a node added anew forecasts whole steps
+    ("forecast", 13 of 25 computed). The pictures differ, and each saved one is bit-identical to its plan set by
+    hand."""
     node = node_classes["ToMePatch"]
     names = [spec.id for spec in node.GET_SCHEMA().inputs[1:]]
-    assert names[-1] == "reuse_plan" and SPECS["reuse_plan"].default == "auto"
+    assert names[-1] == "reuse_plan" and SPECS["reuse_plan"].default == "forecast"
     saved = dict(zip(names[:-1], [*SAVED_WIDGETS[:-1], 3, "auto"], strict=True))
     older = host.run_node(node, model=model, **saved)
+    saved_auto = host.run_node(node, model=model, **saved, reuse_plan="auto")
     fresh = host.patch_with_node(node_classes, model)
     by_hand = host.patch_with_node(node_classes, model, reuse_plan="every N")
-    assert (full_steps_of(older), full_steps_of(by_hand), full_steps_of(fresh)) == (14, 14, 12)
-    assert full_steps_of(older, 20) == full_steps_of(fresh, 20)  # the plans differ from 25 steps only
+    auto_by_hand = host.patch_with_node(node_classes, model, reuse_plan="auto")
+    assert (full_steps_of(older), full_steps_of(by_hand), full_steps_of(saved_auto)) == (14, 14, 12)
+    assert full_steps_of(older, 20) == full_steps_of(saved_auto, 20)  # the plans differ from 25 steps only
     assert torch.equal(run(older, 25), run(by_hand, 25))
-    assert not torch.equal(run(older, 25), run(fresh, 25))
+    assert torch.equal(run(saved_auto, 25), run(auto_by_hand, 25))
+    assert not torch.equal(run(older, 25), run(saved_auto, 25))
+    assert not torch.equal(run(saved_auto, 25), run(fresh, 25))
 
 
 def test_api_prompts_saved_before_the_change_keep_reuse_off(node_classes, model):
@@ -125,13 +130,13 @@ def test_samplers_it_does_not_keep_the_picture_with_run_every_step_in_full(
     assert torch.equal(out, host.sample(todo_only, "sd15", **options))
 
 
-def test_dpmpp_2m_on_karras_sigmas_reuses_with_every_call_below_sigma_1_in_full(node_classes, model):
-    """DPM++ 2M on Karras sigmas (the WebUI's default sampler; docs/step-reuse.md): the default takes the general
+def test_dpmpp_2m_on_karras_sigmas_under_auto_reuses_with_every_call_below_sigma_1_in_full(node_classes, model):
+    """DPM++ 2M on Karras sigmas (the WebUI's default sampler; docs/step-reuse.md): "auto" takes the general
     plan (14 full steps of 25, half the line; not the family's 12) and reuses at its reusing steps whose sigma is
     1.0 or more, every call below runs in full; the picture is not ToDo 2 alone's."""
     import comfy.samplers
 
-    default = host.patch_with_node(node_classes, model)
+    default = host.patch_with_node(node_classes, model, reuse_plan="auto")
     todo_only = host.patch_with_node(node_classes, model, reuse_interval=1)
     (hooks,) = [w.__self__ for w in default.wrappers["apply_model"]["tome_patch_layer_reuse"]]
     options = {"latent_hw": HW, "steps": 25, "batch": 2, "sampler": "dpmpp_2m", "scheduler": "karras"}

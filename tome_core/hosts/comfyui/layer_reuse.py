@@ -9,6 +9,10 @@ skip connections, ControlNet residuals and block patches run as they are. Per sa
   options for the run, logs what it did and drops it when the run ends, however it ends;
 - an APPLY_MODEL wrapper finds each call's step from its sigma and its batch layout from ``uuids`` (which conds,
   in which order) and the input's shape, and makes the run the current one of the hooks for that call only.
+
+With ``reuse_plan`` "forecast" and a sampler it has a plan for, the run is a ``WholeStepRun``: the APPLY_MODEL
+wrapper itself returns a skipped call's forecast (``apply_model`` returns the denoised image, what it forecasts)
+without calling the model, and the layers' forwards run as they are.
 """
 
 from __future__ import annotations
@@ -20,14 +24,18 @@ import torch
 from ...reuse import (
     DEFAULT_EXTRAPOLATE,
     OUTER_BLOCKS,
+    WHOLE_STEP_PLAN,
     IntervalSchedule,
     LayerReuse,
     LayerReuseRun,
+    WholeStepRun,
     attach_forwards,
     detach_forwards,
     full_below_noise,
     is_karras,
     keeps_the_picture_with,
+    whole_step_kind,
+    whole_step_schedule,
 )
 from ...schedule import call_sigmas, step_of
 from ..shared.unet_layout import inner_layers
@@ -88,8 +96,18 @@ class LayerReuseHooks(LayerReuse):
             )
             return executor(*args, **kwargs)
         sigmas = call_sigmas(raw_sigmas)
-        run = self.new_run(len(sigmas), sigmas, full_below_noise(name, schedule, self.DIT, self.plan))
+        run = self.whole_step_run(name, schedule, len(sigmas))
+        if run is None:
+            run = self.new_run(len(sigmas), sigmas, full_below_noise(name, schedule, self.DIT, self.plan))
         return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
+
+    def whole_step_run(self, sampler: str | None, schedule: str | None, steps: int) -> WholeStepRun | None:
+        """A run whose skipped steps run nothing (``reuse_plan`` "forecast" with a sampler it has a plan for), or
+        None: the layers' reuse."""
+        if self.DIT or self.plan != WHOLE_STEP_PLAN:
+            return None
+        planned = whole_step_schedule(self.schedule.interval, whole_step_kind(sampler, schedule))
+        return WholeStepRun(planned, steps) if planned is not None else None
 
     def _ended(self, run) -> None:
         self.last_run = run
@@ -110,6 +128,14 @@ class LayerReuseHooks(LayerReuse):
         layout = tuple(str(u) for u in transformer_options.get("uuids") or ())
         key = (layout, tuple(x.shape), x.dtype)
         allowed = self.noise_range.contains(sigma) and sigma >= run.full_below
+        if isinstance(run, WholeStepRun):  # the whole call is skipped or computed; the layers run as they are
+            run.begin_call(step, key, allowed=allowed, position=sigma)
+            try:
+                return run.run_call(
+                    lambda: executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+                )
+            finally:
+                run.end_call()
         self.begin_call(run, step, key, allowed=allowed, position=self.position(sigma))
         try:
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)

@@ -1,0 +1,111 @@
+"""ComfyUI: ``reuse_plan`` "forecast" (the default), where a skipped step runs no layer and its denoised image is
+drawn along the line through the last two computed steps (``tome_core.reuse.whole_step``).
+
+On ComfyUI's own KSampler path with a tiny random SD1.5 UNet: which steps compute per sampler, that a skipped
+step calls nothing of the model, which samplers keep "auto"'s layer reuse, and that the user's step range holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+
+HW = (15, 23)
+
+
+@pytest.fixture(scope="module")
+def node_classes():
+    return host.load_our_package()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return host.tiny_model("sd15")
+
+
+def kind_of(run) -> str:
+    """The run's class name (ComfyUI loads the package under its folder's name: another copy of our classes)."""
+    return type(run).__name__
+
+
+def hooks_of(patched):
+    (hooks,) = [w.__self__ for w in patched.wrappers["apply_model"]["tome_patch_layer_reuse"]]
+    return hooks
+
+
+def sample_counting(patched, steps=25, sampler="euler", scheduler="normal", seed=42):
+    """The sampled latent and how many times the UNet itself ran."""
+    unet = patched.model.diffusion_model
+    calls = []
+    handle = unet.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        out = host.sample(patched, "sd15", latent_hw=HW, steps=steps, batch=2, sampler=sampler, scheduler=scheduler,
+                          seed=seed)  # fmt: skip
+    finally:
+        handle.remove()
+    return out, len(calls)
+
+
+def test_the_default_computes_13_of_25_euler_steps_and_runs_nothing_at_the_others(node_classes, model):
+    """Euler, 25 steps: the first 4, one in 3 after, the last 3 (13) call the UNet; ComfyUI calls it once per step
+    with cond and uncond batched, so 13 UNet calls. The picture stays nearer the unpatched one than another seed's
+    picture does (a random tiny UNet moves less smoothly than a trained one, so no tighter bound holds for it)."""
+    patched = host.patch_with_node(node_classes, model, downsample_factor=1.0)
+    out, unet_calls = sample_counting(patched)
+    run = hooks_of(patched).last_run
+    assert kind_of(run) == "WholeStepRun"
+    computed = [step for step in range(25) if run.schedule.is_full(step, 25)]
+    assert computed == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 22, 23, 24]
+    assert (unet_calls, run.calls - run.reused_calls, run.extrapolate) == (13, 13, 0.75)
+    assert torch.isfinite(out).all()
+    full, _ = sample_counting(model)
+    other_seed, _ = sample_counting(model, seed=7)
+    assert (out - full).norm() < (other_seed - full).norm()
+
+
+def test_a_skipped_step_returns_the_line_through_the_last_two_computed_denoised_images(
+    node_classes, model, monkeypatch
+):
+    """What ``apply_model`` returns at step 4 (skipped) is the denoised image of steps 2 and 3 moved three quarters
+    of the way along their line over sigma, exactly (ComfyUI's ``apply_model`` returns the denoised image)."""
+    patched = host.patch_with_node(node_classes, model, downsample_factor=1.0)
+    seen = []
+    base = type(patched.model)
+    apply_model = base.apply_model
+
+    def recorded(self, x, t, *args, **kwargs):
+        out = apply_model(self, x, t, *args, **kwargs)
+        seen.append((float(t.max()), out.clone()))
+        return out
+
+    monkeypatch.setattr(base, "apply_model", recorded)
+    sample_counting(patched)
+    (s2, d2), (s3, d3), (s4, d4) = seen[2:5]
+    expected = torch.lerp(d2, d3, 1.0 + 0.75 * (s4 - s3) / (s3 - s2))
+    assert torch.equal(d4, expected)
+
+
+def test_dpmpp_2m_on_karras_sigmas_computes_19_of_25(node_classes, model):
+    patched = host.patch_with_node(node_classes, model)
+    _, unet_calls = sample_counting(patched, sampler="dpmpp_2m", scheduler="karras")
+    run = hooks_of(patched).last_run
+    assert kind_of(run) == "WholeStepRun" and unet_calls == 19 == run.calls - run.reused_calls
+
+
+def test_samplers_without_a_forecast_plan_keep_autos_layer_reuse_bit_for_bit(node_classes, model):
+    """Heun has no forecast plan: "forecast" runs it as "auto" does (the layers' reuse), bit for bit."""
+    forecast = host.patch_with_node(node_classes, model)
+    auto = host.patch_with_node(node_classes, model, reuse_plan="auto")
+    out, _ = sample_counting(forecast, steps=12, sampler="heun")
+    run = hooks_of(forecast).last_run
+    assert kind_of(run) == "LayerReuseRun" and run.reused_calls > 0
+    assert torch.equal(out, sample_counting(auto, steps=12, sampler="heun")[0])
+
+
+def test_outside_the_step_range_every_step_computes(node_classes, model):
+    """start_percent / end_percent bound where steps may be skipped: from 0.5 on, the first half computes."""
+    patched = host.patch_with_node(node_classes, model, start_percent=0.5)
+    _, unet_calls = sample_counting(patched)
+    run = hooks_of(patched).last_run
+    skipped_early = [s for s in range(25) if not run.schedule.is_full(s, 25) and s < 8]
+    assert skipped_early and unet_calls > 13
