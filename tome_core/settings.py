@@ -230,12 +230,12 @@ _SPEC_LIST += (
         minimum=1,
         maximum=16,
         step=1,
-        tooltip="ToMe and ToDo: reuse across steps. 1 = off. N (default 3): between the first fifth of the steps "
-        "and the last four, the UNet's inner layers run at one step in N only (one in 2 at most under 25 steps, "
-        "where the steps lie further apart; nothing is reused under 10 steps; reuse_plan auto at 3 from 25 steps: a "
-        "plan per family, 12 full steps of 25); at the other steps only the outermost layers run and the inner layers' "
-        "output is carried over (extrapolated) from the steps that ran them. SD1.x, SD2.x and SDXL. With ToDo 2 "
-        "(the default), 1.7-2.6x as fast as off at 25 steps with nearly the same picture. On DiTs (Flux, SD3, "
+        tooltip="ToMe and ToDo: reuse across steps. 1 = off. N (default 3): on SD1.x, SD2.x and SDXL the model "
+        "runs at the first steps, one step in N after them and the last steps (one in 2 at most under 25 steps, "
+        "where the steps lie further apart; every step under 10 steps); reuse_plan says which steps and what the "
+        "others run: by default (forecast) nothing, their output drawn along the line through the last two "
+        "computed steps (13 of 25 Euler steps computed at 3); with auto or every N the UNet's outermost layers, "
+        "the inner layers' output carried over from the steps that ran them. On DiTs (Flux, SD3, "
         "Wan) one step in N runs every block, spaced by the noise "
         "level (the last steps full), and the others only the first block; video keeps the picture up to 16.",
     ),

@@ -1,21 +1,19 @@
 """The main command's default: how much faster over a whole sampling run, and is it the same picture? About three
 minutes on a 2-core CPU.
 
-Four rows over a 25-step run: unpatched, this project's default (ToDo 2 with reuse across steps every third step),
-ToDo 2 alone, and ComfyUI's EasyCache at its default threshold (0.2), in three parts, each through the same entry
-points as the full benchmarks:
+Five rows over a 25-step run: unpatched, this project's default (ToDo 2 with reuse across steps every third step,
+whose skipped steps run nothing: ``reuse_plan`` "forecast"), ToDo 2 alone, ComfyUI's EasyCache at its default
+threshold (0.2) and Forge Neo's Spectrum at its defaults, in two parts, each through the same entry points as the
+full benchmarks:
 1. picture (``tools.fidelity.run``): the trained reference model ``ref-sd1`` at 64x64 latents, four prompts of
    one seed, 25 Euler steps, every row's same-seed SSIM against unpatched; EasyCache's share of computed model
-   calls comes from here (it decides from the picture which calls to skip).
+   calls, like every row's, come from here (counted: the calls that reached the UNet).
 2. speed of one model call (``tools.bench.speed``): SD1.5's full-size UNet with random weights at 768 px,
    unpatched against ToDo 2 in A/B pairs, with the spread of each row and the reliability line, as in the full run.
-3. a reusing call (``tools.bench.unet.steps``): the same UNet's cost of a step that reuses (only the outer layers
-   run), as a share of an unpatched call.
 
-Whole-run speed, converted as ``tools.bench.unet.steps`` does (the default's schedule is fixed, so a run is its full
-steps at ToDo 2's cost plus its reusing steps at theirs): ``25 / (full / ToDo 2 speed-up + reusing x reusing
-share)``; EasyCache computes a share of the calls at the unpatched cost and skips the rest for next to nothing:
-``1 / calls``.
+Whole-run speed: the default computes its planned steps at ToDo 2's cost and runs nothing at the others (a skipped
+step is one multiply-add of the latent, counted as nothing): ``ToDo 2 speed-up / calls``; EasyCache and Spectrum
+compute a share of the calls at the unpatched cost and skip the rest for next to nothing: ``1 / calls``.
 
 Everything goes to ``results/quick/`` (``--out``). ``--full`` on the main command runs the whole benchmark instead.
 """
@@ -32,14 +30,22 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ROW = "ours ToDo 2 + reuse every 3"  # the nodes' and the WebUI's default (reuse_interval 3, ToDo 2)
 TODO_ROW = "ours ToDo 2"
 EASYCACHE_ROW = "EasyCache 0.2"  # ComfyUI's EasyCache node at its default threshold
-PICTURE_ROWS = (DEFAULT_ROW, TODO_ROW, EASYCACHE_ROW)
+SPECTRUM_ROW = "Spectrum (Neo's defaults)"  # the fidelity run's name adds its count: "..., 17 of 25 computed)"
 SPEED_ROWS = ("ours ToDo 2",)
 LABELS = {
     "unpatched": "unpatched",
     DEFAULT_ROW: "ToDo 2 + reuse every 3 (the default)",
     TODO_ROW: "ToDo 2 alone",
     EASYCACHE_ROW: "ComfyUI EasyCache 0.2 (its default)",
+    SPECTRUM_ROW: "Forge Neo's Spectrum (its defaults)",
 }
+
+
+def spectrum_name(steps: int) -> str:
+    """The fidelity run's name of Spectrum at Neo's defaults over ``steps``."""
+    from tools.fidelity import spectrum
+
+    return f"Spectrum (Neo's defaults, {spectrum.SpectrumSettings().label(steps)} computed)"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,39 +69,26 @@ def speed_argv(args) -> list[str]:
 
 
 def picture_argv(args) -> list[str]:
-    only = ",".join(f"={name}" for name in PICTURE_ROWS)
+    only = ",".join(f"={name}" for name in (DEFAULT_ROW, TODO_ROW, EASYCACHE_ROW, spectrum_name(args.steps)))
     return [
         "--models", "ref-sd1", "--scales", "2", "--prompts", "4", "--seeds", "1", "--grid", "4",
         "--steps", str(args.steps), "--real", "256", "--only", only, "--out", args.out,
     ]  # fmt: skip
 
 
-def reusing_share(args, bench) -> float:
-    """The cost of a reusing call of the default as a share of an unpatched call (one of each, CPU time), on the
-    speed part's model (``bench``: built once for both parts)."""
-    from tools.bench.unet import steps
-
-    side = int(args.resolution) // 8
-    costs = steps.per_call(bench.patcher, steps.ROWS["ToDo 2 + reuse every 3"], bench.family, (side, side), 0)
-    return costs["reusing_call_s"] / costs["unpatched_call_s"]
-
-
-def whole_run(speed_report: dict, picture: dict, reusing: float, steps: int, attention_levels=(1, 2, 4)) -> dict:
-    """Each row's speed-up over a run of ``steps`` (see the module docstring) and its picture figures; the default's
-    full steps are those of the speed part's UNet (its ``attention_levels``: SD1.5's by default)."""
-    from tome_core.reuse import unet_schedule
-    from tome_core.settings import SPECS
-
+def whole_run(speed_report: dict, picture: dict, steps: int) -> dict:
+    """Each row's speed-up over a run of ``steps`` (see the module docstring) and its picture figures."""
     call = {row["row"]: row for row in speed_report["resolutions"][0]["rows"]}
     todo = call[TODO_ROW]["speedup"]
     records = {record["row"]: record for record in picture["records"]}
-    full = unet_schedule(SPECS["reuse_interval"].default, attention_levels).full_steps(steps)
-    calls = records[EASYCACHE_ROW]["work"].get("call_share", 1.0)
+    records[SPECTRUM_ROW] = records[spectrum_name(steps)]
+    calls = {name: records[name]["work"].get("call_share", 1.0) for name in LABELS}
     speed = {
         "unpatched": 1.0,
-        DEFAULT_ROW: steps / (full / todo + (steps - full) * reusing),
+        DEFAULT_ROW: todo / calls[DEFAULT_ROW],
         TODO_ROW: todo,
-        EASYCACHE_ROW: 1.0 / calls,
+        EASYCACHE_ROW: 1.0 / calls[EASYCACHE_ROW],
+        SPECTRUM_ROW: 1.0 / calls[SPECTRUM_ROW],
     }
     rows = {}
     for name, label in LABELS.items():
@@ -105,32 +98,23 @@ def whole_run(speed_report: dict, picture: dict, reusing: float, steps: int, att
             "speedup": speed[name],
             "ssim": record["ssim"],
             "ssim_min": record["ssim_min"],
-            "calls": record["work"].get("call_share", 1.0),
+            "calls": calls[name],
         }
-    rows[DEFAULT_ROW]["full_steps"] = full
-    return {
-        "steps": steps,
-        "reusing_share": reusing,
-        "todo_spread_pct": call[TODO_ROW].get("speedup_spread_pct"),
-        "rows": rows,
-    }
+    rows[DEFAULT_ROW]["full_steps"] = round(calls[DEFAULT_ROW] * steps)
+    return {"steps": steps, "todo_spread_pct": call[TODO_ROW].get("speedup_spread_pct"), "rows": rows}
 
 
 def main(argv=None) -> dict:
-    from tome_core.hosts.shared import unet_layout
     from tools.bench import speed
     from tools.fidelity import run as fidelity
 
     args = parse_args(argv)
     started = time.perf_counter()
-    print(f"1/3 picture: reference model ref-sd1, {args.steps} steps, the same seed per row ...", file=sys.stderr)
+    print(f"1/2 picture: reference model ref-sd1, {args.steps} steps, the same seed per row ...", file=sys.stderr)
     picture = fidelity.main(picture_argv(args))["ref-sd1"]
-    print(f"2/3 speed of a call: {args.model} UNet (random weights) at {args.resolution} px ...", file=sys.stderr)
-    built = {}
-    speed_report = speed.main(speed_argv(args), keep=built)
-    print("3/3 speed of a reusing call ...", file=sys.stderr, flush=True)
-    levels = unet_layout.attention_levels(built["bench"].patcher.model.diffusion_model)
-    run = whole_run(speed_report, picture, reusing_share(args, built["bench"]), args.steps, levels)
+    print(f"2/2 speed of a call: {args.model} UNet (random weights) at {args.resolution} px ...", file=sys.stderr)
+    speed_report = speed.main(speed_argv(args))
+    run = whole_run(speed_report, picture, args.steps)
     minutes = (time.perf_counter() - started) / 60
     out = Path(args.out)
     run.update(reliable=speed_report["reliable"], minutes=round(minutes, 1), machine=speed_report["machine"])
@@ -152,8 +136,8 @@ def summary(run: dict, speed_report: dict, out: Path) -> str:
         lines.append(f"  {row['label']:<38} {figures}")
     default = run["rows"][DEFAULT_ROW]
     lines.append(
-        f"  (the default runs {default['full_steps']} of {run['steps']} steps in full at ToDo 2's speed, the others at "
-        f"{run['reusing_share']:.0%} of an unpatched step; EasyCache's calls are those it computed in the picture run)"
+        f"  (the default computes {default['full_steps']} of {run['steps']} steps at ToDo 2's speed and runs nothing "
+        "at the others; calls: those each row computed in the picture run)"
     )
     verdict = "reliable" if run["reliable"] else "UNRELIABLE (see above)"
     lines.append(f"Speed figures {verdict}. Picture: {out / 'fidelity-grid-ref-sd1.png'}. {run['minutes']:.1f} min.")

@@ -136,7 +136,7 @@ def load_our_nodes() -> dict:
 
 def ours(nodes: dict, name: str, **values) -> FidelityRow:
     # reuse_plan as a node added anew has it (a prompt that leaves it out means the plan before it existed).
-    inputs = {"max_downsample": "auto", "skip_when_slower": False, "reuse_plan": "auto", **values}
+    inputs = {"max_downsample": "auto", "skip_when_slower": False, "reuse_plan": SPECS["reuse_plan"].default, **values}
     inputs["max_downsample"] = str(inputs["max_downsample"])
     return FidelityRow(name, "ours", node_patch(nodes["ToMePatchAdvanced"], **inputs), settings=inputs)
 
@@ -295,6 +295,11 @@ def layer_reuse_rows(nodes: dict, variants: bool) -> list[FidelityRow]:
         )
     for interval in (2, 3):
         rows.append(ours(nodes, f"ours ToDo 2 + reuse every {interval}", method="todo", reuse_interval=interval))
+    # The default before "forecast" (what a job saved with reuse_plan "auto" runs), with ToDo 2 and alone.
+    rows.append(ours(nodes, "ours ToDo 2 + reuse every 3 plan auto", method="todo", reuse_interval=3,
+                     reuse_plan="auto"))  # fmt: skip
+    rows.append(ours(nodes, "ours reuse every 3 plan auto", method="todo", downsample_factor=1.0, reuse_interval=3,
+                     reuse_plan="auto"))  # fmt: skip
     # Space and time: ToDo in every call EasyCache computes (layer reuse stands down under a step cache).
     rows.append(followed_by_easycache(ours(nodes, "ours ToDo 2", method="todo")))
     if not variants:

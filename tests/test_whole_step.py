@@ -1,0 +1,127 @@
+"""The engine of ``reuse_plan`` "forecast" (``tome_core.reuse.whole_step``): the plans, which samplers take them,
+the forecast itself and the conversions between a UNet's output and the denoised image. No host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tome_core.reuse import (
+    WHOLE_STEP_REACH,
+    WholeStepRun,
+    denoised_of,
+    keeps_the_picture_with,
+    output_of,
+    unet_schedule,
+    whole_step_kind,
+    whole_step_schedule,
+)
+
+
+def computed(schedule, steps):
+    return [step for step in range(steps) if schedule.is_full(step, steps)]
+
+
+def test_the_plans_at_25_steps_are_the_measured_ones():
+    """docs/step-reuse.md, "The default": Euler 13 of 25, DPM++ 2M on Karras sigmas 19 of 25."""
+    assert computed(whole_step_schedule(3, "euler"), 25) == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 22, 23, 24]
+    karras = computed(whole_step_schedule(3, "dpmpp_2m_karras"), 25)
+    assert karras == [*range(10), 11, 13, 15, 17, 19, 21, 22, 23, 24]
+    assert whole_step_schedule(3, "euler").extrapolate == WHOLE_STEP_REACH == 0.75
+    assert whole_step_schedule(3, None) is None and whole_step_schedule(1, "euler") is None
+    assert computed(whole_step_schedule(3, "euler"), 9) == list(range(9))  # under 10 steps: every step
+
+
+@pytest.mark.parametrize(
+    ("sampler", "schedule", "kind"),
+    [
+        ("euler", None, "euler"),  # ComfyUI (its "ddim" runs Euler)
+        ("Euler", "Automatic", "euler"),  # the WebUI
+        ("DDIM", None, "euler"),
+        ("EulerDiscreteScheduler", None, "euler"),  # diffusers
+        ("DDIMScheduler", None, "euler"),
+        ("euler", "karras", None),  # Euler on Karras sigmas: not measured
+        ("dpmpp_2m", "karras", "dpmpp_2m_karras"),
+        ("DPM++ 2M", "Karras", "dpmpp_2m_karras"),
+        ("DPMSolverMultistepScheduler", "karras", "dpmpp_2m_karras"),
+        ("dpmpp_2m", None, None),
+        ("euler_ancestral", None, None),
+        ("heun", None, None),
+        (None, None, None),
+    ],
+)
+def test_which_samplers_forecast(sampler, schedule, kind):
+    assert whole_step_kind(sampler, schedule) == kind
+
+
+def test_forecast_keeps_autos_rules_for_the_other_samplers():
+    """Under "forecast" a sampler without a plan runs as under "auto": the same samplers, the same UNet plans."""
+    for sampler, schedule in (("heun", None), ("dpmpp_2m", "karras"), ("euler_ancestral", None), ("euler", None)):
+        assert keeps_the_picture_with(sampler, schedule, plan="forecast") == keeps_the_picture_with(
+            sampler, schedule, plan="auto"
+        )
+    for levels in ((1, 2, 4), (2, 4)):
+        forecast, auto = unet_schedule(3, levels, "forecast"), unet_schedule(3, levels, "auto")
+        assert computed(forecast.for_run(25), 25) == computed(auto.for_run(25), 25)
+
+
+def run_of(steps=25):
+    return WholeStepRun(whole_step_schedule(3, "euler"), steps)
+
+
+def call(run, step, sigma, value, key="cond"):
+    """One call of ``run`` whose model returns ``value``; returns (output, whether the model ran)."""
+    ran = []
+
+    def compute():
+        ran.append(True)
+        return value.clone()
+
+    run.begin_call(step, key, position=sigma)
+    try:
+        return run.run_call(compute), bool(ran)
+    finally:
+        run.end_call()
+
+
+def test_a_skipped_call_is_the_line_through_the_last_two_computed_moved_three_quarters():
+    run = run_of()
+    sigmas = [14.6 / (1 + step) for step in range(25)]
+    outputs = [torch.full((2, 4, 3, 3), float(step) ** 1.5) for step in range(25)]
+    for step in range(4):
+        out, ran = call(run, step, sigmas[step], outputs[step])
+        assert ran and torch.equal(out, outputs[step])
+    out, ran = call(run, 4, sigmas[4], outputs[4])
+    (s2, s3, s4), (d2, d3) = sigmas[2:5], outputs[2:4]
+    assert not ran
+    assert torch.equal(out, torch.lerp(d2, d3, 1.0 + 0.75 * (s4 - s3) / (s3 - s2)))
+    assert (run.calls, run.reused_calls) == (5, 1)
+    assert "1 ran nothing" in run.summary()
+
+
+def test_a_layout_without_two_records_and_a_step_back_compute():
+    """A batch layout first seen at a skipped step has nothing to forecast from: it computes. A step that goes
+    back (another run on the same model) drops the records: it computes too."""
+    run = run_of()
+    value = torch.ones(1, 4, 2, 2)
+    for step in range(4):
+        call(run, step, 10.0 - step, value)
+    assert call(run, 4, 6.0, value, key="uncond")[1]
+    assert not call(run, 5, 5.0, value)[1]
+    assert call(run, 4, 6.0, value)[1]  # back a step: a new run's call
+
+
+def test_the_conversions_invert_each_other_and_match_k_diffusion():
+    """eps: denoised = x - sigma * eps on the unscaled latent x (the UNet sees x / sqrt(sigma^2 + 1)); v: k-diffusion's
+    c_skip / c_out. float64: exact up to rounding."""
+    generator = torch.Generator().manual_seed(0)
+    latent, prediction = (torch.randn(2, 4, 5, 5, dtype=torch.float64, generator=generator) for _ in range(2))
+    for sigma in (0.03, 1.0, 14.6):
+        scale = (sigma * sigma + 1) ** 0.5
+        x = latent / scale
+        assert torch.allclose(denoised_of(prediction, x, sigma), latent - sigma * prediction, atol=1e-12)
+        v_denoised = latent / (sigma * sigma + 1) - prediction * sigma / scale
+        assert torch.allclose(denoised_of(prediction, x, sigma, v_prediction=True), v_denoised, atol=1e-12)
+        for v in (False, True):
+            back = output_of(denoised_of(prediction, x, sigma, v), x, sigma, v)
+            assert torch.allclose(back, prediction, atol=1e-9)
