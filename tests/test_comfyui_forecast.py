@@ -109,3 +109,46 @@ def test_outside_the_step_range_every_step_computes(node_classes, model):
     run = hooks_of(patched).last_run
     skipped_early = [s for s in range(25) if not run.schedule.is_full(s, 25) and s < 8]
     assert skipped_early and unet_calls > 13
+
+
+def test_composes_with_a_controlnet_and_a_weight_patch(node_classes, model):
+    """At the computed steps the ControlNet's residual and another node's weight patch reach the UNet, so the
+    forecast carries them on: each changes the result, and nothing fails."""
+    import nodes as comfy_nodes
+
+    control = host.tiny_controlnet()
+    hint = torch.rand(1, HW[0] * 8, HW[1] * 8, 3, generator=torch.Generator().manual_seed(4))
+    positive, negative = host.conditioning("sd15", 1, seed=1), host.conditioning("sd15", 1, seed=2)
+    controlled = comfy_nodes.ControlNetApplyAdvanced().apply_controlnet(
+        positive, negative, control, hint, 1.0, 0.0, 1.0
+    )
+
+    def sample(patched, conds=(positive, negative)):
+        latent = {"samples": torch.zeros(2, 4, *HW)}
+        (out,) = comfy_nodes.common_ksampler(patched, 42, 12, 5.0, "euler", "normal", *conds, latent)
+        return out["samples"]
+
+    patched = host.patch_with_node(node_classes, model)
+    plain = sample(patched)
+    with_control = sample(patched, controlled)
+    assert torch.isfinite(with_control).all() and not torch.equal(with_control, plain)
+    assert kind_of(hooks_of(patched).last_run) == "WholeStepRun" and hooks_of(patched).last_run.reused_calls > 0
+    weighted = model.clone()
+    key = next(k for k in model.model_state_dict() if k.endswith("output_blocks.5.1.proj_out.weight"))
+    weighted.add_patches({key: (torch.full_like(model.model_state_dict()[key], 0.01),)}, 1.0)
+    assert not torch.equal(sample(host.patch_with_node(node_classes, weighted)), plain)
+
+
+@pytest.mark.parametrize("cache", ["EasyCacheNode", "LazyCacheNode"])
+def test_comfyuis_step_caches_decide_the_steps_alone(node_classes, model, cache):
+    """Two step caches at once would each take the other's forecast for a real change: under EasyCache or
+    LazyCache the forecast stands down for the run, and the output is the step cache's with ToDo 2."""
+    from comfy_extras import nodes_easycache
+
+    node = getattr(nodes_easycache, cache)
+    settings = {"reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
+    ours = host.patch_with_node(node_classes, model)
+    both = node.execute(ours, **settings).result[0]
+    todo = node.execute(host.patch_with_node(node_classes, model, reuse_interval=1), **settings).result[0]
+    assert torch.equal(sample_counting(both, steps=12)[0], sample_counting(todo, steps=12)[0])
+    assert hooks_of(ours).last_run is None

@@ -18,7 +18,7 @@ from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: 
 HW = (15, 23)
 STEPS = 10  # IntervalSchedule(3), a short run: full steps 0, 1, 3 and 5-9 (the last four); reusing 2, 4
 REUSING_STEPS = 2
-REUSE = {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 3}
+REUSE = {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 3, "reuse_plan": "auto"}  # the layers
 
 
 @pytest.fixture(scope="module")
@@ -460,24 +460,11 @@ def test_composes_with_todo_attention_patches_and_weight_patches(node_classes, m
     assert not torch.equal(out, run(patch(node_classes, model, method="todo", downsample_factor=2.0)))
 
 
-def _tiny_controlnet():
-    """A real ComfyUI ControlNet (comfy.cldm.cldm.ControlNet, random weights) of the tiny SD1.5 UNet's layout."""
-    import comfy.cldm.cldm
-    import comfy.controlnet
-    import comfy.ops
-
-    config = {k: v for k, v in host.SD15_TINY.items() if k not in ("out_channels", "transformer_depth_output")}
-    net = comfy.cldm.cldm.ControlNet(hint_channels=3, operations=comfy.ops.disable_weight_init, **config)
-    host.initialise(net, seed=7)
-    net.eval()
-    return comfy.controlnet.ControlNet(net, load_device=host.CPU)  # no latent format: the hint is an image
-
-
 def test_composes_with_a_controlnet(node_classes, models):
     import nodes as comfy_nodes
 
     model = models["sd15"]
-    control = _tiny_controlnet()
+    control = host.tiny_controlnet()
     hint = torch.rand(1, HW[0] * 8, HW[1] * 8, 3, generator=torch.Generator().manual_seed(4))
     positive, negative = host.conditioning("sd15", 1, seed=1), host.conditioning("sd15", 1, seed=2)
     positive, negative = comfy_nodes.ControlNetApplyAdvanced().apply_controlnet(

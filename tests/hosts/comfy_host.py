@@ -557,6 +557,19 @@ def sample_dit(
     return out["samples"]
 
 
+def tiny_controlnet():
+    """A real ComfyUI ControlNet (comfy.cldm.cldm.ControlNet, random weights) of the tiny SD1.5 UNet's layout."""
+    import comfy.cldm.cldm
+    import comfy.controlnet
+    import comfy.ops
+
+    config = {k: v for k, v in SD15_TINY.items() if k not in ("out_channels", "transformer_depth_output")}
+    net = comfy.cldm.cldm.ControlNet(hint_channels=3, operations=comfy.ops.disable_weight_init, **config)
+    initialise(net, seed=7)
+    net.eval()
+    return comfy.controlnet.ControlNet(net, load_device=CPU)  # no latent format: the hint is an image
+
+
 def conditioning(family: str, batch: int = 1, seed: int = 1, tokens: int = 7) -> list:
     generator = torch.Generator().manual_seed(seed)
     cond = torch.randn(batch, tokens, SD15_TINY["context_dim"], generator=generator)

@@ -14,10 +14,11 @@ estimate allows, as for a user; the batch column says what it did):
   scope block at the two finest attention levels (no reuse), each through ``patched_unet`` as the ComfyUI node
   applies it;
 - ComfyUI's built-in TomePatchModel 0.5 and EasyCache at its defaults (reuse_threshold 0.2, 15-95% of the
-  steps), each applied through its node class;
+  steps), each applied through its node class; Forge Neo's Spectrum at its defaults and at the default's work (13
+  of 25 steps computed), as the fidelity benchmark runs it (``tools/fidelity/spectrum.py``);
 - for each sampler of ``--samplers`` (DPM++ 2M on Karras sigmas, the WebUI's default, and Euler ancestral):
-  unpatched, the node's defaults and EasyCache at its defaults with that sampler, each paired with the unpatched
-  run of its own sampler;
+  unpatched, the node's defaults, EasyCache and Spectrum at their defaults with that sampler, each paired with the
+  unpatched run of its own sampler;
 - SD1.x only: tomesd 0.5 on the WebUI's ldm UNet with the same weights (swapped in by an object patch, so the
   same sampler drives it), paired with that ldm UNet unpatched (ldm cannot build SDXL, which the WebUI runs on
   sgm, so tomesd has no SDXL row).
@@ -170,6 +171,9 @@ def sampler_words(sampler: tuple[str, str]) -> str:
     return words if scheduler == "normal" else f"{words} {scheduler.capitalize()}"
 
 
+STEPS_AT_OUR_WORK = (25, 13)  # Spectrum's plan computing as many of 25 Euler steps as the default does
+
+
 def table_rows(bench, size: tuple[int, int], only: str, samplers=()) -> list[WholeRow]:
     """The rows for one model (``speed.Bench``: the patcher, the ldm UNet, the levels) at one size; ``samplers``:
     (sampler, scheduler) pairs that get an unpatched, a default and an EasyCache row of their own."""
@@ -178,6 +182,7 @@ def table_rows(bench, size: tuple[int, int], only: str, samplers=()) -> list[Who
 
     from tome_core import PatchSettings
     from tome_core.hosts.comfyui.patch import patched_unet
+    from tools.fidelity import spectrum
 
     patcher = bench.patcher
     percent_to_sigma = patcher.get_model_object("model_sampling").percent_to_sigma
@@ -189,6 +194,14 @@ def table_rows(bench, size: tuple[int, int], only: str, samplers=()) -> list[Who
     def easycache(name: str, host: str = "comfy", sampler=("euler", "normal")) -> WholeRow:
         model = EasyCacheNode.execute(model=patcher, **EASYCACHE_DEFAULTS).result[0]
         return WholeRow(name, "peer", host, model, dict(EASYCACHE_DEFAULTS), sampler=sampler)
+
+    def spectrum_row(name: str, settings, host: str = "comfy", sampler=("euler", "normal")) -> WholeRow:
+        # Forge Neo's Spectrum as the fidelity benchmark runs it (tools/fidelity/spectrum.py).
+        model = spectrum.spectrum_patch(settings)(patcher)
+        return WholeRow(name, "peer", host, model, vars(settings), sampler=sampler)
+
+    neo = spectrum.SpectrumSettings()
+    at_our_work = spectrum.settings_computing(STEPS_AT_OUR_WORK[0], STEPS_AT_OUR_WORK[1])
 
     default = PatchSettings()
     todo = [{"method": "todo", "downsample_factor": 2.0, "reuse_interval": n} for n in (1, 2, 3)]
@@ -207,6 +220,8 @@ def table_rows(bench, size: tuple[int, int], only: str, samplers=()) -> list[Who
             {"ratio": 0.5},
         ),
         easycache("EasyCache 0.2 (its default)"),
+        spectrum_row("Spectrum (Neo's defaults)", neo),
+        spectrum_row("Spectrum (13 of 25 computed, the default's work)", at_our_work),
     ]
     for sampler in samplers:
         words, host = sampler_words(sampler), f"comfy {sampler[0]} {sampler[1]}"
@@ -214,6 +229,7 @@ def table_rows(bench, size: tuple[int, int], only: str, samplers=()) -> list[Who
             WholeRow(f"unpatched, {words}", "unpatched", host, patcher, sampler=sampler),
             ours(f"ours default, {words}", host, sampler, **dataclasses.asdict(default)),
             easycache(f"EasyCache 0.2, {words}", host, sampler),
+            spectrum_row(f"Spectrum (Neo's defaults), {words}", neo, host, sampler),
         ]
     if bench.holder is not None and bench.ldm_fits(size):
         import tomesd
