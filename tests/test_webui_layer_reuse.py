@@ -17,7 +17,9 @@ from tome_core.reuse import IntervalSchedule, SkippableLayer
 
 STEPS = tuple(range(999, 0, -83))  # 13 DDPM timesteps, a short run: full steps 0-2, 4, 6, 8, 10-12
 HR_STEPS = (599, 499, 399, 299, 199, 99, 49)  # 7 steps
-REUSE = {"method": "ToDo", "downsample_factor": 1.0, "reuse_interval": 3}  # reuse alone: no token reduction
+# Reuse alone (no token reduction), of the layers: the plan "auto" (the default "forecast" runs no layer at Euler's
+# skipped steps; test_webui_forecast.py).
+REUSE = {"method": "ToDo", "downsample_factor": 1.0, "reuse_interval": 3, "reuse_plan": "auto"}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +98,7 @@ def test_a_job_of_25_steps_takes_its_familys_plan(host, layout, extrapolate):
     assert torch.isfinite(out).all()
     assert_clean(sd_model)
     # reuse_plan "every N" (a job saved before the plans existed): 14 full steps of 25, half the line.
-    _, p = job(host, sd_model, script_args(**REUSE, reuse_plan="every N"), steps=tuple(range(999, 0, -40)))
+    _, p = job(host, sd_model, script_args(**{**REUSE, "reuse_plan": "every N"}), steps=tuple(range(999, 0, -40)))
     (run,) = runs_of(p)
     assert (run.steps, run.reused_calls, run.extrapolate) == (25, 25 - 14, 0.5)
     assert_clean(sd_model)
@@ -153,7 +155,7 @@ def test_dpmpp_2m_on_karras_sigmas_under_every_n_keeps_every_step_in_full(host, 
     steps = tuple(range(999, 0, -40))
     off, _ = job(host, sd_model, script_args(**{**REUSE, "reuse_interval": 1}), steps=steps, sampler="DPM++ 2M")
     capsys.readouterr()
-    args = script_args(**REUSE, reuse_plan="every N")
+    args = script_args(**{**REUSE, "reuse_plan": "every N"})
     out, p = job(host, sd_model, args, steps=steps, sampler="DPM++ 2M")
     assert not runs_of(p) and torch.equal(out, off)
     assert capsys.readouterr().out.count("reuse across steps is off with the sampler 'DPM++ 2M'") == 1
@@ -178,7 +180,7 @@ def test_with_todo_both_apply_and_removal_restores_the_unet(host):
     sd_model = SDModel(make_unet("sd1"))
     baseline, _ = job(host, sd_model, script_args(enabled=False))
     todo, _ = job(host, sd_model, script_args(method="ToDo", max_downsample="2"))
-    both, p = job(host, sd_model, script_args(method="ToDo", max_downsample="2", reuse_interval=3))
+    both, p = job(host, sd_model, script_args(method="ToDo", max_downsample="2", reuse_interval=3, reuse_plan="auto"))
     assert runs_of(p)[0].reused_calls == reused_calls(13, 3)
     assert not torch.equal(both, todo) and not torch.equal(both, baseline)
     assert_clean(sd_model)
@@ -187,7 +189,7 @@ def test_with_todo_both_apply_and_removal_restores_the_unet(host):
     x, t, context = torch.randn(2, 4, 8, 8), torch.full((2,), 500.0), torch.randn(2, 5, 32)
     with torch.no_grad():
         plain = unet(x, t, context=context)
-        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=3)
+        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=3, reuse_plan="auto")
         for remove in (lambda: ldm_patch.remove_patch(unet), ldm_patch.remove_all):
             assert not ldm_patch.install_patch(unet, settings)  # the reduction does nothing ...
             euler = types.SimpleNamespace(sampler_name="Euler")  # a job of a sampler reuse keeps the picture with
@@ -291,7 +293,11 @@ def _forge_and_ldm(layout="sd1"):
 
 @pytest.mark.parametrize(
     "values",
-    [REUSE, {"method": "ToDo", "max_downsample": "2", "reuse_interval": 3}, {"method": "ToDo", "reuse_interval": 2}],
+    [
+        REUSE,
+        {"method": "ToDo", "max_downsample": "2", "reuse_interval": 3, "reuse_plan": "auto"},
+        {"method": "ToDo", "reuse_interval": 2, "reuse_plan": "auto"},
+    ],
 )
 def test_forge_gives_the_ldm_result(host, values):
     """(ToDo: ToMe's own matching is not compared here; Forge and ldm break its ties in their own float order.)"""
@@ -353,7 +359,7 @@ def test_forge_follows_the_reuse_plan_as_the_ldm_unet_does(host, plan, full):
     """At 25 steps Forge runs the plan ``reuse_plan`` says, as the WebUI's own UNet does: 12 full steps of 25 with
     ``auto`` (SD1.x's family plan), 14 with ``every N``, and the same output."""
     forge, ldm = _forge_and_ldm()
-    args = script_args(**REUSE, reuse_plan=plan)
+    args = script_args(**{**REUSE, "reuse_plan": plan})
     steps = tuple(range(999, 0, -40))
     forge_out, forge_p = job(host, forge, args, steps=steps)
     ldm_out, ldm_p = job(host, ldm, args, steps=steps)

@@ -253,19 +253,33 @@ def install_ldm(unet, settings, p, schedule, num_timesteps: int = 1000) -> PassR
         unet.register_forward_pre_hook(before, with_kwargs=True),
         unet.register_forward_hook(after, always_call=True),
     )
-    unet.__dict__[_STATE] = (owner, handles, layers)
+    return register_ldm(unet, owner, handles, layers)
+
+
+def register_ldm(unet, owner: PassReuse, handles=(), layers=()) -> PassReuse:
+    """Record what a pass installed on ``unet`` (for ``remove_ldm``) and make it the pass in progress."""
+    unet.__dict__[_STATE] = (owner, tuple(handles), list(layers))
     _reusing_unets.add(unet)
     return _activate(owner)
 
 
 def is_installed_ldm(unet) -> bool:
-    return _STATE in unet.__dict__ or any(isinstance(m.__dict__.get("forward"), SkippableLayer) for m in unet.modules())
+    if _STATE in unet.__dict__ or _ldm_forward(unet) is not None:
+        return True
+    return any(isinstance(m.__dict__.get("forward"), SkippableLayer) for m in unet.modules())
 
 
 def remove_ldm(unet) -> None:
-    """Undo ``install_ldm`` on ``unet``: hooks and layer forwards go, the pass is finished."""
+    """Undo ``install_ldm`` (or ``whole_step.install_ldm``) on ``unet``: hooks, layer forwards and the UNet's own
+    forward go, the pass is finished."""
     state = unet.__dict__.pop(_STATE, None)
     _reusing_unets.discard(unet)
+    forward = _ldm_forward(unet)
+    if forward is not None:  # the whole-step forecast's; one wrapped around ours stays
+        if forward.inner is None:
+            del unet.__dict__["forward"]
+        else:
+            unet.__dict__["forward"] = forward.inner
     if state is None:
         return
     owner, handles, layers = state
@@ -273,6 +287,11 @@ def remove_ldm(unet) -> None:
         handle.remove()
     detach_forwards(layers, lambda other: other is owner)
     owner.finish()
+
+
+def _ldm_forward(unet) -> CallBoundary | None:
+    forward = unet.__dict__.get("forward")
+    return forward if isinstance(forward, CallBoundary) and forward.ldm else None
 
 
 def remove_all_ldm() -> None:
@@ -286,6 +305,8 @@ def remove_all_ldm() -> None:
 class CallBoundary:
     """Forge: the UNet's ``forward`` (an object patch) that tells the pass where each UNet call begins and ends."""
 
+    ldm = False  # an ldm UNet's instance forward (``remove_ldm`` takes it), not a Forge object patch
+
     def __init__(self, owner: PassReuse, unet, inner=None):
         self.owner = owner
         self.unet = unet
@@ -294,13 +315,17 @@ class CallBoundary:
     def __deepcopy__(self, memo):
         return self
 
-    def begin(self, x, options: dict) -> None:
-        """Tell the pass a call starts, with its ``transformer_options``."""
+    def stand_down_for_a_wrapper(self) -> None:
+        """Finish the pass where another whole-model wrapper decides the steps, with one console line."""
         if not self.owner.finished and whole_model_wrapped(self.owner.p):
             # Forge Neo's Spectrum (``model_function_wrapper``) forecasts whole steps: it decides them alone.
             print("[ToMe Patch] reuse across steps: another whole-model wrapper (Neo's Spectrum) decides the steps; "
                   "every step runs in full.")  # fmt: skip
             self.owner.finish()
+
+    def begin(self, x, options: dict) -> None:
+        """Tell the pass a call starts, with its ``transformer_options``."""
+        self.stand_down_for_a_wrapper()
         sigmas = options.get("sigmas")
         level = None
         if sigmas is not None and not self.owner.noise_range.everywhere:
@@ -331,6 +356,13 @@ def whole_model_wrapped(p) -> bool:
     return (getattr(unet, "model_options", None) or {}).get("model_function_wrapper") is not None
 
 
+def forge_noise_range(settings, percent_to_sigma) -> NoiseRange:
+    """The user's step range over Forge's sigmas (everywhere where Forge gives no schedule)."""
+    if percent_to_sigma is None:
+        return NoiseRange(0.0, 1.0, lambda q: math.nan)
+    return NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
+
+
 def install_forge(patcher, settings, p, percent_to_sigma, schedule) -> PassReuse | None:
     """Give Forge's ``patcher`` (a clone of this pass) layer reuse on ``schedule`` (``schedule_for``) for one pass
     of job ``p``."""
@@ -339,10 +371,7 @@ def install_forge(patcher, settings, p, percent_to_sigma, schedule) -> PassReuse
     layers = inner_layers(unet, OUTER_BLOCKS)
     if schedule is None or not layers or not hasattr(patcher, "add_object_patch"):
         return None
-    if percent_to_sigma is None:
-        noise_range = NoiseRange(0.0, 1.0, lambda q: math.nan)
-    else:
-        noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
+    noise_range = forge_noise_range(settings, percent_to_sigma)
     owner = PassReuse(p, schedule, len(layers), noise_range, low_noise_in_full(p, settings.reuse_plan))
     for index, (name, layer) in enumerate(layers):
         patcher.add_object_patch(f"diffusion_model.{name}.forward", SkippableLayer(owner, index, layer))

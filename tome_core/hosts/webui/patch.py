@@ -8,7 +8,8 @@ The script (``scripts/tome_patch.py``) calls it from the WebUI's hooks: ``start_
 ``postprocess``, at the next job's start (an exception while sampling skips ``postprocess``), when a model is
 loaded and when the scripts are reloaded. Reuse across steps belongs to one sampling pass: set up with the patch,
 finished at the next pass or the job's end; the step of each model call comes from the ``cfg_denoiser`` callbacks
-(``layer_reuse``).
+(``layer_reuse``). Under ``reuse_plan`` "forecast", with a sampler it has a plan for, a skipped step runs no layer
+(``whole_step``); otherwise the inner layers are reused (``layer_reuse``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from . import args as webui_args
 from . import dit_reuse as webui_dit_reuse
 from . import layer_reuse as webui_layer_reuse
 from . import ldm_patch
+from . import whole_step as webui_whole_step
 
 TITLE = "ToMe Patch"
 JOB = "_tome_patch_job"  # per-job state on the processing object
@@ -165,8 +167,13 @@ def _patch_ldm(p, sd_model, settings, job: Job) -> bool:
         job.warn_once(f"not applied: {err}.")
         return False
     _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
-    schedule = webui_layer_reuse.schedule_for(settings, unet, p)
-    reusing = webui_layer_reuse.install_ldm(unet, settings, p, schedule) is not None
+    forecast = webui_whole_step.forecast_schedule(settings, p)
+    v_prediction = webui_whole_step.ldm_v_prediction(sd_model)
+    if forecast is not None and v_prediction is not None:
+        reusing = webui_whole_step.install_ldm(unet, settings, p, forecast, v_prediction) is not None
+    else:
+        schedule = webui_layer_reuse.schedule_for(settings, unet, p)
+        reusing = webui_layer_reuse.install_ldm(unet, settings, p, schedule) is not None
     return reduced or reusing
 
 
@@ -177,7 +184,7 @@ def _warn_if_the_sampler_keeps_reuse_off(p, settings, job: Job) -> None:
         job.warn_once(
             f"reuse across steps is off with the sampler {getattr(p, 'sampler_name', None)!r}{on} (it keeps the "
             "picture with Euler, Heun, DDIM and DPM++ SDE, not on Karras sigmas but for DPM++ 2M under the reuse "
-            "plan 'auto'); every step runs in full, the token reduction still applies."
+            "plans 'forecast' and 'auto'); every step runs in full, the token reduction still applies."
         )
 
 
@@ -195,8 +202,13 @@ def _patch_forge(p, forge_objects, settings, job: Job) -> bool:
     # The step of each call comes from the WebUI's callbacks here, not from a ComfyUI-style sampler wrapper (which
     # a reForge patcher may take but the WebUI's samplers never run).
     _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
-    schedule = webui_layer_reuse.schedule_for(settings, clone.model.diffusion_model, p)
-    webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma, schedule)
+    forecast = webui_whole_step.forecast_schedule(settings, p)
+    v_prediction = webui_whole_step.forge_v_prediction(clone)
+    if forecast is not None and v_prediction is not None:
+        webui_whole_step.install_forge(clone, settings, p, percent_to_sigma, forecast, v_prediction)
+    else:
+        schedule = webui_layer_reuse.schedule_for(settings, clone.model.diffusion_model, p)
+        webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma, schedule)
     forge_objects.unet = clone
     return True
 
