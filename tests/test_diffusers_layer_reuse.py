@@ -18,7 +18,9 @@ import tome_core
 from tome_core.hosts.diffusers import layer_reuse as diffusers_layer_reuse
 from tome_core.hosts.diffusers import patch
 
-REUSE = {"reuse_interval": 3, "method": "tome", "ratio": 0.0}  # reuse alone, no token merging
+# Reuse alone, no token merging, layer by layer: "forecast" (the default) runs no layer at its skipped steps with
+# DDIM and Euler (test_diffusers_forecast.py).
+REUSE = {"reuse_interval": 3, "method": "tome", "ratio": 0.0, "reuse_plan": "auto"}
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +289,7 @@ def test_dpm_solver_plus_plus_2m_on_karras_sigmas_under_every_n_keeps_every_step
     try:
         tome_core.apply_patch(pipe, **{**REUSE, "reuse_interval": 1})
         off = H.run(pipe, "txt2img", steps=25)
-        tome_core.apply_patch(pipe, **REUSE, reuse_plan="every N")
+        tome_core.apply_patch(pipe, **{**REUSE, "reuse_plan": "every N"})
         assert np.array_equal(H.run(pipe, "txt2img", steps=25), off)
         assert last_run(pipe) is None
     finally:

@@ -214,8 +214,12 @@ class PipelineReuse(LayerReuse):
             steps = len(self._timesteps.values) - first_step
             levels = [_sigma_of(scheduler, step, float(t)) for step, t in enumerate(self._timesteps.values)]
             levels = levels[first_step:] if None not in levels else None
-            below = full_below_noise(scheduler_name(scheduler), karras_or_none(scheduler), self.DIT, self.plan)
-            self.run = self.new_run(steps, levels, below)
+            self.run = self.run_for(scheduler, steps, levels)
+
+    def run_for(self, scheduler, steps: int, levels: list[float] | None) -> LayerReuseRun:
+        """The run of ``steps`` at noise ``levels`` (None: unknown) that ``scheduler`` starts."""
+        below = full_below_noise(scheduler_name(scheduler), karras_or_none(scheduler), self.DIT, self.plan)
+        return self.new_run(steps, levels, below)
 
     def _finish(self) -> None:
         run = self.run
@@ -266,14 +270,16 @@ def _sigma_of(scheduler, step: int, timestep: float) -> float | None:
     return None
 
 
-def install(unet, pipeline, settings, allowed: Callable[[float], bool], schedule) -> bool:
+def install(
+    unet, pipeline, settings, allowed: Callable[[float], bool], schedule, owner_class: type = PipelineReuse
+) -> bool:
     """Give ``unet`` layer reuse on ``schedule`` (the front door's: ``unet_schedule`` of the settings), following
-    ``pipeline``'s scheduler; False where the layout is not one this split knows (the UNet is then left as it
-    is)."""
+    ``pipeline``'s scheduler, owned by an ``owner_class`` (a ``PipelineReuse``); False where the layout is not one
+    this split knows (the UNet is then left as it is)."""
     layers = inner_layers(unet)
     if not layers:
         return False
-    owner = PipelineReuse(pipeline, schedule, layers, allowed)
+    owner = owner_class(pipeline, schedule, layers, allowed)
     owner.plan = settings.reuse_plan
     attach_forwards(owner, [layer for _, layer in layers])
     unet.__dict__[_STATE] = owner

@@ -19,8 +19,9 @@ compiled would be silently ignored or kept; a changed class is guarded and recom
 block's class and removes the hook and every attribute added here, so the UNet then computes bit-identically to
 one never patched.
 
-Reuse across steps (``reuse_interval``) is wired separately, in ``diffusers_layer_reuse``: it needs the pipeline,
-whose scheduler tells each UNet call's step, and it composes with the token reduction here.
+Reuse across steps (``reuse_interval``) is wired separately, in ``layer_reuse`` (and, under ``reuse_plan``
+"forecast", ``whole_step``): it needs the pipeline, whose scheduler tells each UNet call's step, and it composes
+with the token reduction here.
 
 Blocks that this path cannot reduce run diffusers' own forward unchanged: norm types other than the layer norm of
 SD's UNets (ada-norm and others), positional embeddings, an ``attention_mask`` on self-attention, token counts
@@ -35,9 +36,11 @@ import logging
 import torch
 
 from ...reducer import Reducer
+from ...reuse import WHOLE_STEP_PLAN
 from ...settings import PatchSettings
 from ..shared.class_swap import restore_classes
 from . import layer_reuse as diffusers_layer_reuse
+from . import whole_step as diffusers_whole_step
 from .step_range import StepRange, unet_timestep_of_percent
 from .unet_blocks import attention_levels, class_names, transformer_blocks
 
@@ -286,7 +289,9 @@ def install(unet, pipeline, validated: PatchSettings, schedule) -> None:
     remove(unet)
     step_range = StepRange(validated, pipeline, unet_timestep_of_percent)
     if schedule is not None:
-        diffusers_layer_reuse.install(unet, pipeline, validated, step_range.contains, schedule)
+        forecast = validated.reuse_plan == WHOLE_STEP_PLAN  # the whole step where the scheduler has a plan
+        reuse = diffusers_whole_step if forecast else diffusers_layer_reuse
+        reuse.install(unet, pipeline, validated, step_range.contains, schedule)
     reducer = Reducer(validated, attention_levels(unet))
     if reducer.does_nothing:
         return
