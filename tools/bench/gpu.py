@@ -205,6 +205,8 @@ def table_rows(bench, size: tuple[int, int], only: str, samplers=()) -> list[Who
 
     default = PatchSettings()
     todo = [{"method": "todo", "downsample_factor": 2.0, "reuse_interval": n} for n in (1, 2, 3)]
+    # The default before "forecast": the outer layers run at the reusing steps (``reuse_plan`` "auto").
+    todo.append({"method": "todo", "downsample_factor": 2.0, "reuse_interval": 3, "reuse_plan": "auto"})
     # ToMe block on its own: no reuse across steps, whatever the default's.
     block = {"method": "tome", "ratio": 0.5, "scope": "block", "max_downsample": bench.block_level, "reuse_interval": 1}
     rows = [
@@ -258,10 +260,13 @@ def table_rows(bench, size: tuple[int, int], only: str, samplers=()) -> list[Who
 def describe(values) -> str:
     """'ToDo 2 + reuse every 3', 'ToDo 2', 'ToMe 0.5': a setting's name in the table."""
     from tome_core import PatchSettings
+    from tome_core.settings import SPECS
 
     settings = values if isinstance(values, PatchSettings) else PatchSettings.from_values(**values)
     name = f"ToDo {settings.downsample_factor:g}" if settings.method == "todo" else f"ToMe {settings.ratio:g}"
-    return name + (f" + reuse every {settings.reuse_interval}" if settings.reuse_interval > 1 else "")
+    name += f" + reuse every {settings.reuse_interval}" if settings.reuse_interval > 1 else ""
+    plan = settings.reuse_plan
+    return name + (f" plan {plan}" if settings.reuse_interval > 1 and plan != SPECS["reuse_plan"].default else "")
 
 
 class Config:
