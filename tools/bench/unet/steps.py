@@ -4,10 +4,10 @@
 
 A real ComfyUI sampling run (Euler, CFG 5, cond and uncond batched: one model call of batch 2 per step, as a
 user's graph runs) on the full-size random-weight UNet, once per row: unpatched, ToDo 2, reuse_interval 2/3/4
-alone and with ToDo 2. Every model call is timed and marked as full or reusing (the run's own count), which gives
-each row's cost of a full step and of a reusing step (per step: ComfyUI runs cond and uncond as one call or two,
-as its memory estimate says); the schedule of layer reuse is fixed (it does not depend on the picture), so a
-whole run of any step count converts exactly from those two costs:
+alone and with ToDo 2 (layer reuse: ``reuse_plan`` "auto"). Every model call is timed and marked as full or
+reusing (the run's own count), which gives each row's cost of a full step and of a reusing step (per step:
+ComfyUI runs cond and uncond as one call or two, as its memory estimate says); the schedule of layer reuse is
+fixed (it does not depend on the picture), so a whole run of any step count converts exactly from those two costs:
 ``steps * unpatched step / (full steps * full step + reusing steps * reusing step)``. The run's own total is the
 direct timing the conversion is checked against (``direct`` vs ``converted at --steps``).
 
@@ -37,14 +37,17 @@ from tools.common import host as bench_host
 from tools.common.measure import PeakMemory, clocked, timed
 
 ROOT = Path(__file__).resolve().parents[3]
+# The reuse rows run ``reuse_plan`` "auto", whose reusing steps run the outer layers (the cost this benchmark times);
+# under "forecast" (the default) a skipped step runs nothing, so its conversion needs only the full step's cost.
+_LAYERS = {"method": "todo", "reuse_plan": "auto"}
 ROWS = {
     "unpatched": {},
     "ToDo 2": {"method": "todo", "downsample_factor": 2.0, "reuse_interval": 1},
-    "reuse every 2": {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 2},
-    "reuse every 3": {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 3},
-    "reuse every 4": {"method": "todo", "downsample_factor": 1.0, "reuse_interval": 4},
-    "ToDo 2 + reuse every 2": {"method": "todo", "downsample_factor": 2.0, "reuse_interval": 2},
-    "ToDo 2 + reuse every 3": {"method": "todo", "downsample_factor": 2.0, "reuse_interval": 3},
+    "reuse every 2": {**_LAYERS, "downsample_factor": 1.0, "reuse_interval": 2},
+    "reuse every 3": {**_LAYERS, "downsample_factor": 1.0, "reuse_interval": 3},
+    "reuse every 4": {**_LAYERS, "downsample_factor": 1.0, "reuse_interval": 4},
+    "ToDo 2 + reuse every 2": {**_LAYERS, "downsample_factor": 2.0, "reuse_interval": 2},
+    "ToDo 2 + reuse every 3": {**_LAYERS, "downsample_factor": 2.0, "reuse_interval": 3},
 }
 
 
