@@ -695,8 +695,8 @@ def with_override(model, override):
 
 
 def recorded_runs(monkeypatch) -> list:
-    """Every ``LayerReuseRun`` the hooks make from now on, by every loaded copy of the engine (load the node package
-    first to record its runs too), for what the run carried and counted."""
+    """Every ``LayerReuseRun`` (and ``WholeStepRun``) the hooks make from now on, by every loaded copy of the engine
+    (load the node package first to record its runs too), for what the run carried and counted."""
     runs = []
     for engine in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.hooks")]:
 
@@ -705,6 +705,14 @@ def recorded_runs(monkeypatch) -> list:
             return runs[-1]
 
         monkeypatch.setattr(engine.LayerReuse, "new_run", record)
+    # ``reuse_plan`` "forecast" makes its runs itself (a ``WholeStepRun`` per sampling run).
+    for whole_step in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.whole_step")]:
+
+        def made(self, *args, _init=whole_step.WholeStepRun.__init__, **kwargs):
+            _init(self, *args, **kwargs)
+            runs.append(self)
+
+        monkeypatch.setattr(whole_step.WholeStepRun, "__init__", made)
     return runs
 
 
