@@ -14,7 +14,7 @@ from hosts import diffusers_host as H
 
 import tome_core
 from tome_core import PatchSettings, Reducer
-from tome_core.hosts.diffusers import patch, step_range, unet_patch
+from tome_core.hosts.diffusers import step_range, unet_patch
 
 # The token reduction alone, at every size (reuse across steps, on by default, has its own tests).
 FORCE = {"skip_when_slower": False, "reuse_interval": 1}
@@ -27,12 +27,7 @@ def pipes():
 
 
 def pipeline(pipes, kind):
-    """One pipeline per kind for the module (building them is the slow part); every test leaves it unpatched."""
-    if kind not in pipes:
-        pipes[kind] = H.make_pipeline(kind)
-    pipe = pipes[kind]
-    assert not patch.is_patched(pipe)
-    return pipe
+    return H.cached_pipeline(pipes, kind)
 
 
 def unet_inputs(unet, size=16, batch=2, seed=3):

@@ -29,11 +29,7 @@ def pipes():
 
 
 def pipeline(pipes, kind):
-    if kind not in pipes:
-        pipes[kind] = H.make_pipeline(kind)
-    pipe = pipes[kind]
-    assert not patch.is_patched(pipe)
-    return pipe
+    return H.cached_pipeline(pipes, kind)
 
 
 def last_run(pipe):

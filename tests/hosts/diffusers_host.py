@@ -176,6 +176,18 @@ def _quiet(pipe):
     return pipe
 
 
+def cached_pipeline(pipes: dict, kind: str):
+    """One pipeline per kind for a test module (``pipes``: its cache; building them is the slow part); every test
+    leaves it unpatched."""
+    from tome_core.hosts.diffusers import patch
+
+    if kind not in pipes:
+        pipes[kind] = make_pipeline(kind)
+    pipe = pipes[kind]
+    assert not patch.is_patched(pipe)
+    return pipe
+
+
 def make_pipeline(kind: str, scheduler=None):
     """One of: txt2img, img2img, inpaint, controlnet (SD1 layout) and sdxl."""
     if kind == "txt2img":
