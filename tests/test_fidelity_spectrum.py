@@ -7,7 +7,14 @@ from __future__ import annotations
 import torch
 from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
-from tools.fidelity.spectrum import Forecaster, SpectrumSettings, settings_computing, spectrum_patch
+from tools.fidelity.spectrum import (
+    Forecaster,
+    SpectrumSettings,
+    from_space,
+    settings_computing,
+    spectrum_patch,
+    to_space,
+)
 
 
 def test_neos_defaults_compute_its_published_counts():
@@ -37,6 +44,23 @@ def test_the_forecast_is_the_line_and_the_fit_blended():
     assert abs(forecast(blend=1.0, degree=1, ridge=0.0) - 2.3) < 1e-4
     fit = forecast(blend=1.0)
     assert fit < forecast() < 2.3
+
+
+def test_the_velocity_variant_keeps_the_share_of_the_input_edms_c_skip_gives():
+    """``space="v"``: the denoised image goes to EDM's preconditioned output and back exactly; a forecast of an
+    unchanged velocity, at an input that moved by ``d``, moves the denoised image by c_skip * d
+    (sigma_data^2 / (sigma^2 + sigma_data^2)): nearly none of it at high noise, most of it at low noise."""
+    settings = SpectrumSettings(space="v", sigma_data=1.0)
+    generator = torch.Generator().manual_seed(0)
+    x, denoised, moved = (torch.randn(2, 4, 8, 8, generator=generator) for _ in range(3))
+    for sigma in (14.6, 1.0, 0.03):
+        v = to_space(denoised, x, sigma, settings)
+        assert torch.allclose(from_space(v, x, sigma, settings), denoised, atol=1e-5)
+        skip = 1.0 / (sigma * sigma + 1.0)
+        shifted = from_space(v, x + moved, sigma, settings)
+        assert torch.allclose(shifted - denoised, skip * moved, atol=1e-5)
+    as_is = SpectrumSettings()
+    assert to_space(denoised, x, 1.0, as_is) is denoised and from_space(denoised, x, 1.0, as_is) is denoised
 
 
 def test_in_comfyui_it_runs_the_model_only_at_its_computed_steps():

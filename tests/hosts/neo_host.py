@@ -132,9 +132,11 @@ def processing(patcher, script_args, steps: int = 28, sampler: str = "Euler", cf
     return p
 
 
-def process_images(host, p, family: str = "flux", shape=(1, 9, 13), seed: int = 42, passes: int = 1):
+def process_images(host, p, family: str = "flux", shape=(1, 9, 13), seed: int = 42, passes: int = 1, conditioning=None):
     """A Neo txt2img job: the script hooks around ``sample``; ``passes`` 2: a second pass (the highres pass, here
-    at the same size), for which Neo rebuilds ``forge_objects`` and calls ``process_before_every_sampling`` again."""
+    at the same size), for which Neo rebuilds ``forge_objects`` and calls ``process_before_every_sampling`` again.
+    ``conditioning``: (positive, negative), each ``[context, extras]`` as ComfyUI's CONDITIONING entries (None: a
+    tiny DiT's, ``comfy_host.dit_conditioning``)."""
     host.run_hook(p, "before_process")
     host.run_hook(p, "process")
     samples = []
@@ -142,13 +144,14 @@ def process_images(host, p, family: str = "flux", shape=(1, 9, 13), seed: int = 
         p.is_hr_pass = number > 0
         p.sd_model.forge_objects = types.SimpleNamespace(unet=p.sd_model.forge_unet_original)
         host.run_hook(p, "process_before_every_sampling")
-        samples.append(sample(host, p, p.sd_model.forge_objects.unet, family, shape, seed + number))
+        unet = p.sd_model.forge_objects.unet
+        samples.append(sample(host, p, unet, family, shape, seed + number, conditioning))
     p.is_hr_pass = False
     host.run_hook(p, "postprocess", samples[-1])  # not in a finally, as in the WebUI
     return samples[0] if passes == 1 else samples
 
 
-def sample(host, p, patcher, family: str, shape, seed: int) -> torch.Tensor:
+def sample(host, p, patcher, family: str, shape, seed: int, conditioning=None) -> torch.Tensor:
     """One sampling pass on ``patcher``, as Neo's sampler drives the model (see the module docstring)."""
     steps, cfg = p.neo_steps, p.neo_cfg
     sampling = patcher.get_model_object("model_sampling")
@@ -159,8 +162,11 @@ def sample(host, p, patcher, family: str, shape, seed: int) -> torch.Tensor:
     latent = empty  # the empty latent is not shifted (ComfyUI's CFGGuider; Neo starts from the noise alone)
     noise = comfy.sample.prepare_noise(empty, seed)
     x = sampling.noise_scaling(sigmas[0], noise, latent)
-    (positive,) = comfy_host.dit_conditioning(family, 1)
-    (negative,) = comfy_host.dit_conditioning(family, 2, tokens=9)
+    if conditioning is None:
+        (positive,) = comfy_host.dit_conditioning(family, 1)
+        (negative,) = comfy_host.dit_conditioning(family, 2, tokens=9)
+    else:
+        positive, negative = conditioning
     denoiser = webui_host.CFGDenoiser(p)
     denoiser.steps = denoiser.total_steps = steps
     host.state.sampling_steps, host.state.sampling_step = steps, 0
@@ -209,11 +215,11 @@ def _denoise(patcher, family, x, sigma, sigmas, positive, negative, cfg: float, 
         if name == "pooled_output":
             extra["y"] = torch.cat([c[1][name] for c in conds])
         elif name == "guidance":
-            extra["guidance"] = torch.full((len(conds),), float(value))
+            extra["guidance"] = torch.full((len(conds) * x.shape[0],), float(value))
     if family in ("lumina2", "z_image"):  # NextDiT's forward takes the caption's token count
         extra["num_tokens"] = context.shape[1]
     xs = torch.cat([x] * len(conds))
-    timestep = sigma.expand(len(conds))
+    timestep = sigma.expand(xs.shape[0])  # one per batch entry
     options = dict(patcher.model_options.get("transformer_options", {}))
     options.update(cond_or_uncond=list(range(len(conds))), sigmas=timestep)
     if not forge:

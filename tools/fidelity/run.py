@@ -544,6 +544,7 @@ def whole_step_rows(steps: int) -> list[FidelityRow]:
     from tools.fidelity import spectrum
 
     plans = [spectrum.SpectrumSettings(window=3, warm_up=warm_up) for warm_up in (2, 3, 4)]
+    plans.append(spectrum.settings_computing(steps, math.ceil(0.64 * steps)))  # the stochastic samplers' 1.5x
     plans.append(spectrum.settings_computing(steps, math.ceil(0.76 * steps)))
     plans.append(spectrum.SpectrumSettings())  # Neo's own plan (17 of 25)
     rows = []
@@ -555,6 +556,19 @@ def whole_step_rows(steps: int) -> list[FidelityRow]:
                 )
                 over = " over sigma" if by_sigma else ""
                 name = f"whole-step line {reach}{over} ({settings.label(steps)} computed)"
+                rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+            # The velocity forecast in place of the denoised image (``spectrum.SpectrumSettings.space``).
+            for sigma_data in (1.0, 0.5):
+                settings = spectrum.SpectrumSettings(
+                    blend=0.0,
+                    window=plan.window,
+                    warm_up=plan.warm_up,
+                    reach=reach,
+                    by_sigma=True,
+                    space="v",
+                    sigma_data=sigma_data,
+                )
+                name = f"whole-step line {reach} over sigma in v {sigma_data} ({settings.label(steps)} computed)"
                 rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
     return rows
 

@@ -35,6 +35,11 @@ class SpectrumSettings:
     reach: float = 1.0
     # The line drawn over the noise level in place of the step (a variant's; the fit stays over the step).
     by_sigma: bool = False
+    # What is forecast (a variant's): "denoised", the model call's output as ComfyUI returns it, or "v", the
+    # velocity (EDM's preconditioned output at ``sigma_data``), so that a skipped step's denoised image follows the
+    # current input by EDM's c_skip: the fresh noise of an ancestral or SDE step is partly kept, as the model keeps it.
+    space: str = "denoised"
+    sigma_data: float = 1.0
 
     def computed(self, steps: int) -> list[bool]:
         """Which of a run's ``steps`` run the model (Neo's rule: a skipped step counts toward the window)."""
@@ -108,6 +113,26 @@ class Forecaster:
         return forecast.view(self.shape).to(dtype)
 
 
+def _preconditioning(sigma: float, sigma_data: float) -> tuple[float, float]:
+    """EDM's (c_skip, c_out) at noise level ``sigma``: denoised = c_skip * x + c_out * F."""
+    total = sigma * sigma + sigma_data * sigma_data
+    return sigma_data * sigma_data / total, sigma * sigma_data / math.sqrt(total)
+
+
+def to_space(denoised: torch.Tensor, x: torch.Tensor, sigma: float, settings: SpectrumSettings) -> torch.Tensor:
+    if settings.space == "denoised" or sigma <= 0:
+        return denoised
+    skip, out = _preconditioning(sigma, settings.sigma_data)
+    return (denoised - skip * x) / out
+
+
+def from_space(forecast: torch.Tensor, x: torch.Tensor, sigma: float, settings: SpectrumSettings) -> torch.Tensor:
+    if settings.space == "denoised" or sigma <= 0:
+        return forecast
+    skip, out = _preconditioning(sigma, settings.sigma_data)
+    return skip * x + out * forecast
+
+
 class SpectrumWrapper:
     """ComfyUI's unet function wrapper of one patched clone: the run's plan and each layout's forecaster."""
 
@@ -149,9 +174,9 @@ class SpectrumWrapper:
             self.computed_calls += 1
             if forecaster is None:
                 forecaster = self.forecasters[key] = Forecaster(self.settings, self.steps)
-            forecaster.add(self.step, out, sigma)
+            forecaster.add(self.step, to_space(out, x, sigma, self.settings), sigma)
             return out
-        return forecaster.forecast(self.step, x.dtype, sigma)
+        return from_space(forecaster.forecast(self.step, x.dtype, sigma), x, sigma, self.settings)
 
 
 def spectrum_patch(settings: SpectrumSettings):
