@@ -290,3 +290,31 @@ def test_the_token_reduction_still_applies_at_the_computed_steps(pipes, schedule
     reduced, computed = computed_steps(pipe, "txt2img", steps=15)
     assert isinstance(last_run(pipe), WholeStepRun) and computed == alone_computed
     assert np.isfinite(reduced).all() and not np.array_equal(reduced, alone)
+
+
+@pytest.mark.parametrize("order", ["patch, then compile", "compile, then patch"])
+def test_a_compiled_unet_forecasts_the_same_steps_and_picture(pipes, scheduler_of, order):
+    """``pipe.unet = torch.compile(pipe.unet)`` before or after the patch: the forecast and the recording run
+    outside the graph (``torch.compiler.disable``), so the compiled pipeline skips the same 12 of 25 steps and
+    gives eager mode's picture bit for bit (Dynamo's "eager" backend: its graphs run the same kernels)."""
+    pipe = scheduler_of(pipeline(pipes, "txt2img"), "EulerDiscreteScheduler")
+    unet = pipe.unet
+    tome_core.apply_patch(pipe, **REUSE)
+    eager = H.run(pipe, "txt2img", steps=25)
+    tome_core.remove_patch(pipe)
+    torch._dynamo.reset()
+    try:
+        if order == "patch, then compile":
+            tome_core.apply_patch(pipe, **REUSE)
+            pipe.unet = torch.compile(unet, backend="eager")
+        else:
+            pipe.unet = torch.compile(unet, backend="eager")
+            tome_core.apply_patch(pipe, **REUSE)
+        compiled = H.run(pipe, "txt2img", steps=25)
+        run = diffusers_layer_reuse.installed(unet).run
+        assert isinstance(run, WholeStepRun) and (run.calls, run.reused_calls) == (25, 12)
+        assert np.array_equal(compiled, eager)
+    finally:
+        tome_core.remove_patch(pipe)
+        pipe.unet = unet
+        torch._dynamo.reset()
