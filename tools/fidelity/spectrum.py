@@ -161,7 +161,8 @@ class SpectrumWrapper:
             self.last_sigma = sigma
             self.step += 1
             if not self.plan:
-                sigmas = options.get("sample_sigmas")
+                sigmas = options.get("sample_sigmas")  # ComfyUI's; Forge Neo's sampler sets "sampling_sigmas"
+                sigmas = options.get("sampling_sigmas") if sigmas is None else sigmas
                 steps = len(sigmas) - 1 if sigmas is not None else 25
                 self.plan = self.settings.computed(steps)
                 self.steps = steps
