@@ -77,3 +77,20 @@ def test_in_comfyui_it_runs_the_model_only_at_its_computed_steps():
     # cond and uncond batched in one call: one model call per computed step, then 12 for the unpatched run.
     assert sum(settings.computed(12)) < 12 and len(calls) == sum(settings.computed(12)) + 12
     assert out.shape == plain.shape and torch.isfinite(out).all() and not torch.equal(out, plain)
+
+
+def test_in_forge_neo_it_plans_for_the_jobs_own_step_count():
+    """Neo's sampler hands the pass's sigmas over as ``sampling_sigmas`` (ComfyUI's: ``sample_sigmas``): at 12 steps
+    Neo's defaults compute 10 (six warm-up steps, 7 and 9, the last two), not the first 12 of a 25-step plan (9)."""
+    from hosts import neo_host, webui_host
+
+    from tools.fidelity.spectrum import SpectrumWrapper
+
+    model = neo_host.neo_model("flux", depth=1, depth_single_blocks=1)
+    wrapper = SpectrumWrapper(SpectrumSettings())
+    clone = model.clone()
+    clone.set_model_unet_function_wrapper(wrapper)
+    p = neo_host.processing(clone, webui_host.script_args(enabled=False), steps=12)
+    neo_host.process_images(webui_host.Host(), p, "flux", shape=(1, 8, 8))
+    assert sum(SpectrumSettings().computed(12)) == 10 and sum(SpectrumSettings().computed(25)[:12]) == 9
+    assert (wrapper.calls, wrapper.computed_calls) == (12, 10)
