@@ -5,7 +5,8 @@ suite's stand-in (``tests/hosts/neo_host.py``: Neo's call order, script hooks an
 PyPI), on a trained reference's weights, four ways: unpatched; Spectrum at Neo's defaults (``spectrum``, installed
 as Neo installs it: the clone's ``model_function_wrapper``); our accordion ticked at its defaults; both ticked (ours
 then stands down with one line and the picture is Spectrum's). For each: same-seed SSIM against unpatched
-(lowest image), the share of the blocks run (counted at the blocks themselves), CPU seconds. docs/dit-measurements.md
+(lowest image), the share of the blocks' work run (``work.count_work``: every block computes the same tokens, so
+it is the share of the blocks run), CPU seconds. docs/dit-measurements.md
 ("Spectrum, Forge Neo's step cache") holds the figures.
 """
 
@@ -13,38 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from tools.bench.dit.neo import hosts
+
 REPO = Path(__file__).resolve().parents[2]
 NEO_FAMILY = {"ref-flux-v2": "flux", "ref-flux-deep": "flux", "ref-qwen-v2": "qwen_image", "ref-qwen": "qwen_image"}
-
-
-def _hosts():
-    sys.path.insert(0, str(REPO / "tests"))  # the stand-ins live with the tests
-    from hosts import comfy_host, neo_host, webui_host  # noqa: I001  (comfy_host first: ComfyUI's sys.path)
-
-    return comfy_host, neo_host, webui_host
-
-
-class BlockCount:
-    """How many times the model's transformer blocks ran (forward hooks on each)."""
-
-    def __init__(self, diffusion_model):
-        self.runs = 0
-        lists = ("double_blocks", "single_blocks", "transformer_blocks", "blocks")
-        blocks = [b for name in lists for b in getattr(diffusion_model, name, [])]
-        self.handles = [block.register_forward_hook(self._count) for block in blocks]
-
-    def _count(self, *_):
-        self.runs += 1
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
 
 
 def _batched(entry: list, n: int) -> list:
@@ -55,12 +33,13 @@ def _batched(entry: list, n: int) -> list:
 
 
 def measure(name: str, prompts: int, steps: int, cfg: float, seed: int) -> dict:
-    _, neo_host, webui_host = _hosts()
+    _, neo_host, webui_host = hosts()
     import comfy.model_patcher
 
     from tome_core.hosts.webui import args as webui_args
     from tools.fidelity import run, spectrum
     from tools.fidelity.reference import models
+    from tools.fidelity.work import count_work
 
     base, encoder = models.load_reference(name)
     cpu = torch.device("cpu")
@@ -96,21 +75,18 @@ def measure(name: str, prompts: int, steps: int, cfg: float, seed: int) -> dict:
         ("ours, the accordion's defaults", patcher, ours),
         ("both ticked", with_spectrum, ours),
     ):
-        count = BlockCount(base.diffusion_model)
         started = time.process_time()
-        try:
+        with count_work(run.FidelityRow(row, "neo", lambda m: m), patcher) as work:
             images = job(model, args)
-        finally:
-            count.remove()
         seconds = time.process_time() - started
         if unpatched is None:
-            unpatched = (images, count.runs, seconds)
+            unpatched = (images, work, seconds)
         metrics = run.image_metrics(frames(images), frames(unpatched[0]))
         rows[row] = {
             "ssim": round(metrics["ssim"], 4),
             "ssim_min": round(metrics["ssim_min"], 4),
             "identical_to_unpatched": metrics["identical_to_unpatched"],
-            "blocks_run": round(count.runs / unpatched[1], 3),
+            "blocks_run": round(work.summary(unpatched[1]).get("token_share", 1.0), 3),
             "cpu_s": round(seconds, 2),
             "speedup_cpu": round(unpatched[2] / seconds, 2),
         }
@@ -140,7 +116,7 @@ def main(argv=None) -> list:
     parser.add_argument("--out", default=str(REPO / "results" / "neo" / "neo-spectrum.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    _hosts()  # ComfyUI set up as the stand-ins expect, before anything imports it
+    hosts()  # ComfyUI set up as the stand-ins expect, before anything imports it
     reports = [measure(name, args.prompts, args.steps, args.cfg, args.seed) for name in args.models.split(",")]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

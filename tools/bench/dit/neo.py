@@ -24,7 +24,8 @@ FLUX = {"hidden_size": 256, "num_heads": 4, "axes_dim": [16, 24, 24], "depth": 2
 SHAPE = (1, 48, 48)  # a 48 x 48 latent: 576 image tokens
 
 
-def _hosts():
+def hosts():
+    """The test suite's stand-ins (ComfyUI's test host first: it sets ComfyUI's sys.path)."""
     sys.path.insert(0, str(REPO / "tests"))  # the stand-ins live with the tests
     from hosts import comfy_host, neo_host, webui_host  # noqa: I001  (comfy_host first: ComfyUI's sys.path)
 
@@ -41,7 +42,7 @@ def _best(fn, rounds: int):
 
 
 def measure(steps: int, rounds: int) -> dict:
-    comfy_host, neo_host, webui_host = _hosts()
+    comfy_host, neo_host, webui_host = hosts()
     from tome_core.hosts.webui import args as webui_args
 
     model = neo_host.neo_model("flux", **FLUX)
