@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tools.bench.dit.neo import hosts
+from tools.common.stand_ins import hosts
 
 REPO = Path(__file__).resolve().parents[2]
 NEO_FAMILY = {"ref-flux-v2": "flux", "ref-flux-deep": "flux", "ref-qwen-v2": "qwen_image", "ref-qwen": "qwen_image"}

@@ -12,24 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from tools.common.stand_ins import hosts
+
 REPO = Path(__file__).resolve().parents[3]
 # A Flux layout of a useful size for a CPU: 2 double and 10 single blocks, 256 wide.
 FLUX = {"hidden_size": 256, "num_heads": 4, "axes_dim": [16, 24, 24], "depth": 2, "depth_single_blocks": 10}
 SHAPE = (1, 48, 48)  # a 48 x 48 latent: 576 image tokens
-
-
-def hosts():
-    """The test suite's stand-ins (ComfyUI's test host first: it sets ComfyUI's sys.path)."""
-    sys.path.insert(0, str(REPO / "tests"))  # the stand-ins live with the tests
-    from hosts import comfy_host, neo_host, webui_host  # noqa: I001  (comfy_host first: ComfyUI's sys.path)
-
-    return comfy_host, neo_host, webui_host
 
 
 def _best(fn, rounds: int):
