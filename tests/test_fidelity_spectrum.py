@@ -63,6 +63,20 @@ def test_the_velocity_variant_keeps_the_share_of_the_input_edms_c_skip_gives():
     assert to_space(denoised, x, 1.0, as_is) is denoised and from_space(denoised, x, 1.0, as_is) is denoised
 
 
+def test_the_noise_variant_keeps_all_of_the_inputs_move():
+    """``space="eps"``: the denoised image goes to the noise an SD UNet predicts ((x - denoised) / sigma) and back
+    exactly; an unchanged noise forecast at an input that moved by ``d`` moves the denoised image by all of ``d``
+    (the velocity's c_skip at an unbounded sigma_data)."""
+    settings = SpectrumSettings(space="eps")
+    generator = torch.Generator().manual_seed(0)
+    x, denoised, moved = (torch.randn(2, 4, 8, 8, generator=generator) for _ in range(3))
+    for sigma in (14.6, 1.0, 0.03):
+        eps = to_space(denoised, x, sigma, settings)
+        assert torch.allclose(x - sigma * eps, denoised, atol=1e-5)
+        assert torch.allclose(from_space(eps, x, sigma, settings), denoised, atol=1e-4)
+        assert torch.allclose(from_space(eps, x + moved, sigma, settings) - denoised, moved, atol=1e-4)
+
+
 def test_in_comfyui_it_runs_the_model_only_at_its_computed_steps():
     model = host.tiny_model("sd15")
     settings = SpectrumSettings()

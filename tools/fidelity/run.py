@@ -490,6 +490,19 @@ def dit_rows(
                     name = f"ours reuse every {interval} + line guard {line} + first-block guard {guard}"
                     changes = {"line_guard": line, "first_block_guard": guard}
                     rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
+        # The guarded plans without the short run's cap (below 25 steps one step in two at most reuses, whatever
+        # the interval): where the guards decide alone, a 20-step run can reuse more.
+        for interval in (3, 4, 6):
+            for line, guard in ((0.07, 0.15), (0.05, 0.1)):
+                name = f"ours reuse every {interval} + line guard {line} + first-block guard {guard} uncapped"
+                changes = {"line_guard": line, "first_block_guard": guard, "short_run": 0}
+                rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
+        # First Block Cache's kind of decision on our prediction: a long interval, the first-block guard deciding.
+        for interval in (12, 16):
+            for guard in (0.03, 0.05, 0.07):
+                name = f"ours reuse every {interval} + first-block guard {guard} uncapped"
+                changes = {"first_block_guard": guard, "short_run": 0}
+                rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))
         # The default's guard by the real model's curve at longer intervals where the curve is flat (every stretch
         # still within the published threshold on the real curve), alone and with the first-block guard.
         for interval in (4, 5, 6):
@@ -570,6 +583,12 @@ def whole_step_rows(steps: int) -> list[FidelityRow]:
                 )
                 name = f"whole-step line {reach} over sigma in v {sigma_data} ({settings.label(steps)} computed)"
                 rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+            # The predicted noise (an SD UNet's own output) in place of either.
+            settings = spectrum.SpectrumSettings(
+                blend=0.0, window=plan.window, warm_up=plan.warm_up, reach=reach, by_sigma=True, space="eps"
+            )
+            name = f"whole-step line {reach} over sigma in eps ({settings.label(steps)} computed)"
+            rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
     return rows
 
 
@@ -627,6 +646,7 @@ def dit_reuse_variant(
     first_block_guard=None,
     curve_guarded=False,
     line_guard=None,
+    short_run=None,
 ) -> Callable:
     """DiT reuse across steps with engine defaults overridden: ``interval`` (every N, or "default": the family's
     plan, its interval guarded by the real model's curve), ``outer`` (blocks run at every call: at the start,
@@ -636,7 +656,8 @@ def dit_reuse_variant(
     within the interval's count), ``first_block_guard`` (a reusing call whose first block's output moved more than
     this since the last full call runs in full), ``curve_guarded`` (every ``interval``, guarded by the family's
     published curve as the default's interval is), ``line_guard`` (a reusing call whose first block's output lies
-    more than this off the line through the last two full calls' outputs runs in full)."""
+    more than this off the line through the last two full calls' outputs runs in full), ``short_run`` (runs of fewer
+    steps reuse one step in two at most; None: the engine's, 0: no such cap, the guards decide alone)."""
     from tome_core.hosts.shared import dit_families
     from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule, StepCountSchedule
     from tome_core.schedule import NoiseRange
@@ -655,7 +676,8 @@ def dit_reuse_variant(
         elif fixed_intervals:
             schedule = IntervalSchedule(interval, full_start=0.1)
         else:
-            schedule = with_warm_up(NoiseSpacedSchedule(interval), warm_up)
+            capped = {} if short_run is None else {"short_run": short_run}
+            schedule = with_warm_up(NoiseSpacedSchedule(interval, **capped), warm_up)
         noise_range = NoiseRange(0.0, 1.0, lambda p: p)
         variant = ReuseVariant(schedule, extrapolate, outer, first_block_guard=first_block_guard, line_guard=line_guard)
         install_dit_variant(clone, settings, noise_range, variant)

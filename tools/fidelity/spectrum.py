@@ -37,7 +37,8 @@ class SpectrumSettings:
     by_sigma: bool = False
     # What is forecast (a variant's): "denoised", the model call's output as ComfyUI returns it, or "v", the
     # velocity (EDM's preconditioned output at ``sigma_data``), so that a skipped step's denoised image follows the
-    # current input by EDM's c_skip: the fresh noise of an ancestral or SDE step is partly kept, as the model keeps it.
+    # current input by EDM's c_skip: the fresh noise of an ancestral or SDE step is partly kept, as the model keeps it;
+    # or "eps", the noise an SD UNet predicts (the velocity's limit at a large ``sigma_data``).
     space: str = "denoised"
     sigma_data: float = 1.0
 
@@ -122,6 +123,8 @@ def _preconditioning(sigma: float, sigma_data: float) -> tuple[float, float]:
 def to_space(denoised: torch.Tensor, x: torch.Tensor, sigma: float, settings: SpectrumSettings) -> torch.Tensor:
     if settings.space == "denoised" or sigma <= 0:
         return denoised
+    if settings.space == "eps":
+        return (x - denoised) / sigma
     skip, out = _preconditioning(sigma, settings.sigma_data)
     return (denoised - skip * x) / out
 
@@ -129,6 +132,8 @@ def to_space(denoised: torch.Tensor, x: torch.Tensor, sigma: float, settings: Sp
 def from_space(forecast: torch.Tensor, x: torch.Tensor, sigma: float, settings: SpectrumSettings) -> torch.Tensor:
     if settings.space == "denoised" or sigma <= 0:
         return forecast
+    if settings.space == "eps":
+        return x - sigma * forecast
     skip, out = _preconditioning(sigma, settings.sigma_data)
     return skip * x + out * forecast
 
