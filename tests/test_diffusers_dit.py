@@ -17,7 +17,7 @@ from test_diffusers import module_snapshot
 import tome_core
 from tome_core.hosts.diffusers import dit_attention, dit_reuse, patch
 from tome_core.hosts.shared import dit_families
-from tome_core.reuse import FullSteps, LayerReuse, LayerReuseRun, StepCountSchedule
+from tome_core.reuse import FullSteps, LayerReuse, LayerReuseRun, NoiseSpacedSchedule, StepCountSchedule
 
 # The tiny grids are far below the break-even: reduce them anyway; and the settings as set (``dit_settings`` auto,
 # the default, has tests of its own at the end).
@@ -481,7 +481,24 @@ def test_model_cpu_offload_keeps_the_patchs_picture(monkeypatch):
     assert runs[0].reused_calls == 6
 
 
-@pytest.mark.parametrize(("kind", "steps", "interval"), (("flux", 28, 3), ("wan", 30, 5)))
+def test_wan_runs_every_6_with_its_first_block_guards(pipes, monkeypatch):
+    """Wan's default in diffusers (``dit_families``): every 6 spaced by the noise, no curve, and the run carries
+    the first block's two guards, which decide the rest while it goes; every call counted."""
+    pipe = pipeline(pipes, "wan")
+    runs = counting_runs(monkeypatch)
+    out = patched_run(pipe, steps=30)
+    record = dit_families.family("Wan")
+    (run,) = runs
+    assert torch.isfinite(out).all() and record.auto_schedule().curve is None
+    assert (run.first_block_guard, run.line_guard) == (record.first_block_guard, record.line_guard) == (0.15, 0.1)
+    levels = [float(sigma) for sigma in pipe.scheduler.sigmas[:30]]
+    every_6 = NoiseSpacedSchedule(6).for_run(30, levels, run.full_below).full
+    assert run.schedule.full == every_6
+    calls = run.calls // 30
+    assert run.calls == 30 * calls and run.reused_calls == (30 - len(every_6)) * calls - run.guarded_calls
+
+
+@pytest.mark.parametrize(("kind", "steps", "interval"), (("flux", 28, 3),))
 def test_no_settings_run_the_familys_measured_reuse_without_todo(pipes, kind, steps, interval, monkeypatch):
     """``apply_patch(pipe)`` (``dit_settings`` auto): reuse at the family's measured interval for the step count
     (``dit_families``) and no ToDo; without the curve guard, bit for bit what naming that setting computes, and

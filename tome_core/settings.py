@@ -252,8 +252,8 @@ _SPEC_LIST += (
         tooltip="DiTs: what a DiT (Flux, SD3, Wan, Qwen-Image, HunyuanVideo, LTX-Video, Z-Image) runs. auto (the "
         "default): the setting measured to keep each family's picture, whatever method, downsample_factor and "
         "reuse_interval say: reuse across steps every 3 on Flux, SD3 and Z-Image / Lumina 2 (every 4 from 40 "
-        "steps), every 6 on Qwen-Image with each reused step run in full where the first block's output leaves its "
-        "course, every 5 on Wan, every 4 on the other video models, and no ToDo (on a DiT it shifts the colours). "
+        "steps), every 6 on Qwen-Image and Wan with each reused step run in full where the first block's output "
+        "leaves its course, every 4 on the other video models, and no ToDo (on a DiT it shifts the colours). "
         "as set: the inputs as "
         "they are set. UNets (SD1.x, SD2.x, SDXL) ignore it.",
     ),

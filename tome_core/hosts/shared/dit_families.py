@@ -199,7 +199,10 @@ FAMILIES = (
     DitFamily("Wan Animate", comfyui=("AnimateWanModel",),
               no_reuse="Wan Animate fuses face features every few blocks, outside the block hook"),
     DitFamily(
-        "Wan", words="Wan 2.x", auto_intervals=((0, 5),), curve=WAN_CURVE, curve_of="Wan 2.1 T2V 14B",
+        # Every 6 with both first-block guards, chosen on the Wan reference, whose step curve follows real Wan
+        # 2.1's (docs/dit-measurements.md, "Wan's default: the first-block guards").
+        "Wan", words="Wan 2.x", auto_intervals=((0, 6),), curve=WAN_CURVE, curve_of="Wan 2.1 T2V 14B",
+        first_block_guard=0.15, line_guard=0.1,
         comfyui=("WanModel",), diffusers=("WanTransformer3DModel",), neo=("WanModel",),
         blocks=BlockLayout((("double_block", "blocks"),), ("img",)),
     ),
