@@ -136,31 +136,37 @@ def test_auto_reuses_on_the_new_families(node_classes, dits, family):
     assert counts[1] < counts[0]
 
 
-@pytest.mark.parametrize(("family", "guards"), (("qwen_image", (0.15, 0.07)), ("wan", (0.15, 0.1))))
+@pytest.mark.parametrize(
+    ("family", "guards", "steps", "short_run"),
+    (("qwen_image", (0.15, 0.07), 28, 0), ("qwen_image", (0.15, 0.07), 20, 0), ("wan", (0.15, 0.1), 28, 25)),
+    ids=("qwen-image-28", "qwen-image-20", "wan-28"),
+)
 def test_qwen_images_and_wans_default_is_every_6_with_both_first_block_guards(
-    node_classes, dits, monkeypatch, family, guards
+    node_classes, dits, monkeypatch, family, guards, steps, short_run
 ):
     """Qwen-Image's and Wan's defaults (``dit_families``): every 6, no curve, each reusing call run in full where
     the first block's output lies more than 0.07 (Wan: 0.1) off the line through the last two full calls' outputs
-    or moved more than 0.15 since the last one. At 28 steps the run's plan is every 6's, the run carries the guards,
-    and what the span blocks computed is the plan's full calls plus the ones the guards turned."""
+    or moved more than 0.15 since the last one. The run's plan is every 6's (Qwen-Image's at 20 steps too: its guards
+    alone decide a short run's steps), the run carries the guards, and what the span blocks computed is the plan's
+    full calls plus the ones the guards turned."""
     runs = host.recorded_runs(monkeypatch)
     model = dits[family] if family in dits else host.tiny_dit(family, **host.dit_blocks(family, BLOCKS))
     shape = SHAPES.get(family, (1, 3, 8, 8))  # Wan: (batch, frames, h, w)
     patched = host.patch_with_node(node_classes, model)
-    counts = count_block_calls(patched, family, lambda: host.sample_dit(patched, family, shape, 28, cfg=1.0))
+    counts = count_block_calls(patched, family, lambda: host.sample_dit(patched, family, shape, steps, cfg=1.0))
     (run,) = runs
     import comfy.samplers
 
-    sigmas = comfy.samplers.calculate_sigmas(patched.get_model_object("model_sampling"), "normal", 28)
-    every_6 = NoiseSpacedSchedule(6).for_run(28, [float(s) for s in sigmas[:28]], run.full_below).full
+    sigmas = comfy.samplers.calculate_sigmas(patched.get_model_object("model_sampling"), "normal", steps)
+    levels = [float(s) for s in sigmas[:steps]]
+    every_6 = NoiseSpacedSchedule(6, short_run).for_run(steps, levels, run.full_below).full
     assert run.schedule.full == every_6 and (run.first_block_guard, run.line_guard) == guards
-    assert counts == [28] + [len(every_6) + run.guarded_calls] * (BLOCKS - 1)
+    assert counts == [steps] + [len(every_6) + run.guarded_calls] * (BLOCKS - 1)
     # On random weights the first block's output moves as noise does, off any line: the guards turn the reusing
     # calls, every one at Qwen-Image's tighter line guard (the engine's tests show a steady move reusing).
-    assert 0 < run.guarded_calls <= 28 - len(every_6)
+    assert 0 < run.guarded_calls <= steps - len(every_6)
     if family == "qwen_image":
-        assert run.guarded_calls == 28 - len(every_6)
+        assert run.guarded_calls == steps - len(every_6)
 
 
 def test_patches_after_each_block_run_every_block(node_classes, dits, caplog):

@@ -8,7 +8,7 @@ import pytest
 from tome_core.hosts.diffusers import dit_attention
 from tome_core.hosts.diffusers import dit_reuse as diffusers_dit_reuse
 from tome_core.hosts.shared import dit_families
-from tome_core.reuse import StepCountSchedule
+from tome_core.reuse import NoiseSpacedSchedule, StepCountSchedule
 
 
 def fake_model(*class_names: str, **blocks):
@@ -147,3 +147,20 @@ def test_the_words_that_list_the_families_name_every_record():
                 name = {"Flux": "Flux.1", "SD3": "SD3/SD3.5", "Wan": "Wan 2.x", "HunyuanVideo": "HunyuanVideo 1."}[name]
             listed = name in comfyui_dit_reuse.SUPPORTED_WORDS
             assert listed == (family.blocks is not None and bool(family.comfyui)), name
+
+
+def test_qwen_images_guards_alone_decide_a_short_run_and_wans_keep_the_cap():
+    """Under 25 steps a plan reuses one step in two at most (``NoiseSpacedSchedule.short_run``), whatever the
+    interval; Qwen-Image's default lifts that cap (its guards decide a short run's steps, measured on both Qwen-Image
+    references: docs/dit-measurements.md), Wan's keeps it. From 25 steps on the two plans are the same; under 10
+    steps every step runs in full either way."""
+    levels = [1.0 - step / 20 for step in range(20)]
+    qwen, wan = dit_families.auto_schedule("Qwen-Image"), dit_families.auto_schedule("Wan")
+    capped, uncapped = NoiseSpacedSchedule(6), NoiseSpacedSchedule(6, short_run=0)
+    assert qwen.for_run(20, levels).full == uncapped.for_run(20, levels).full
+    assert wan.for_run(20, levels).full == capped.for_run(20, levels).full
+    assert len(uncapped.for_run(20, levels).full) < len(capped.for_run(20, levels).full)
+    assert qwen.for_run(28).full == capped.for_run(28).full == wan.for_run(28).full
+    assert qwen.for_run(9).full == frozenset(range(9))
+    with pytest.raises(ValueError, match="short_run"):
+        StepCountSchedule(((0, 6),), short_run=-1)

@@ -223,6 +223,8 @@ class StepCountSchedule:
     # A reusing call runs in full where the first block's output lies more than this off the line through the
     # last two full calls' outputs (``LayerReuseRun.line_guard``; None: no such guard).
     line_guard: float | None = None
+    # Runs of fewer steps reuse one step in two at most (``NoiseSpacedSchedule.short_run``; 0: no such cap).
+    short_run: int = 25
 
     def __post_init__(self):
         if not self.intervals or self.intervals[0][0] != 0:
@@ -231,6 +233,8 @@ class StepCountSchedule:
             value = getattr(self, name)
             if value is not None and not 0.0 < value:
                 raise ValueError(f"{name} must be above 0 (or None), got {value!r}")
+        if self.short_run < 0:
+            raise ValueError(f"short_run must be an integer from 0 up, got {self.short_run!r}")
 
     def interval(self, steps: int) -> int:
         return [interval for start, interval in self.intervals if start <= steps][-1]
@@ -251,7 +255,7 @@ class StepCountSchedule:
         return described
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
-        planned = NoiseSpacedSchedule(self.interval(steps)).for_run(steps, noise_levels, full_below)
+        planned = NoiseSpacedSchedule(self.interval(steps), self.short_run).for_run(steps, noise_levels, full_below)
         if self.curve is None:
             return planned
         return FullSteps(steps, self.curve.guard(planned.full, steps))

@@ -92,6 +92,8 @@ class DitFamily:
     # two full steps' outputs (the path the residual's prediction follows; None: no such guard); with or without
     # ``first_block_guard``, and likewise in place of the curve.
     line_guard: float | None = None
+    # Runs of fewer steps reuse one step in two at most (0: no such cap; the guards decide a short run's steps).
+    short_run: int = 25
     # How its ComfyUI and Neo classes lay out their blocks (None: reuse cannot reach them).
     blocks: BlockLayout | None = None
     # Why ``dit_settings`` auto leaves the family as it is ("": it runs ``auto_schedule``); reuse across steps is
@@ -124,8 +126,9 @@ class DitFamily:
         output where the family has a guard measured on a reference that moves as the real model does, by the real
         model's published curve where it has not (a constant from the authors' runs, not the user's)."""
         if self.guarded_by_first_block:
-            return StepCountSchedule(self.auto_intervals, None, self.first_block_guard, self.line_guard)
-        return StepCountSchedule(self.auto_intervals, self.curve)
+            guards = (self.first_block_guard, self.line_guard)
+            return StepCountSchedule(self.auto_intervals, None, *guards, short_run=self.short_run)
+        return StepCountSchedule(self.auto_intervals, self.curve, short_run=self.short_run)
 
 
 # MagCache's thresholds for each model are the ones its authors publish with the ratios (``step_change_curves``).
@@ -172,9 +175,10 @@ FAMILIES = (
         blocks=BlockLayout((("double_block", "joint_blocks"),), ("txt", "img"), last_block_runs=True),
     ),
     DitFamily(
-        # Every 6 with both first-block guards, chosen on the Qwen-Image references (docs/dit-measurements.md).
+        # Every 6 with both first-block guards, chosen on the Qwen-Image references, the guards alone deciding a
+        # short run's steps (docs/dit-measurements.md).
         "Qwen-Image", auto_intervals=((0, 6),), extrapolate=1.0, curve=QWEN_IMAGE_CURVE, curve_of="Qwen-Image",
-        first_block_guard=0.15, line_guard=0.07,
+        first_block_guard=0.15, line_guard=0.07, short_run=0,
         comfyui=("QwenImageTransformer2DModel",), diffusers=("QwenImageTransformer2DModel",),
         neo=("QwenImageTransformer2DModel",),
         # Qwen-Image and Edit (its reference latents are tokens of the image stream); blocks return ``(txt, img)``,
