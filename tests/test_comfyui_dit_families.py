@@ -137,17 +137,22 @@ def test_auto_reuses_on_the_new_families(node_classes, dits, family):
 
 
 @pytest.mark.parametrize(
-    ("family", "guards", "steps", "short_run"),
-    (("qwen_image", (0.15, 0.07), 28, 0), ("qwen_image", (0.15, 0.07), 20, 0), ("wan", (0.15, 0.1), 28, 25)),
-    ids=("qwen-image-28", "qwen-image-20", "wan-28"),
+    ("family", "guards", "steps"),
+    (
+        ("qwen_image", (0.15, 0.07), 28),
+        ("qwen_image", (0.15, 0.07), 20),
+        ("wan", (0.15, 0.1), 28),
+        ("wan", (0.15, 0.1), 20),
+    ),
+    ids=("qwen-image-28", "qwen-image-20", "wan-28", "wan-20"),
 )
 def test_qwen_images_and_wans_default_is_every_6_with_both_first_block_guards(
-    node_classes, dits, monkeypatch, family, guards, steps, short_run
+    node_classes, dits, monkeypatch, family, guards, steps
 ):
     """Qwen-Image's and Wan's defaults (``dit_families``): every 6, no curve, each reusing call run in full where
     the first block's output lies more than 0.07 (Wan: 0.1) off the line through the last two full calls' outputs
-    or moved more than 0.15 since the last one. The run's plan is every 6's (Qwen-Image's at 20 steps too: its guards
-    alone decide a short run's steps), the run carries the guards, and what the span blocks computed is the plan's
+    or moved more than 0.15 since the last one. The run's plan is every 6's (at 20 steps too: their guards alone
+    decide a short run's steps), the run carries the guards, and what the span blocks computed is the plan's
     full calls plus the ones the guards turned."""
     runs = host.recorded_runs(monkeypatch)
     model = dits[family] if family in dits else host.tiny_dit(family, **host.dit_blocks(family, BLOCKS))
@@ -159,7 +164,7 @@ def test_qwen_images_and_wans_default_is_every_6_with_both_first_block_guards(
 
     sigmas = comfy.samplers.calculate_sigmas(patched.get_model_object("model_sampling"), "normal", steps)
     levels = [float(s) for s in sigmas[:steps]]
-    every_6 = NoiseSpacedSchedule(6, short_run).for_run(steps, levels, run.full_below).full
+    every_6 = NoiseSpacedSchedule(6, short_run=0).for_run(steps, levels, run.full_below).full
     assert run.schedule.full == every_6 and (run.first_block_guard, run.line_guard) == guards
     assert counts == [steps] + [len(every_6) + run.guarded_calls] * (BLOCKS - 1)
     # On random weights the first block's output moves as noise does, off any line: the guards turn the reusing

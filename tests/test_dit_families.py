@@ -149,18 +149,19 @@ def test_the_words_that_list_the_families_name_every_record():
             assert listed == (family.blocks is not None and bool(family.comfyui)), name
 
 
-def test_qwen_images_guards_alone_decide_a_short_run_and_wans_keep_the_cap():
+def test_the_guarded_families_guards_alone_decide_a_short_run_and_the_others_keep_the_cap():
     """Under 25 steps a plan reuses one step in two at most (``NoiseSpacedSchedule.short_run``), whatever the
-    interval; Qwen-Image's default lifts that cap (its guards decide a short run's steps, measured on both Qwen-Image
-    references: docs/dit-measurements.md), Wan's keeps it. From 25 steps on the two plans are the same; under 10
-    steps every step runs in full either way."""
+    interval; Qwen-Image's and Wan's defaults lift that cap (their guards decide a short run's steps, measured on
+    their references: docs/dit-measurements.md), the families guarded by a published curve keep it. From 25 steps
+    on the plans are the same; under 10 steps every step runs in full either way."""
     levels = [1.0 - step / 20 for step in range(20)]
     qwen, wan = dit_families.auto_schedule("Qwen-Image"), dit_families.auto_schedule("Wan")
     capped, uncapped = NoiseSpacedSchedule(6), NoiseSpacedSchedule(6, short_run=0)
-    assert qwen.for_run(20, levels).full == uncapped.for_run(20, levels).full
-    assert wan.for_run(20, levels).full == capped.for_run(20, levels).full
+    assert qwen.for_run(20, levels).full == uncapped.for_run(20, levels).full == wan.for_run(20, levels).full
     assert len(uncapped.for_run(20, levels).full) < len(capped.for_run(20, levels).full)
     assert qwen.for_run(28).full == capped.for_run(28).full == wan.for_run(28).full
-    assert qwen.for_run(9).full == frozenset(range(9))
+    assert qwen.for_run(9).full == wan.for_run(9).full == frozenset(range(9))
+    for family in dit_families.FAMILIES:
+        assert (family.short_run == 0) == family.guarded_by_first_block, family.name
     with pytest.raises(ValueError, match="short_run"):
         StepCountSchedule(((0, 6),), short_run=-1)

@@ -493,7 +493,7 @@ def dit_rows(
         # The guarded plans without the short run's cap (below 25 steps one step in two at most reuses, whatever
         # the interval): where the guards decide alone, a 20-step run can reuse more.
         for interval in (3, 4, 6):
-            for line, guard in ((0.07, 0.15), (0.05, 0.1)):
+            for line, guard in ((0.07, 0.15), (0.05, 0.1), (0.1, 0.15)):
                 name = f"ours reuse every {interval} + line guard {line} + first-block guard {guard} uncapped"
                 changes = {"line_guard": line, "first_block_guard": guard, "short_run": 0}
                 rows.append(FidelityRow(name, "ours", dit_reuse_variant(interval, **changes), settings=changes))

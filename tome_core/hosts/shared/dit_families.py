@@ -203,10 +203,10 @@ FAMILIES = (
     DitFamily("Wan Animate", comfyui=("AnimateWanModel",),
               no_reuse="Wan Animate fuses face features every few blocks, outside the block hook"),
     DitFamily(
-        # Every 6 with both first-block guards, chosen on the Wan reference, whose step curve follows real Wan
-        # 2.1's (docs/dit-measurements.md, "Wan's default: the first-block guards").
+        # Every 6 with both first-block guards, the guards alone deciding a short run's steps, chosen on the Wan
+        # reference, whose step curve follows real Wan 2.1's (docs/dit-measurements.md, "Wan's default").
         "Wan", words="Wan 2.x", auto_intervals=((0, 6),), curve=WAN_CURVE, curve_of="Wan 2.1 T2V 14B",
-        first_block_guard=0.15, line_guard=0.1,
+        first_block_guard=0.15, line_guard=0.1, short_run=0,
         comfyui=("WanModel",), diffusers=("WanTransformer3DModel",), neo=("WanModel",),
         blocks=BlockLayout((("double_block", "blocks"),), ("img",)),
     ),
