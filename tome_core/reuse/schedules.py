@@ -10,6 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# A run of fewer steps takes bigger steps, which a prediction misses more: there one step in two at most reuses
+# (docs/step-reuse.md); the schedules' and the DiT families' default.
+SHORT_RUN = 25
+
 
 @dataclass(frozen=True)
 class FullSteps:
@@ -43,7 +47,7 @@ class IntervalSchedule:
     full_end: int = 4
     # A run of fewer steps takes bigger steps, which the prediction misses more: there one step in two at most
     # reuses (docs/step-reuse.md). 0: no such rule.
-    short_run: int = 25
+    short_run: int = SHORT_RUN
     # A run of fewer steps (distilled models, Lightning/LCM LoRAs, Turbo) reuses nothing: each of its steps changes
     # the picture a lot, and there is little to gain. 0: no such rule.
     min_steps: int = 10
@@ -115,7 +119,7 @@ class NoiseSpacedSchedule:
     ``short_run`` steps runs one step in two at least and a run of fewer than ``min_steps`` every step."""
 
     interval: int
-    short_run: int = 25
+    short_run: int = SHORT_RUN
     min_steps: int = 10
 
     def __post_init__(self):
@@ -224,7 +228,7 @@ class StepCountSchedule:
     # last two full calls' outputs (``LayerReuseRun.line_guard``; None: no such guard).
     line_guard: float | None = None
     # Runs of fewer steps reuse one step in two at most (``NoiseSpacedSchedule.short_run``; 0: no such cap).
-    short_run: int = 25
+    short_run: int = SHORT_RUN
 
     def __post_init__(self):
         if not self.intervals or self.intervals[0][0] != 0:

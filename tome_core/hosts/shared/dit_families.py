@@ -16,7 +16,7 @@ import inspect
 from dataclasses import dataclass, replace
 
 from ...reuse.plans import DEFAULT_EXTRAPOLATE
-from ...reuse.schedules import StepChangeCurve, StepCountSchedule
+from ...reuse.schedules import SHORT_RUN, StepChangeCurve, StepCountSchedule
 from . import step_change_curves as published
 
 HOSTS = ("comfyui", "diffusers", "neo", "forge")
@@ -93,7 +93,7 @@ class DitFamily:
     # ``first_block_guard``, and likewise in place of the curve.
     line_guard: float | None = None
     # Runs of fewer steps reuse one step in two at most (0: no such cap; the guards decide a short run's steps).
-    short_run: int = 25
+    short_run: int = SHORT_RUN
     # How its ComfyUI and Neo classes lay out their blocks (None: reuse cannot reach them).
     blocks: BlockLayout | None = None
     # Why ``dit_settings`` auto leaves the family as it is ("": it runs ``auto_schedule``); reuse across steps is
