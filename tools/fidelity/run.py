@@ -376,6 +376,7 @@ def layer_reuse_variant(
     from tome_core.hosts.shared.model_patcher import patched_clone
     from tome_core.reuse import IntervalSchedule
     from tome_core.schedule import NoiseRange
+    from tools.fidelity.hybrid import NamedSchedule
     from tools.fidelity.lab import EdgeSchedule, ReuseVariant, install_unet_variant
 
     def patch(model):
@@ -383,11 +384,16 @@ def layer_reuse_variant(
         todo_only = PatchSettings(method="todo", downsample_factor=todo, skip_when_slower=False)
         clone = patched_clone(model, todo_only, lambda p: p) if todo != 1.0 else model.clone()
         # The setting's value only turns reuse on here (the schedule is the variant's, which may go past its range).
-        settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=min(math.ceil(interval), 16))
+        # The layers' reuse ("auto": the plan the variants were measured against, not "forecast"'s whole steps).
+        settings = PatchSettings(
+            method="todo", downsample_factor=1.0, reuse_interval=min(math.ceil(interval), 16), reuse_plan="auto"
+        )
         # A variant changes the schedule its rows were measured against: the last two steps full and no short-run
         # or few-steps rule (docs/step-reuse.md, "before"); it names any other value.
         if kind == "noise":  # the shipped short-run and few-steps rules unless named
             schedule_ = EdgeSchedule(interval, **schedule)
+        elif kind == "named":  # the full steps named one by one (``hybrid.NamedSchedule``)
+            schedule_ = NamedSchedule(interval, **schedule)
         else:
             schedule_ = IntervalSchedule(interval, **{"short_run": 0, "full_end": 2, "min_steps": 0, **schedule})
         variant = ReuseVariant(
@@ -590,6 +596,73 @@ def whole_step_rows(steps: int) -> list[FidelityRow]:
             )
             name = f"whole-step line {reach} over sigma in eps ({settings.label(steps)} computed)"
             rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+    return rows + whole_step_plan_rows(steps)
+
+
+# Issue #60: the default's 13 of 25 computed steps (Euler), and each of them dropped in turn (12 of 25): what
+# each computed step is worth, for the plans of 11 of 25 (2.27x).
+THIRTEEN_OF_25 = (0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 22, 23, 24)
+DROPPED_ONE = tuple(tuple(s for s in THIRTEEN_OF_25 if s != dropped) for dropped in THIRTEEN_OF_25[2:])
+# 11 of 25: two of the 13 dropped, the pairs whose single drops cost least on `ref-sd1` and `ref-sdxl`.
+DROPPED_TWO = tuple(
+    tuple(s for s in THIRTEEN_OF_25 if s not in pair) for pair in ((2, 15), (2, 21), (2, 9), (15, 21), (9, 15), (2, 18))
+)
+# The same for DPM++ 2M on Karras sigmas: its 19 of 25 (the first ten, one in two, the last three), for 14 (1.79x).
+NINETEEN_OF_25 = (*range(10), 11, 13, 15, 17, 19, 21, 22, 23, 24)
+DROPPED_ONE_OF_19 = tuple(tuple(s for s in NINETEEN_OF_25 if s != dropped) for dropped in NINETEEN_OF_25[2:])
+# 14 of 25 with DPM++ 2M on Karras sigmas: the ten first steps' single drops cost least on `ref-sdxl`.
+FOURTEEN_OF_25 = (
+    (0, 1, 4, 7, 9, 11, 13, 15, 17, 19, 21, 22, 23, 24),
+    (0, 1, 3, 6, 9, 11, 13, 15, 17, 19, 21, 22, 23, 24),
+    (0, 1, 2, 5, 9, 11, 13, 15, 17, 19, 21, 22, 23, 24),
+    (0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 22, 23, 24),
+    (0, 1, 5, 8, 9, 11, 13, 15, 17, 19, 21, 22, 23, 24),
+)
+
+
+NAMED_PLANS = (THIRTEEN_OF_25, *DROPPED_ONE, *DROPPED_TWO, NINETEEN_OF_25, *DROPPED_ONE_OF_19, *FOURTEEN_OF_25)
+
+# Full steps and reusing steps (the outer layers only) of 25; the others run nothing (``hybrid``).
+HYBRIDS = (
+    ((0, 1, 3, 6, 12, 18, 21, 22, 23, 24), (2, 9, 15)),
+    ((0, 1, 2, 3, 6, 12, 18, 21, 22, 23, 24), (9, 15)),
+    ((0, 1, 3, 6, 12, 18, 22, 23, 24), (2, 9, 15, 21)),
+    ((0, 1, 3, 6, 12, 18, 21, 22, 23, 24), (2, 4, 5, 7, 8, 9, 10, 11, 13, 14, 15, 16, 17, 19, 20)),
+)
+
+
+def whole_step_plan_rows(steps: int) -> list[FidelityRow]:
+    """The whole step along ours' line (three quarters, over the noise level) on plans named step by step (25
+    steps) and on plans decided per run: the warm-up and the last steps
+    computed, the gaps between set per image by how far the line missed at each computed step, within a budget
+    (``adaptive``)."""
+    from tools.fidelity import adaptive, hybrid, spectrum
+
+    line = {"blend": 0.0, "reach": 0.75, "by_sigma": True}
+    rows = []
+    for at in NAMED_PLANS if steps == 25 else ():
+        settings = spectrum.SpectrumSettings(at=at, **line)
+        name = f"whole-step plan ({settings.label(steps)})"
+        rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+    # The two 11-of-25 plans that kept the most on both first references, forecasting the velocity or the noise.
+    for at in DROPPED_TWO[:1] + DROPPED_TWO[2:3] if steps == 25 else ():
+        for space in ("v", "eps"):
+            settings = spectrum.SpectrumSettings(at=at, space=space, **line)
+            name = f"whole-step plan ({settings.label(steps)}) in {space}"
+            rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+    for full, reused in HYBRIDS if steps == 25 else ():
+        for layer_reach in (0.5, 0.75):
+            schedule = {"kind": "named", "full": full, "extrapolate": layer_reach}
+            patch = hybrid.hybrid_patch(
+                layer_reuse_variant(3, **schedule), tuple(s for s in range(25) if s not in full + reused)
+            )
+            name = f"hybrid full {' '.join(map(str, full))} reuse {' '.join(map(str, reused))} (reach {layer_reach})"
+            rows.append(FidelityRow(name, "ours", patch, settings={"full": full, "reused": reused}))
+    for tail in (1, 3):
+        for tolerance in (0.1, 0.2, 0.3):
+            settings = adaptive.AdaptiveSettings(budget=11, warm_up=4, tail=tail, tolerance=tolerance)
+            name = f"whole-step per image ({settings.label(steps)})"
+            rows.append(FidelityRow(name, "ours", adaptive.adaptive_patch(settings), settings=vars(settings)))
     return rows
 
 

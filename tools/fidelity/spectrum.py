@@ -41,9 +41,13 @@ class SpectrumSettings:
     # or "eps", the noise an SD UNet predicts (the velocity's limit at a large ``sigma_data``).
     space: str = "denoised"
     sigma_data: float = 1.0
+    # The computed steps named one by one (a variant's; empty: Neo's rule).
+    at: tuple[int, ...] = ()
 
     def computed(self, steps: int) -> list[bool]:
         """Which of a run's ``steps`` run the model (Neo's rule: a skipped step counts toward the window)."""
+        if self.at:
+            return [step in self.at for step in range(steps)]
         out, skipped = [], 0
         for step in range(steps):
             if step < self.warm_up or step >= int(steps * self.stop):
@@ -55,6 +59,8 @@ class SpectrumSettings:
         return out
 
     def label(self, steps: int) -> str:
+        if self.at:
+            return f"{sum(self.computed(steps))} of {steps}: " + " ".join(map(str, self.at))
         return f"{sum(self.computed(steps))} of {steps}"
 
 
