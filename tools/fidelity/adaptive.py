@@ -15,10 +15,11 @@ ComfyUI's model function wrapper, as ``spectrum`` is; a run starts again when th
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
+
+from tools.fidelity.spectrum import wrapper_patch
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,6 @@ class AdaptiveWrapper:
         if middle > 0:
             gap = max(gap, math.ceil((middle + 1) / (max(left, 0) + 1)))
         image.last_at, image.next_at = step, step + gap
-        if os.environ.get("ADAPTIVE_DEBUG"):
-            print(f"{id(image) % 1000} step {step} miss {miss} next {image.next_at} count {image.count}", flush=True)
 
     def __call__(self, model_function, args: dict):
         x, timestep, c = args["input"], args["timestep"], args["c"]
@@ -144,10 +143,4 @@ class AdaptiveWrapper:
 
 def adaptive_patch(settings: AdaptiveSettings):
     """``patch(model)``: a clone of the ModelPatcher with the per-image plan as its model function wrapper."""
-
-    def patch(model):
-        clone = model.clone()
-        clone.set_model_unet_function_wrapper(AdaptiveWrapper(settings))
-        return clone
-
-    return patch
+    return wrapper_patch(lambda: AdaptiveWrapper(settings))

@@ -191,12 +191,18 @@ class SpectrumWrapper:
         return from_space(forecaster.forecast(self.step, x.dtype, sigma), x, sigma, self.settings)
 
 
-def spectrum_patch(settings: SpectrumSettings):
-    """``patch(model)``: a clone of the ModelPatcher with Spectrum as its model function wrapper."""
+def wrapper_patch(make_wrapper):
+    """``patch(model)``: a clone of the ModelPatcher with ``make_wrapper()`` as its model function wrapper (a new
+    one per clone: it holds the run's state)."""
 
     def patch(model):
         clone = model.clone()
-        clone.set_model_unet_function_wrapper(SpectrumWrapper(settings))
+        clone.set_model_unet_function_wrapper(make_wrapper())
         return clone
 
     return patch
+
+
+def spectrum_patch(settings: SpectrumSettings):
+    """``patch(model)``: a clone of the ModelPatcher with Spectrum as its model function wrapper."""
+    return wrapper_patch(lambda: SpectrumWrapper(settings))
