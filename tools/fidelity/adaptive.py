@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tools.fidelity.spectrum import wrapper_patch
+from tools.fidelity.spectrum import line_through, wrapper_patch
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,7 @@ class ImagePlan:
         self.last_at, self.next_at, self.count = -1, 0, 0
 
     def line(self, sigma: float, reach: float) -> torch.Tensor:
-        (a, before), (b, last) = zip(self.sigmas[-2:], self.outputs[-2:], strict=True)
-        ahead = (sigma - b) / (b - a) if b != a else 0.0
-        return last + reach * ahead * (last - before)
+        return line_through(self.sigmas, self.outputs, sigma, reach)
 
 
 def _rows(tensor, rows: list[int], batch: int):

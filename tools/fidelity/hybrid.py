@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from tome_core.schedule import step_of
+from tools.fidelity.spectrum import line_through
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,9 @@ class SkipSteps:
         step = step_of([float(s) for s in sigmas], sigma) if sigmas is not None else None
         key = (tuple(str(u) for u in options.get("uuids") or ()), tuple(x.shape))
         kept = self.history.setdefault(key, [])
-        if len(sigmas) - 1 == self.steps and step in self.skipped and len(kept) >= 2:
-            (a, before), (b, last) = kept
-            return last + self.reach * (sigma - b) / (b - a) * (last - before)
+        if sigmas is not None and len(sigmas) - 1 == self.steps and step in self.skipped and len(kept) >= 2:
+            positions, outputs = zip(*kept, strict=True)
+            return line_through(positions, outputs, sigma, self.reach)
         out = executor(x, t, c_concat, c_crossattn, control, transformer_options, **kw)
         kept[:] = (kept + [(sigma, out.detach().clone())])[-2:]
         return out

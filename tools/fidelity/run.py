@@ -637,8 +637,7 @@ HYBRIDS = (
 
 def whole_step_plan_rows(steps: int) -> list[FidelityRow]:
     """The whole step along ours' line (three quarters, over the noise level) on plans named step by step (25
-    steps) and on plans decided per run: the warm-up and the last steps
-    computed, the gaps between set per image by how far the line missed at each computed step, within a budget
+    steps), with full, reusing and skipped steps in one run (``hybrid``), and on plans decided per image
     (``adaptive``)."""
     from tools.fidelity import adaptive, hybrid, spectrum
 

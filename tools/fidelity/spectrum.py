@@ -75,6 +75,14 @@ def settings_computing(steps: int, target: int) -> SpectrumSettings:
     raise ValueError(f"no window 2 or 3 plan computes {target} of {steps} steps")
 
 
+def line_through(positions, outputs, here: float, reach: float) -> torch.Tensor:
+    """The line through the last two ``outputs`` at ``positions`` (steps or noise levels), at ``here``, moved
+    ``reach`` of the way from the last one."""
+    (a, before), (b, last) = zip(positions[-2:], outputs[-2:], strict=True)
+    ahead = (here - b) / (b - a) if b != a else 0.0
+    return last + reach * ahead * (last - before)
+
+
 class Forecaster:
     """The kept outputs of one batch layout and the forecast from them."""
 
@@ -111,9 +119,7 @@ class Forecaster:
         fit = (self._chebyshev(torch.tensor([self._tau(step)], dtype=torch.float32)) @ coefficients)[0]
         if len(self.outputs) >= 2:
             positions, here = (self.sigmas, sigma) if self.settings.by_sigma else (self.at, step)
-            (a, before), (b, last) = zip(positions[-2:], self.outputs[-2:], strict=True)
-            ahead = (here - b) / (b - a) if b != a else 0.0
-            line = last + self.settings.reach * ahead * (last - before)
+            line = line_through(positions, self.outputs, here, self.settings.reach)
         else:
             line = self.outputs[-1]
         forecast = (1 - self.settings.blend) * line + self.settings.blend * fit
