@@ -113,10 +113,11 @@ class Forecaster:
 
     def forecast(self, step: int, dtype: torch.dtype, sigma: float = 0.0) -> torch.Tensor:
         history = torch.stack(self.outputs)
-        design = self._chebyshev(torch.tensor([self._tau(s) for s in self.at], dtype=torch.float32))
-        gram = design.T @ design + self.settings.ridge * torch.eye(design.shape[1])
+        on = {"dtype": torch.float32, "device": history.device}
+        design = self._chebyshev(torch.tensor([self._tau(s) for s in self.at], **on))
+        gram = design.T @ design + self.settings.ridge * torch.eye(design.shape[1], device=history.device)
         coefficients = torch.linalg.solve(gram, design.T @ history)
-        fit = (self._chebyshev(torch.tensor([self._tau(step)], dtype=torch.float32)) @ coefficients)[0]
+        fit = (self._chebyshev(torch.tensor([self._tau(step)], **on)) @ coefficients)[0]
         if len(self.outputs) >= 2:
             positions, here = (self.sigmas, sigma) if self.settings.by_sigma else (self.at, step)
             line = line_through(positions, self.outputs, here, self.settings.reach)
