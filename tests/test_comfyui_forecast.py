@@ -1,5 +1,6 @@
-"""ComfyUI: ``reuse_plan`` "forecast" (the default), where a skipped step runs no layer and its denoised image is
-drawn along the line through the last two computed steps (``tome_core.reuse.whole_step``).
+"""ComfyUI: ``reuse_plan``'s forecasts ("forecast v2", the default, and "forecast"), where a skipped step runs no
+layer and its denoised image is drawn along the line through the last two computed steps
+(``tome_core.reuse.whole_step``).
 
 On ComfyUI's own KSampler path with a tiny random SD1.5 UNet: which steps compute per sampler, that a skipped
 step calls nothing of the model, which samplers keep "auto"'s layer reuse, and that the user's step range holds."""
@@ -85,11 +86,19 @@ def test_a_skipped_step_returns_the_line_through_the_last_two_computed_denoised_
     assert torch.equal(d4, expected)
 
 
-def test_dpmpp_2m_on_karras_sigmas_computes_19_of_25(node_classes, model):
+def test_dpmpp_2m_on_karras_sigmas_computes_16_of_25_and_a_job_saved_with_forecast_19(node_classes, model):
+    """The default ("forecast v2") computes the first 4 steps, one in 2 and the last 3; a workflow saved with
+    "forecast" (the plan before) keeps its first 10 in full (19 of 25), and a picture that is not the default's."""
+    options = {"sampler": "dpmpp_2m", "scheduler": "karras"}
     patched = host.patch_with_node(node_classes, model)
-    _, unet_calls = sample_counting(patched, sampler="dpmpp_2m", scheduler="karras")
+    out, unet_calls = sample_counting(patched, **options)
     run = hooks_of(patched).last_run
-    assert kind_of(run) == "WholeStepRun" and unet_calls == 19 == run.calls - run.reused_calls
+    assert kind_of(run) == "WholeStepRun" and unet_calls == 16 == run.calls - run.reused_calls
+    assert [step for step in range(25) if run.schedule.is_full(step, 25)][:6] == [0, 1, 2, 3, 5, 7]
+    saved = host.patch_with_node(node_classes, model, reuse_plan="forecast")
+    before, before_calls = sample_counting(saved, **options)
+    assert before_calls == 19 == hooks_of(saved).last_run.calls - hooks_of(saved).last_run.reused_calls
+    assert not torch.equal(before, out)
 
 
 def test_samplers_without_a_forecast_plan_keep_autos_layer_reuse_bit_for_bit(node_classes, model):

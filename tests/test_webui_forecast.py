@@ -1,4 +1,4 @@
-"""``reuse_plan`` "forecast" in the WebUI (ldm UNet) and on Forge: a skipped step runs no layer of the UNet, its
+"""``reuse_plan``'s forecasts in the WebUI (ldm UNet) and on Forge: a skipped step runs no layer of the UNet, its
 output is the forecast of the denoised image along the line through the last two computed steps, turned back into
 the UNet's prediction (``tome_core.hosts.webui.whole_step``), in jobs run the way the hosts run them (webui_host.py).
 """
@@ -37,7 +37,7 @@ from tome_core.settings import PatchSettings
 
 STEPS = tuple(range(999, 0, -40))  # 25 DDPM timesteps
 EULER_COMPUTED = [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 22, 23, 24]  # the plan at reuse_interval 3 (13 of 25)
-FORECAST = {"method": "ToDo", "downsample_factor": 1.0, "reuse_interval": 3, "reuse_plan": "forecast"}  # no ToDo
+FORECAST = {"method": "ToDo", "downsample_factor": 1.0, "reuse_interval": 3, "reuse_plan": "forecast v2"}  # no ToDo
 
 
 @pytest.fixture(scope="module")
@@ -155,22 +155,25 @@ def test_cond_and_uncond_apart_each_take_the_plan(host):
 
 
 @pytest.mark.parametrize(
-    ("job_of", "computed"),
+    ("job_of", "plan", "computed"),
     [
-        ({"sampler": "DPM++ 2M", "scheduler": "Karras"}, 19),
-        ({"sampler": "DPM++ 2M"}, 19),  # "Automatic": Karras sigmas for it
-        ({"sampler": "DPM++ 2M Karras"}, 19),  # the label before v1.9
-        ({"sampler": "DDIM"}, 13),
+        ({"sampler": "DPM++ 2M", "scheduler": "Karras"}, "forecast v2", 16),
+        ({"sampler": "DPM++ 2M"}, "forecast v2", 16),  # "Automatic": Karras sigmas for it
+        ({"sampler": "DPM++ 2M Karras"}, "forecast v2", 16),  # the label before v1.9
+        ({"sampler": "DPM++ 2M", "scheduler": "Karras"}, "forecast", 19),  # an infotext saved with the plan before
+        ({"sampler": "DDIM"}, "forecast v2", 13),
+        ({"sampler": "DDIM"}, "forecast", 13),
     ],
-    ids=("dpmpp-2m-karras", "dpmpp-2m-automatic", "dpmpp-2m-karras-label", "ddim"),
+    ids=("dpmpp-2m-karras", "dpmpp-2m-automatic", "dpmpp-2m-karras-label", "dpmpp-2m-before", "ddim", "ddim-before"),
 )
-def test_each_sampler_with_a_forecast_plan_takes_it(host, job_of, computed):
-    """DPM++ 2M on Karras sigmas: the first 10 steps, one in 2, the last 3 (19 of 25); DDIM: Euler's plan. (This
-    host's loop steps as Euler whatever the label: the door's choice of plan is what is checked.)"""
+def test_each_sampler_with_a_forecast_plan_takes_it(host, job_of, plan, computed):
+    """DPM++ 2M on Karras sigmas: the first 4 steps, one in 2, the last 3 (16 of 25; under "forecast", the plan
+    before, the first 10: 19 of 25); DDIM: Euler's plan. (This host's loop steps as Euler whatever the label: the
+    door's choice of plan is what is checked.)"""
     sd_model = SDModel(make_unet("sd1"))
     seen = UNetCalls(unet_of(sd_model))
     try:
-        _, p = job(host, sd_model, script_args(**FORECAST), **job_of)
+        _, p = job(host, sd_model, script_args(**{**FORECAST, "reuse_plan": plan}), **job_of)
     finally:
         seen.remove()
     (run,) = runs_of(p)

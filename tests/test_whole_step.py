@@ -1,4 +1,4 @@
-"""The engine of ``reuse_plan`` "forecast" (``tome_core.reuse.whole_step``): the plans, which samplers take them,
+"""The engine of ``reuse_plan``'s forecasts (``tome_core.reuse.whole_step``): the plans, which samplers take them,
 the forecast itself and the conversions between a UNet's output and the denoised image. No host."""
 
 from __future__ import annotations
@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tome_core import PatchSettings
 from tome_core.reuse import (
+    WHOLE_STEP_PLAN,
     WHOLE_STEP_REACH,
     WholeStepRun,
     denoised_of,
@@ -23,10 +25,16 @@ def computed(schedule, steps):
 
 
 def test_the_plans_at_25_steps_are_the_measured_ones():
-    """docs/step-reuse.md, "The default": Euler 13 of 25, DPM++ 2M on Karras sigmas 19 of 25."""
-    assert computed(whole_step_schedule(3, "euler"), 25) == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 22, 23, 24]
+    """docs/step-reuse.md, "The default": Euler 13 of 25 under both forecasts; DPM++ 2M on Karras sigmas 16 of 25
+    under "forecast v2" (the default) and 19 of 25 under "forecast" (the plan before, for the jobs saved with it)."""
+    euler = [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 22, 23, 24]
+    assert computed(whole_step_schedule(3, "euler"), 25) == euler
+    assert computed(whole_step_schedule(3, "euler", "forecast"), 25) == euler
     karras = computed(whole_step_schedule(3, "dpmpp_2m_karras"), 25)
-    assert karras == [*range(10), 11, 13, 15, 17, 19, 21, 22, 23, 24]
+    assert karras == [0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 22, 23, 24]
+    before = computed(whole_step_schedule(3, "dpmpp_2m_karras", "forecast"), 25)
+    assert before == [*range(10), 11, 13, 15, 17, 19, 21, 22, 23, 24]
+    assert PatchSettings().reuse_plan == WHOLE_STEP_PLAN == "forecast v2"
     assert whole_step_schedule(3, "euler").extrapolate == WHOLE_STEP_REACH == 0.75
     assert whole_step_schedule(3, None) is None and whole_step_schedule(1, "euler") is None
     assert computed(whole_step_schedule(3, "euler"), 9) == list(range(9))  # under 10 steps: every step
@@ -55,14 +63,16 @@ def test_which_samplers_forecast(sampler, schedule, kind):
 
 
 def test_forecast_keeps_autos_rules_for_the_other_samplers():
-    """Under "forecast" a sampler without a plan runs as under "auto": the same samplers, the same UNet plans."""
-    for sampler, schedule in (("heun", None), ("dpmpp_2m", "karras"), ("euler_ancestral", None), ("euler", None)):
-        assert keeps_the_picture_with(sampler, schedule, plan="forecast") == keeps_the_picture_with(
-            sampler, schedule, plan="auto"
-        )
-    for levels in ((1, 2, 4), (2, 4)):
-        forecast, auto = unet_schedule(3, levels, "forecast"), unet_schedule(3, levels, "auto")
-        assert computed(forecast.for_run(25), 25) == computed(auto.for_run(25), 25)
+    """Under either forecast a sampler without a plan runs as under "auto": the same samplers, the same UNet
+    plans."""
+    for plan in ("forecast v2", "forecast"):
+        for sampler, schedule in (("heun", None), ("dpmpp_2m", "karras"), ("euler_ancestral", None), ("euler", None)):
+            assert keeps_the_picture_with(sampler, schedule, plan=plan) == keeps_the_picture_with(
+                sampler, schedule, plan="auto"
+            )
+        for levels in ((1, 2, 4), (2, 4)):
+            forecast, auto = unet_schedule(3, levels, plan), unet_schedule(3, levels, "auto")
+            assert computed(forecast.for_run(25), 25) == computed(auto.for_run(25), 25)
 
 
 def run_of(steps=25):

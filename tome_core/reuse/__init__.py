@@ -14,7 +14,7 @@ current input. This package knows no host; one module per idea:
 - ``samplers``: the samplers and noise schedules reuse may run with;
 - ``cache``: one sampling run's records and the prediction from them (``LayerReuseRun``);
 - ``hooks``: the skippable forwards every host door shares (``LayerReuse``, ``SkippableLayer``);
-- ``whole_step``: ``reuse_plan`` "forecast", where a skipped step runs no layer at all (``WholeStepRun``).
+- ``whole_step``: ``reuse_plan``'s forecasts, where a skipped step runs no layer at all (``WholeStepRun``).
 """
 
 from .cache import COMPACT_SLOPE_BYTES, LayerReuseRun, join_streams, split_streams
@@ -27,6 +27,7 @@ from .plans import (
     UNET_LONG_RUN_PLANS,
     UNET_PLANNED_INTERVAL,
     WHOLE_STEP_PLAN,
+    WHOLE_STEP_PLANS,
     WHOLE_STEP_REACH,
     unet_schedule,
     whole_step_schedule,
@@ -75,6 +76,7 @@ __all__ = [
     "UNET_LONG_RUN_PLANS",
     "UNET_PLANNED_INTERVAL",
     "WHOLE_STEP_PLAN",
+    "WHOLE_STEP_PLANS",
     "WHOLE_STEP_REACH",
     "FullSteps",
     "IntervalSchedule",

@@ -27,34 +27,37 @@ UNET_PLANNED_INTERVAL = 3
 
 def unet_schedule(interval: int, attention_levels, plan: str = "auto") -> IntervalSchedule | RunLengthSchedule:
     """The schedule of ``reuse_interval`` ``interval`` on a UNet whose attention is at ``attention_levels`` (1, 2,
-    4, ...: downsampling factors; None where unknown): with ``reuse_plan`` (``plan``) "auto" (and "forecast", for
-    the samplers it does not forecast), ``UNET_LONG_RUN_PLANS`` at the planned interval, else (and with "every N")
+    4, ...: downsampling factors; None where unknown): with ``reuse_plan`` (``plan``) "auto" (and the forecasts, for
+    the samplers they do not forecast), ``UNET_LONG_RUN_PLANS`` at the planned interval, else (and with "every N")
     ``IntervalSchedule``'s defaults."""
     general = IntervalSchedule(interval)
-    if plan not in ("auto", WHOLE_STEP_PLAN) or interval != UNET_PLANNED_INTERVAL or not attention_levels:
+    if (plan != "auto" and plan not in WHOLE_STEP_PLANS) or interval != UNET_PLANNED_INTERVAL or not attention_levels:
         return general
     full_start, full_end, extrapolate = UNET_LONG_RUN_PLANS[1 in attention_levels]
     long = IntervalSchedule(interval, full_start=full_start, full_end=full_end, extrapolate=extrapolate)
     return RunLengthSchedule(general, long, UNET_LONG_RUN)
 
 
-# ``reuse_plan`` "forecast" on a UNet: a skipped step runs no layer, and the whole call's output (the denoised
-# image) follows the line through the last two computed steps over the noise level (``whole_step``). Planned per
-# sampler, as (full_start, full_end, the most steps in a row that run nothing plus one), on the four UNet
+# ``reuse_plan`` "forecast v2" and "forecast" on a UNet: a skipped step runs no layer, and the whole call's output
+# (the denoised image) follows the line through the last two computed steps over the noise level (``whole_step``).
+# Planned per sampler, as (full_start, full_end, the most steps in a row that run nothing plus one), on the four UNet
 # references (docs/step-reuse.md, "A skipped step that runs nothing"): Euler (and DDIM, Euler on other axes) the
-# first 4 steps of 25, one in ``reuse_interval`` after, the last 3; DPM++ 2M on Karras sigmas, whose first steps
-# are long and whose two-step update carries a forecast's error on, the first 10, one in 2, the last 3.
-# Other samplers keep "auto"'s plan.
-WHOLE_STEP_PLAN = "forecast"
+# first 4 steps of 25, one in ``reuse_interval`` after, the last 3; DPM++ 2M on Karras sigmas, whose two-step update
+# carries a forecast's error on, one in 2 after the first 4 ("forecast v2", 16 of 25) or after the first 10
+# ("forecast", the plan before: a job saved with it keeps its picture). Other samplers keep "auto"'s plan.
+WHOLE_STEP_PLAN = "forecast v2"  # the default
 WHOLE_STEP_REACH = 0.75  # how far along the line the forecast moves: three quarters kept the most on all four
-WHOLE_STEP_PLANS = {"euler": (0.15, 3, None), "dpmpp_2m_karras": (0.39, 3, 2)}
+WHOLE_STEP_PLANS = {
+    WHOLE_STEP_PLAN: {"euler": (0.15, 3, None), "dpmpp_2m_karras": (0.15, 3, 2)},
+    "forecast": {"euler": (0.15, 3, None), "dpmpp_2m_karras": (0.39, 3, 2)},
+}
 
 
-def whole_step_schedule(interval: int, kind: str | None) -> IntervalSchedule | None:
-    """The schedule of ``reuse_plan`` "forecast" at ``reuse_interval`` ``interval`` with a sampler of ``kind``
-    (``samplers.whole_step_kind``), or None where that sampler keeps "auto"'s plan."""
+def whole_step_schedule(interval: int, kind: str | None, plan: str = WHOLE_STEP_PLAN) -> IntervalSchedule | None:
+    """The schedule of ``reuse_plan`` ``plan`` (one of ``WHOLE_STEP_PLANS``) at ``reuse_interval`` ``interval``
+    with a sampler of ``kind`` (``samplers.whole_step_kind``), or None where that sampler keeps "auto"'s plan."""
     if kind is None or interval <= 1:
         return None
-    full_start, full_end, most = WHOLE_STEP_PLANS[kind]
+    full_start, full_end, most = WHOLE_STEP_PLANS[plan][kind]
     interval = interval if most is None else min(interval, most)
     return IntervalSchedule(interval, full_start=full_start, full_end=full_end, extrapolate=WHOLE_STEP_REACH)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .plans import WHOLE_STEP_PLANS
+
 # Samplers with which reuse across steps keeps the picture (docs/step-reuse.md, "The default"). Euler ancestral's
 # fresh noise and DPM++ 2M's multistep update carry a predicted step's error on, so they and unmeasured samplers run
 # every step in full. Names are the hosts' own, lower case: ComfyUI's sampler names, the WebUI's labels, diffusers'
@@ -40,15 +42,15 @@ FULL_BELOW_NOISE_WITH_A_CORRECTOR = 0.5
 # On UNets only: DPM++ 2M (the WebUI's default sampler) on Karras sigmas (its default schedule there). Its two-step
 # update carries a reused call's error into the next step, most where the details form; with every call below this
 # sigma in full, on the general plan (``RunLengthSchedule.for_run``), it kept the picture (docs/step-reuse.md, "DPM++
-# 2M on Karras sigmas"). Only ``reuse_plan`` "auto" (the measured setting; "forecast" too, with the samplers it does not
-# forecast) runs it: a job saved with "every N", or
+# 2M on Karras sigmas"). Only ``reuse_plan`` "auto" (the measured setting; the forecasts too, with the samplers they
+# do not forecast) runs it: a job saved with "every N", or
 # before that input existed, ran every step in full with this sampler and keeps its picture. diffusers' name stands
 # for DPMSolverMultistepScheduler as DPM++ 2M (the host checks its algorithm and order).
 UNET_SAMPLERS_WITH_LOW_NOISE_IN_FULL = frozenset({"dpmpp_2m", "dpm++ 2m", "dpmsolvermultistepscheduler"})
 LOW_NOISE_SCHEDULE = "karras"
 FULL_BELOW_SIGMA_WITH_DPMPP_2M = 1.0
 LOW_NOISE_PLAN = "auto"
-LOW_NOISE_PLANS = frozenset({LOW_NOISE_PLAN, "forecast"})
+LOW_NOISE_PLANS = frozenset({LOW_NOISE_PLAN, *WHOLE_STEP_PLANS})
 
 
 def _lower(name: str | None) -> str:
@@ -102,15 +104,15 @@ def is_karras(sigmas: torch.Tensor, sigma_min: float, sigma_max: float) -> bool:
     return bool(torch.allclose(levels, karras, rtol=1e-3, atol=0.0))
 
 
-# ``reuse_plan`` "forecast" (``plans.WHOLE_STEP_PLANS``): the samplers its whole-step forecast was measured with,
-# by the plan they take. DDIM without its noise is Euler's step on other axes (and ComfyUI's "ddim" runs Euler).
+# The forecasts of ``reuse_plan`` (``plans.WHOLE_STEP_PLANS``): the samplers their whole-step forecast was measured
+# with, by the plan they take. DDIM without its noise is Euler's step on other axes (and ComfyUI's "ddim" runs Euler).
 # The others (Euler ancestral, the SDE samplers, Heun, UniPC, ...) keep "auto"'s plan (docs/step-reuse.md).
 WHOLE_STEP_EULER = frozenset({"euler", "ddim", "eulerdiscretescheduler", "ddimscheduler"})
 
 
 def whole_step_kind(sampler: str | None, schedule: str | None = None) -> str | None:
     """Which of ``plans.WHOLE_STEP_PLANS`` a UNet run with ``sampler`` on ``schedule`` (hosts' names) takes under
-    ``reuse_plan`` "forecast": "euler", "dpmpp_2m_karras", or None (it keeps "auto"'s plan)."""
+    the forecasts of ``reuse_plan``: "euler", "dpmpp_2m_karras", or None (it keeps "auto"'s plan)."""
     name, karras = _lower(sampler), _lower(schedule) == LOW_NOISE_SCHEDULE
     if name in UNET_SAMPLERS_WITH_LOW_NOISE_IN_FULL and karras:
         return "dpmpp_2m_karras"

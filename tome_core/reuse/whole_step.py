@@ -1,4 +1,4 @@
-"""A skipped step that runs nothing: ``reuse_plan`` "forecast" on a UNet.
+"""A skipped step that runs nothing: ``reuse_plan``'s forecasts on a UNet.
 
 At a computed step the whole model runs and its output, as the denoised image, is recorded per batch layout; at a
 skipped step no layer runs and the denoised image is the line through the last two computed steps' over the noise

@@ -10,7 +10,7 @@ skip connections, ControlNet residuals and block patches run as they are. Per sa
 - an APPLY_MODEL wrapper finds each call's step from its sigma and its batch layout from ``uuids`` (which conds,
   in which order) and the input's shape, and makes the run the current one of the hooks for that call only.
 
-With ``reuse_plan`` "forecast" and a sampler it has a plan for, the run is a ``WholeStepRun``: the APPLY_MODEL
+With ``reuse_plan``'s forecasts and a sampler it has a plan for, the run is a ``WholeStepRun``: the APPLY_MODEL
 wrapper itself returns a skipped call's forecast (``apply_model`` returns the denoised image, what it forecasts)
 without calling the model, and the layers' forwards run as they are.
 """
@@ -24,7 +24,7 @@ import torch
 from ...reuse import (
     DEFAULT_EXTRAPOLATE,
     OUTER_BLOCKS,
-    WHOLE_STEP_PLAN,
+    WHOLE_STEP_PLANS,
     IntervalSchedule,
     LayerReuse,
     LayerReuseRun,
@@ -102,11 +102,11 @@ class LayerReuseHooks(LayerReuse):
         return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
 
     def whole_step_run(self, sampler: str | None, schedule: str | None, steps: int) -> WholeStepRun | None:
-        """A run whose skipped steps run nothing (``reuse_plan`` "forecast" with a sampler it has a plan for), or
+        """A run whose skipped steps run nothing (``reuse_plan`` a forecast, with a sampler it has a plan for), or
         None: the layers' reuse."""
-        if self.DIT or self.plan != WHOLE_STEP_PLAN:
+        if self.DIT or self.plan not in WHOLE_STEP_PLANS:
             return None
-        planned = whole_step_schedule(self.schedule.interval, whole_step_kind(sampler, schedule))
+        planned = whole_step_schedule(self.schedule.interval, whole_step_kind(sampler, schedule), self.plan)
         return WholeStepRun(planned, steps) if planned is not None else None
 
     def _ended(self, run) -> None:

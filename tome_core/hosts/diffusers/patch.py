@@ -4,7 +4,7 @@ It validates the settings once and decides what the model gets: a pipeline whose
 registry goes to ``dit_patch`` (reuse across steps, and ToDo where the family's attention is mapped); a
 ``UNet2DConditionModel`` (SD1.x, SD2.x, SDXL and their fine-tunes), on its own or as ``.unet`` of a pipeline, to
 ``unet_patch`` (the token reduction) and ``layer_reuse`` (reuse across steps, which needs the pipeline's
-scheduler; under ``reuse_plan`` "forecast" ``whole_step`` skips whole steps where the scheduler has a plan);
+scheduler; under ``reuse_plan``'s forecasts ``whole_step`` skips whole steps where the scheduler has a plan);
 anything else is refused with a ``TypeError`` naming what is supported, the model left as it was.
 """
 

@@ -1,4 +1,4 @@
-"""diffusers wiring of ``reuse_plan`` "forecast" on a UNet: a skipped step runs no layer (the engine is
+"""diffusers wiring of ``reuse_plan``'s forecasts on a UNet: a skipped step runs no layer (the engine is
 ``tome_core.reuse.whole_step``).
 
 The owner is layer reuse's (``layer_reuse.PipelineReuse``: runs, steps, batch layouts and the step range found from
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ...reuse import (
-    WHOLE_STEP_PLAN,
+    WHOLE_STEP_PLANS,
     LayerReuseRun,
     SkippableLayer,
     WholeStepRun,
@@ -84,9 +84,9 @@ class WholeStepReuse(PipelineReuse):
         planned, predicts_v = None, v_prediction(scheduler)
         # Every sigma known and above 0: the conversions divide by it.
         known = levels is not None and all(math.isfinite(level) and level > 0 for level in levels)
-        if self.plan == WHOLE_STEP_PLAN and known and predicts_v is not None:
+        if self.plan in WHOLE_STEP_PLANS and known and predicts_v is not None:
             kind = whole_step_kind(scheduler_name(scheduler), karras_or_none(scheduler))
-            planned = whole_step_schedule(self.schedule.interval, kind)
+            planned = whole_step_schedule(self.schedule.interval, kind, self.plan)
         if planned is None:
             return super().run_for(scheduler, steps, levels)
         self.v_prediction = predicts_v
@@ -140,7 +140,7 @@ def _never() -> torch.Tensor:
 
 
 class WholeStepForward(SkippableLayer):
-    """The UNet's ``forward`` (an instance attribute) under "forecast": a skipped call's output without running
+    """The UNet's ``forward`` (an instance attribute) under a forecast plan: a skipped call's output without running
     the UNet, else the UNet's own forward (and its output recorded)."""
 
     def __call__(self, *args, **kwargs):
@@ -153,7 +153,7 @@ class WholeStepForward(SkippableLayer):
 
 
 def install(unet, pipeline, settings, allowed: Callable[[float], bool], schedule) -> bool:
-    """Reuse across steps on ``unet`` under ``reuse_plan`` "forecast": layer reuse on ``schedule`` (the runs whose
+    """Reuse across steps on ``unet`` under ``reuse_plan``'s forecasts: layer reuse on ``schedule`` (the runs whose
     scheduler has no forecast plan), and the whole-step forecast on the runs whose scheduler has one. A UNet with
     nothing to forecast (``forecasts``) gets layer reuse alone. False where ``layer_reuse.install`` is."""
     if not forecasts(unet):

@@ -8,7 +8,7 @@ The script (``scripts/tome_patch.py``) calls it from the WebUI's hooks: ``start_
 ``postprocess``, at the next job's start (an exception while sampling skips ``postprocess``), when a model is
 loaded and when the scripts are reloaded. Reuse across steps belongs to one sampling pass: set up with the patch,
 finished at the next pass or the job's end; the step of each model call comes from the ``cfg_denoiser`` callbacks
-(``layer_reuse``). Under ``reuse_plan`` "forecast", with a sampler it has a plan for, a skipped step runs no layer
+(``layer_reuse``). Under ``reuse_plan``'s forecasts, with a sampler it has a plan for, a skipped step runs no layer
 (``whole_step``); otherwise the inner layers are reused (``layer_reuse``).
 """
 
@@ -184,7 +184,7 @@ def _warn_if_the_sampler_keeps_reuse_off(p, settings, job: Job) -> None:
         job.warn_once(
             f"reuse across steps is off with the sampler {getattr(p, 'sampler_name', None)!r}{on} (it keeps the "
             "picture with Euler, Heun, DDIM and DPM++ SDE, not on Karras sigmas but for DPM++ 2M under the reuse "
-            "plans 'forecast' and 'auto'); every step runs in full, the token reduction still applies."
+            "plans 'forecast v2', 'forecast' and 'auto'); every step runs in full, the token reduction still applies."
         )
 
 

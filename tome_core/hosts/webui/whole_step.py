@@ -1,4 +1,4 @@
-"""WebUI and Forge wiring of ``reuse_plan`` "forecast" (the engine is ``tome_core.reuse.whole_step``).
+"""WebUI and Forge wiring of ``reuse_plan``'s forecasts (the engine is ``tome_core.reuse.whole_step``).
 
 With a sampler that has a forecast plan (``whole_step_kind``), a skipped step runs no layer of the UNet: the UNet's
 whole call returns the forecast of its denoised image, turned back into what the UNet returns (its noise, or its
@@ -22,18 +22,19 @@ from collections.abc import Callable
 
 import torch
 
-from ...reuse import WHOLE_STEP_PLAN, WholeStepRun, denoised_of, output_of, whole_step_kind, whole_step_schedule
+from ...reuse import WHOLE_STEP_PLANS, WholeStepRun, denoised_of, output_of, whole_step_kind, whole_step_schedule
 from ...schedule import NoiseRange, timestep_of_percent
 from . import layer_reuse as webui_layer_reuse
 from .layer_reuse import CallBoundary, PassReuse, _activate, _noise_level, sampler_and_schedule
 
 
 def forecast_schedule(settings, p):
-    """The schedule of the whole-step forecast for job ``p`` (``reuse_plan`` "forecast", ``reuse_interval`` above 1,
-    a sampler with a forecast plan), or None where the pass keeps layer reuse's path."""
-    if settings.reuse_plan != WHOLE_STEP_PLAN or settings.reuse_interval <= 1:
+    """The schedule of the whole-step forecast for job ``p`` (``reuse_plan`` a forecast, ``reuse_interval`` above
+    1, a sampler with a forecast plan), or None where the pass keeps layer reuse's path."""
+    if settings.reuse_plan not in WHOLE_STEP_PLANS or settings.reuse_interval <= 1:
         return None
-    return whole_step_schedule(settings.reuse_interval, whole_step_kind(*sampler_and_schedule(p)))
+    kind = whole_step_kind(*sampler_and_schedule(p))
+    return whole_step_schedule(settings.reuse_interval, kind, settings.reuse_plan)
 
 
 def ldm_v_prediction(sd_model) -> bool | None:
