@@ -23,6 +23,7 @@ from tome_core.reuse import LayerReuseRun, WholeStepRun, denoised_of, output_of
 REUSE = {"reuse_interval": 3, "method": "tome", "ratio": 0.0}  # reuse alone, no token merging; plan: the default
 EULER_COMPUTED = [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 22, 23, 24]  # the first 4 of 25, one in 3, the last 3
 DPMPP_2M_COMPUTED = [0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 22, 23, 24]  # the first 4, one in 2, the last 3
+DPMPP_2M_BEFORE = [*range(10), 11, 13, 15, 17, 19, 21, 22, 23, 24]  # "forecast", the plan before: the first 10
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +103,16 @@ def test_euler_computes_13_of_25_steps_and_runs_no_layer_at_the_others(pipes, sc
     assert_close_to_unpatched(pipe, "txt2img", image, plain)
 
 
-def test_dpm_solver_plus_plus_2m_on_karras_sigmas_computes_16_of_25(pipes, scheduler_of):
+@pytest.mark.parametrize(("plan", "expected"), [("forecast v2", DPMPP_2M_COMPUTED), ("forecast", DPMPP_2M_BEFORE)])
+def test_dpm_solver_plus_plus_2m_on_karras_sigmas_computes_16_of_25(pipes, scheduler_of, plan, expected):
+    """16 of 25 under the default, 19 under "forecast" (a job written with the plan before keeps it)."""
     pipe = scheduler_of(pipeline(pipes, "txt2img"), "DPMSolverMultistepScheduler", use_karras_sigmas=True)
     plain = H.run(pipe, "txt2img", steps=25)
-    tome_core.apply_patch(pipe, **REUSE)
+    tome_core.apply_patch(pipe, **REUSE, reuse_plan=plan)
     image, computed = computed_steps(pipe, "txt2img")
     run = last_run(pipe)
     assert isinstance(run, WholeStepRun) and run.full_below == 0.0  # the plan's own low-noise steps
-    assert computed == DPMPP_2M_COMPUTED
+    assert computed == expected
     assert_close_to_unpatched(pipe, "txt2img", image, plain)
 
 
