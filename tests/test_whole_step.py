@@ -34,6 +34,11 @@ def test_the_plans_at_25_steps_are_the_measured_ones():
     assert karras == [0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 22, 23, 24]
     before = computed(whole_step_schedule(3, "dpmpp_2m_karras", "forecast"), 25)
     assert before == [*range(10), 11, 13, 15, 17, 19, 21, 22, 23, 24]
+    # Under 25 steps "forecast v2" keeps "forecast"'s DPM++ 2M plan (its own spacing lost the picture at 20 steps).
+    for steps in (10, 15, 20, 24):
+        v2, forecast = (whole_step_schedule(3, "dpmpp_2m_karras", plan) for plan in ("forecast v2", "forecast"))
+        assert computed(v2, steps) == computed(forecast, steps)
+    assert len(computed(whole_step_schedule(3, "dpmpp_2m_karras"), 30)) == 19  # forecast: 22
     assert PatchSettings().reuse_plan == WHOLE_STEP_PLAN == "forecast v2"
     assert whole_step_schedule(3, "euler").extrapolate == WHOLE_STEP_REACH == 0.75
     assert whole_step_schedule(3, None) is None and whole_step_schedule(1, "euler") is None

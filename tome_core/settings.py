@@ -271,14 +271,14 @@ _SPEC_LIST += (
         tooltip="ToMe and ToDo: with reuse_interval above 1, which steps of a UNet run and what the others run. "
         "forecast v2 (the default): with Euler or DDIM the first 4 steps of 25, one in reuse_interval after and "
         "the last 3 run the model (13 of 25 at 3), with DPM++ 2M on Karras sigmas the first 4, one in 2 and the "
-        "last 3 (16 of 25); the other steps run nothing, their output drawn along the line through the last two "
-        "computed steps; other samplers as auto. forecast: the same, but DPM++ 2M on Karras sigmas runs its first "
-        "10 steps (19 of 25). auto: at reuse_interval 3 from 25 steps, the plan measured for "
-        "the UNet's family (SD1.x/SD2.x or SDXL: 12 full steps of 25), otherwise as every N, the steps between "
-        "running the outermost layers; DPM++ 2M on Karras sigmas: as every N with every call below sigma 1 in "
-        "full. every N: the first fifth of the steps, the last four and one in N in between (14 of 25 at 3), and "
-        "DPM++ 2M on Karras sigmas every step in full, as workflows saved before this input existed run. DiTs "
-        "ignore it (their full steps are spaced by the noise).",
+        "last 3 (16 of 25; under 25 steps as forecast); the other steps run nothing, their output drawn along the "
+        "line through the last two computed steps; other samplers as auto. forecast: the same, but DPM++ 2M on "
+        "Karras sigmas runs its first 10 steps (19 of 25). auto: at reuse_interval 3 from 25 steps, the plan "
+        "measured for the UNet's family (SD1.x/SD2.x or SDXL: 12 full steps of 25), otherwise as every N, the "
+        "steps between running the outermost layers; DPM++ 2M on Karras sigmas: as every N with every call below "
+        "sigma 1 in full. every N: the first fifth of the steps, the last four and one in N in between (14 of 25 "
+        "at 3), and DPM++ 2M on Karras sigmas every step in full, as workflows saved before this input existed "
+        "run. DiTs ignore it (their full steps are spaced by the noise).",
     ),
 )
 

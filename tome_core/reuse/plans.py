@@ -43,21 +43,35 @@ def unet_schedule(interval: int, attention_levels, plan: str = "auto") -> Interv
 # Planned per sampler, as (full_start, full_end, the most steps in a row that run nothing plus one), on the four UNet
 # references (docs/step-reuse.md, "A skipped step that runs nothing"): Euler (and DDIM, Euler on other axes) the
 # first 4 steps of 25, one in ``reuse_interval`` after, the last 3; DPM++ 2M on Karras sigmas, whose two-step update
-# carries a forecast's error on, one in 2 after the first 4 ("forecast v2", 16 of 25) or after the first 10
-# ("forecast", the plan before: a job saved with it keeps its picture). Other samplers keep "auto"'s plan.
+# carries a forecast's error on, one in 2 after the first 10 ("forecast", the plan before: a job saved with it keeps
+# its picture) or, from ``UNET_LONG_RUN`` steps on, after the first 4 ("forecast v2": 16 of 25; at 20 steps that
+# spacing lost the picture, so shorter runs keep "forecast"'s). Each plan: {from this many steps on: plan}.
+# Other samplers keep "auto"'s plan.
 WHOLE_STEP_PLAN = "forecast v2"  # the default
 WHOLE_STEP_REACH = 0.75  # how far along the line the forecast moves: three quarters kept the most on all four
+_EULER, _DPMPP_2M_FIRST_10, _DPMPP_2M_FIRST_4 = (0.15, 3, None), (0.39, 3, 2), (0.15, 3, 2)
 WHOLE_STEP_PLANS = {
-    WHOLE_STEP_PLAN: {"euler": (0.15, 3, None), "dpmpp_2m_karras": (0.15, 3, 2)},
-    "forecast": {"euler": (0.15, 3, None), "dpmpp_2m_karras": (0.39, 3, 2)},
+    WHOLE_STEP_PLAN: {
+        "euler": {0: _EULER},
+        "dpmpp_2m_karras": {0: _DPMPP_2M_FIRST_10, UNET_LONG_RUN: _DPMPP_2M_FIRST_4},
+    },
+    "forecast": {"euler": {0: _EULER}, "dpmpp_2m_karras": {0: _DPMPP_2M_FIRST_10}},
 }
 
 
-def whole_step_schedule(interval: int, kind: str | None, plan: str = WHOLE_STEP_PLAN) -> IntervalSchedule | None:
+def whole_step_schedule(
+    interval: int, kind: str | None, plan: str = WHOLE_STEP_PLAN
+) -> IntervalSchedule | RunLengthSchedule | None:
     """The schedule of ``reuse_plan`` ``plan`` (one of ``WHOLE_STEP_PLANS``) at ``reuse_interval`` ``interval``
     with a sampler of ``kind`` (``samplers.whole_step_kind``), or None where that sampler keeps "auto"'s plan."""
     if kind is None or interval <= 1:
         return None
-    full_start, full_end, most = WHOLE_STEP_PLANS[plan][kind]
-    interval = interval if most is None else min(interval, most)
-    return IntervalSchedule(interval, full_start=full_start, full_end=full_end, extrapolate=WHOLE_STEP_REACH)
+
+    def schedule(full_start: float, full_end: int, most: int | None) -> IntervalSchedule:
+        spacing = interval if most is None else min(interval, most)
+        return IntervalSchedule(spacing, full_start=full_start, full_end=full_end, extrapolate=WHOLE_STEP_REACH)
+
+    by_length = WHOLE_STEP_PLANS[plan][kind]
+    short = schedule(*by_length[0])
+    long_run = max(by_length)
+    return short if long_run == 0 else RunLengthSchedule(short, schedule(*by_length[long_run]), long_run)

@@ -21,7 +21,7 @@ import torch
 
 from .cache import LayerReuseRun, _spec_of
 from .plans import WHOLE_STEP_REACH
-from .schedules import IntervalSchedule
+from .schedules import IntervalSchedule, RunLengthSchedule
 
 
 def _scales(x: torch.Tensor, sigma: float) -> tuple[torch.Tensor, float]:
@@ -55,7 +55,12 @@ class WholeStepRun(LayerReuseRun):
     level as the position), then ``run_call``, then ``end_call``."""
 
     def __init__(
-        self, schedule: IntervalSchedule, steps: int, layers: int = 1, extrapolate: float = WHOLE_STEP_REACH, **guards
+        self,
+        schedule: IntervalSchedule | RunLengthSchedule,
+        steps: int,
+        layers: int = 1,
+        extrapolate: float = WHOLE_STEP_REACH,
+        **guards,
     ):
         # ``layers`` and the guards: ``LayerReuse.new_run``'s arguments; the whole call is the one "layer", unguarded.
         super().__init__(schedule, steps, layers=1, extrapolate=extrapolate)
