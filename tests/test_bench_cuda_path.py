@@ -55,13 +55,14 @@ def test_gpu_table_rows_have_time_memory_and_calls(gpu_table):
         "ComfyUI TomePatchModel 0.5",
         "EasyCache 0.2 (its default)",
         "Spectrum (Neo's defaults)",
-        "Spectrum (13 of 25 computed, the default's work)",
+        "Spectrum (8 of 12 computed, the default's work)",
         "unpatched (ldm UNet)",
         "tomesd 0.5",
         "unpatched, DPM++ 2M Karras",
         "ours default, DPM++ 2M Karras",
         "EasyCache 0.2, DPM++ 2M Karras",
         "Spectrum (Neo's defaults), DPM++ 2M Karras",
+        "Spectrum (10 of 12 computed, the default's work), DPM++ 2M Karras",
     }
     # Rows whose skipped steps never reach the model call the timer wraps: "forecast" (ours returns the forecast
     # in its own wrapper around it) and Spectrum (a wrapper of the whole model function).
@@ -99,9 +100,13 @@ def test_gpu_table_rows_have_time_memory_and_calls(gpu_table):
     )
     assert rows["unpatched"]["sampler"] == ["euler", "normal"]
     assert rows["unpatched, DPM++ 2M Karras"]["deviation"] == 0.0
-    # The default forecasts with DPM++ 2M on Karras sigmas on its own plan: more computed steps than with Euler.
+    # The default forecasts with DPM++ 2M on Karras sigmas on its own plan: more computed steps than with Euler;
+    # Spectrum at the default's work computes as many with each sampler.
     dpm_default = rows["ours default, DPM++ 2M Karras"]
     assert rows["ours default (ToDo 2 + reuse every 3)"]["full_steps"] < dpm_default["full_steps"] < STEPS
+    assert rows["Spectrum (8 of 12 computed, the default's work)"]["full_steps"] == 8
+    assert rows["Spectrum (10 of 12 computed, the default's work), DPM++ 2M Karras"]["full_steps"] == 10
+    assert dpm_default["full_steps"] == 10
     # EasyCache skips steps with any sampler on this UNet (its skips are counted for every ComfyUI row).
     easy = rows["EasyCache 0.2, DPM++ 2M Karras"]
     assert 0 < easy["skipped_calls"] < STEPS and easy["full_steps"] == STEPS - easy["skipped_calls"]

@@ -14,10 +14,12 @@ estimate allows, as for a user; the batch column says what it did):
   scope block at the two finest attention levels (no reuse), each through ``patched_unet`` as the ComfyUI node
   applies it;
 - ComfyUI's built-in TomePatchModel 0.5 and EasyCache at its defaults (reuse_threshold 0.2, 15-95% of the
-  steps), each applied through its node class; Forge Neo's Spectrum at its defaults and at the default's work (13
-  of 25 steps computed), as the fidelity benchmark runs it (``tools/fidelity/spectrum.py``);
+  steps), each applied through its node class; Forge Neo's Spectrum at its defaults and at the default's work (as
+  many steps computed as the default computes: 13 of 25 with Euler), as the fidelity benchmark runs it
+  (``tools/fidelity/spectrum.py``);
 - for each sampler of ``--samplers`` (DPM++ 2M on Karras sigmas, the WebUI's default, and Euler ancestral):
-  unpatched, the node's defaults, EasyCache and Spectrum at their defaults with that sampler, each paired with the
+  unpatched, the node's defaults, EasyCache and Spectrum at their defaults with that sampler, and Spectrum at the
+  default's work where the default forecasts with it (16 of 25 with DPM++ 2M Karras), each paired with the
   unpatched run of its own sampler;
 - SD1.x only: tomesd 0.5 on the WebUI's ldm UNet with the same weights (swapped in by an object patch, so the
   same sampler drives it), paired with that ldm UNet unpatched (ldm cannot build SDXL, which the WebUI runs on
@@ -171,12 +173,26 @@ def sampler_words(sampler: tuple[str, str]) -> str:
     return words if scheduler == "normal" else f"{words} {scheduler.capitalize()}"
 
 
-STEPS_AT_OUR_WORK = (25, 13)  # Spectrum's plan computing as many of 25 Euler steps as the default does
+def spectrum_at_our_work(steps: int, sampler: tuple[str, str]):
+    """Spectrum's settings computing as many of ``steps`` as the default does with ``sampler`` (ComfyUI's sampler
+    and scheduler), or None where the default forecasts no step with it or no plan of Spectrum's has that count."""
+    from tome_core import PatchSettings
+    from tome_core.reuse import whole_step_kind, whole_step_schedule
+    from tools.fidelity import spectrum
+
+    planned = whole_step_schedule(PatchSettings().reuse_interval, whole_step_kind(*sampler))
+    if planned is None:
+        return None
+    try:
+        return spectrum.settings_computing(steps, planned.full_steps(steps))
+    except ValueError:
+        return None
 
 
-def table_rows(bench, size: tuple[int, int], only: str, samplers=()) -> list[WholeRow]:
+def table_rows(bench, size: tuple[int, int], only: str, samplers=(), steps: int = 25) -> list[WholeRow]:
     """The rows for one model (``speed.Bench``: the patcher, the ldm UNet, the levels) at one size; ``samplers``:
-    (sampler, scheduler) pairs that get an unpatched, a default and an EasyCache row of their own."""
+    (sampler, scheduler) pairs that get an unpatched, a default, an EasyCache and Spectrum rows of their own;
+    ``steps``: the runs' length (Spectrum at the default's work computes as many)."""
     from comfy_extras.nodes_easycache import EasyCacheNode
     from comfy_extras.nodes_tomesd import TomePatchModel
 
@@ -201,7 +217,13 @@ def table_rows(bench, size: tuple[int, int], only: str, samplers=()) -> list[Who
         return WholeRow(name, "peer", host, model, vars(settings), sampler=sampler)
 
     neo = spectrum.SpectrumSettings()
-    at_our_work = spectrum.settings_computing(STEPS_AT_OUR_WORK[0], STEPS_AT_OUR_WORK[1])
+
+    def at_our_work(sampler=("euler", "normal"), words: str = "") -> list[WholeRow]:
+        settings = spectrum_at_our_work(steps, sampler)
+        if settings is None:
+            return []
+        name = f"Spectrum ({settings.label(steps)} computed, the default's work){words}"
+        return [spectrum_row(name, settings, "comfy" if not words else f"comfy {sampler[0]} {sampler[1]}", sampler)]
 
     default = PatchSettings()
     todo = [{"method": "todo", "downsample_factor": 2.0, "reuse_interval": n} for n in (1, 2, 3)]
@@ -223,7 +245,7 @@ def table_rows(bench, size: tuple[int, int], only: str, samplers=()) -> list[Who
         ),
         easycache("EasyCache 0.2 (its default)"),
         spectrum_row("Spectrum (Neo's defaults)", neo),
-        spectrum_row("Spectrum (13 of 25 computed, the default's work)", at_our_work),
+        *at_our_work(),
     ]
     for sampler in samplers:
         words, host = sampler_words(sampler), f"comfy {sampler[0]} {sampler[1]}"
@@ -232,6 +254,7 @@ def table_rows(bench, size: tuple[int, int], only: str, samplers=()) -> list[Who
             ours(f"ours default, {words}", host, sampler, **dataclasses.asdict(default)),
             easycache(f"EasyCache 0.2, {words}", host, sampler),
             spectrum_row(f"Spectrum (Neo's defaults), {words}", neo, host, sampler),
+            *at_our_work(sampler, f", {words}"),
         ]
     if bench.holder is not None and bench.ldm_fits(size):
         import tomesd
@@ -280,7 +303,7 @@ class Config:
         self.label = f"{bench.family.name} {size_label(size)}"
         self.latent_hw = ((size[0] + 7) // 8, (size[1] + 7) // 8)
         self.positive, self.negative = bench_steps.conditioning(bench.family, args.seed)
-        self.rows = table_rows(bench, size, args.only, parse_samplers(args.samplers))
+        self.rows = table_rows(bench, size, args.only, parse_samplers(args.samplers), args.steps)
 
     def run(self, row: WholeRow, steps: int | None = None):
         """One whole sampling run of the row (untimed here: the caller times it)."""
