@@ -92,7 +92,7 @@ class LayerReuseHooks(LayerReuse):
                 name or "(unknown)",
                 f" on {schedule} sigmas" if schedule else "",
                 ", and uni_pc on DiTs" if self.DIT else "",
-                "" if self.DIT else ", but dpmpp_2m on karras under reuse_plan auto",
+                "" if self.DIT else ", but dpmpp_2m on karras, except under reuse_plan every N",
             )
             return executor(*args, **kwargs)
         sigmas = call_sigmas(raw_sigmas)
