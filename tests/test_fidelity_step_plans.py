@@ -93,7 +93,7 @@ def test_a_hybrid_run_calls_the_model_at_its_full_and_reusing_steps_only():
     """The layers' reuse on a named schedule with the other steps skipped: the UNet runs at the full and the
     reusing steps (at a reusing one only its outer layers: the forward hook sees every such call)."""
     from tools.fidelity.hybrid import hybrid_patch
-    from tools.fidelity.run import layer_reuse_variant
+    from tools.fidelity.unet_rows import layer_reuse_variant
 
     full, reused = (0, 1, 3, 6, 9, 11), (2, 5)
     schedule = NamedSchedule(3, full=full, steps=12)

@@ -39,6 +39,7 @@ def measure(name: str, prompts: int, steps: int, cfg: float, seed: int) -> dict:
     from tome_core.hosts.webui import args as webui_args
     from tools.fidelity import run, spectrum
     from tools.fidelity.reference import models
+    from tools.fidelity.row import FidelityRow
     from tools.fidelity.work import count_work
 
     base, encoder = models.load_reference(name)
@@ -76,7 +77,7 @@ def measure(name: str, prompts: int, steps: int, cfg: float, seed: int) -> dict:
         ("both ticked", with_spectrum, ours),
     ):
         started = time.process_time()
-        with count_work(run.FidelityRow(row, "neo", lambda m: m), patcher) as work:
+        with count_work(FidelityRow(row, "neo", lambda m: m), patcher) as work:
             images = job(model, args)
         seconds = time.process_time() - started
         if unpatched is None:

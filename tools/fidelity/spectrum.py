@@ -43,6 +43,10 @@ class SpectrumSettings:
     sigma_data: float = 1.0
     # The computed steps named one by one (a variant's; empty: Neo's rule).
     at: tuple[int, ...] = ()
+    # The line drawn over log sigma (with ``by_sigma``; a variant's), and the curve's order: 2 draws the parabola
+    # through the last three kept outputs in place of the line (a variant's).
+    log_sigma: bool = False
+    order: int = 1
 
     def computed(self, steps: int) -> list[bool]:
         """Which of a run's ``steps`` run the model (Neo's rule: a skipped step counts toward the window)."""
@@ -83,6 +87,17 @@ def line_through(positions, outputs, here: float, reach: float) -> torch.Tensor:
     return last + reach * ahead * (last - before)
 
 
+def parabola_through(positions, outputs, here: float, reach: float) -> torch.Tensor:
+    """The parabola through the last three ``outputs`` (Newton's divided differences), at ``here``, moved ``reach``
+    of the way from the last one; the line where fewer than three are kept or two positions meet."""
+    if len(outputs) < 3 or len(set(positions[-3:])) < 3:
+        return line_through(positions, outputs, here, reach)
+    (a, first), (b, second), (c, last) = zip(positions[-3:], outputs[-3:], strict=True)
+    slope = (last - second) / (c - b)
+    bend = (slope - (second - first) / (b - a)) / (c - a)
+    return last + reach * (here - c) * (slope + (here - b) * bend)
+
+
 class Forecaster:
     """The kept outputs of one batch layout and the forecast from them."""
 
@@ -120,7 +135,10 @@ class Forecaster:
         fit = (self._chebyshev(torch.tensor([self._tau(step)], **on)) @ coefficients)[0]
         if len(self.outputs) >= 2:
             positions, here = (self.sigmas, sigma) if self.settings.by_sigma else (self.at, step)
-            line = line_through(positions, self.outputs, here, self.settings.reach)
+            if self.settings.by_sigma and self.settings.log_sigma:
+                positions, here = [math.log(max(s, 1e-6)) for s in positions], math.log(max(here, 1e-6))
+            curve = parabola_through if self.settings.order == 2 else line_through
+            line = curve(positions, self.outputs, here, self.settings.reach)
         else:
             line = self.outputs[-1]
         forecast = (1 - self.settings.blend) * line + self.settings.blend * fit

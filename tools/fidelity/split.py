@@ -68,7 +68,8 @@ def main(argv=None) -> dict:
     import comfy.model_patcher
 
     from tools.fidelity.reference import models
-    from tools.fidelity.run import benchmark_prompts, conditioning, image_metrics, load_our_nodes, node_patch
+    from tools.fidelity.row import load_our_nodes, node_patch
+    from tools.fidelity.run import benchmark_prompts, conditioning, image_metrics
 
     base, encoder = models.load_reference(args.model)
     cpu = torch.device("cpu")

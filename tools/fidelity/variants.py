@@ -1,8 +1,8 @@
 """The variants the reuse defaults were chosen from: each a changed engine default, measured with the fidelity
 benchmark's ``--variants`` and kept so that the docs' tables can be made again (docs/step-reuse.md, docs/dit.md).
 
-Each entry is ``(interval, changes)``: ``run.layer_reuse_variant`` (UNets) and ``run.dit_reuse_variant`` (DiTs) say
-what each change means."""
+Each entry is ``(interval, changes)``: ``unet_rows.layer_reuse_variant`` (UNets) and ``dit_rows.dit_reuse_variant``
+(DiTs) say what each change means."""
 
 from __future__ import annotations
 
