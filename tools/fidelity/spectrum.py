@@ -47,6 +47,9 @@ class SpectrumSettings:
     # through the last three kept outputs in place of the line (a variant's).
     log_sigma: bool = False
     order: int = 1
+    # A diagnosis (a variant's): below 1, a skipped step runs the model too and returns its output moved this share
+    # of the way to the forecast, so that the forecast's error is scaled by it (how a sampler carries that error on).
+    error_share: float = 1.0
 
     def computed(self, steps: int) -> list[bool]:
         """Which of a run's ``steps`` run the model (Neo's rule: a skipped step counts toward the window)."""
@@ -213,7 +216,10 @@ class SpectrumWrapper:
                 forecaster = self.forecasters[key] = Forecaster(self.settings, self.steps)
             forecaster.add(self.step, to_space(out, x, sigma, self.settings), sigma)
             return out
-        return from_space(forecaster.forecast(self.step, x.dtype, sigma), x, sigma, self.settings)
+        forecast = from_space(forecaster.forecast(self.step, x.dtype, sigma), x, sigma, self.settings)
+        if self.settings.error_share < 1.0:
+            return torch.lerp(model_function(x, timestep, **c), forecast, self.settings.error_share)
+        return forecast
 
 
 def wrapper_patch(make_wrapper):

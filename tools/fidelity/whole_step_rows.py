@@ -94,7 +94,37 @@ FOURTEEN_OF_25 = (
 REGULAR_11 = ((0, 1, 4, 7, 10, 13, 16, 19, 22, 23, 24), (0, 1, 3, 6, 9, 12, 15, 18, 21, 23, 24))
 
 
-NAMED_PLANS = (THIRTEEN_OF_25, *DROPPED_ONE, *DROPPED_TWO, NINETEEN_OF_25, *DROPPED_ONE_OF_19, *FOURTEEN_OF_25)
+# 16 of 25 with DPM++ 2M on Karras sigmas: "forecast v2"'s (the first 4, one in 2, the last 3), then other warm-ups
+# and tails of the same count, and two that keep steps 11-13 and 19-22 (the dearest single drops of the 19).
+SIXTEEN_OF_25 = (
+    (0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 22, 23, 24),
+    (0, 1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 23, 24),
+    (0, 1, 2, 3, 4, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 24),
+    (0, 1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 21, 22, 23, 24),
+    (0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 20, 21, 22, 23, 24),
+    (0, 1, 2, 3, 5, 7, 9, 11, 12, 13, 15, 17, 19, 20, 21, 22),
+    (0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 20, 21, 22, 24),
+)
+# Fewer with the last six or seven in full (the shape that kept the most at 16 of 25): 13, 14 and 15 of 25.
+LONG_TAIL_OF_25 = (
+    (0, 1, 4, 7, 10, 13, 16, 19, 20, 21, 22, 23, 24),
+    (0, 1, 3, 6, 9, 12, 15, 18, 19, 20, 21, 22, 23, 24),
+    (0, 1, 3, 5, 7, 10, 13, 16, 19, 20, 21, 22, 23, 24),
+    (0, 1, 2, 4, 7, 10, 13, 16, 19, 20, 21, 22, 23, 24),
+    (0, 1, 3, 5, 7, 9, 11, 14, 17, 19, 20, 21, 22, 23, 24),
+)
+
+
+NAMED_PLANS = (
+    THIRTEEN_OF_25,
+    *DROPPED_ONE,
+    *DROPPED_TWO,
+    NINETEEN_OF_25,
+    *DROPPED_ONE_OF_19,
+    *FOURTEEN_OF_25,
+    *SIXTEEN_OF_25,
+    *LONG_TAIL_OF_25,
+)
 
 
 # Full steps and reusing steps (the outer layers only) of 25; the others run nothing (``hybrid``).
@@ -138,6 +168,12 @@ def whole_step_plan_rows(steps: int) -> list[FidelityRow]:
                 settings = spectrum.SpectrumSettings(at=at, **{**line, "reach": reach, **shape})
                 name = f"whole-step plan ({settings.label(steps)}) {curve} {reach}"
                 rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+    # How a sampler carries a skipped step's error on: the forecast's error scaled down (the model runs at every step).
+    for plan in (spectrum.settings_computing(steps, math.ceil(0.76 * steps)),):
+        for share in (0.03, 0.1, 0.3):
+            settings = spectrum.SpectrumSettings(window=plan.window, warm_up=plan.warm_up, **line, error_share=share)
+            name = f"whole-step line 0.75 over sigma ({settings.label(steps)} computed) error share {share}"
+            rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
     for full, reused in HYBRIDS if steps == 25 else ():
         for layer_reach in (0.5, 0.75):
             schedule = {"kind": "named", "full": full, "extrapolate": layer_reach}
