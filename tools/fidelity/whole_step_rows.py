@@ -149,7 +149,8 @@ def whole_step_plan_rows(steps: int) -> list[FidelityRow]:
         name = f"whole-step plan ({settings.label(steps)})"
         rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
     # The two 11-of-25 plans that kept the most on both first references, forecasting the velocity or the noise.
-    for at in DROPPED_TWO[:1] + DROPPED_TWO[2:3] if steps == 25 else ():
+    # And 16 of 25 (the stochastic samplers' 1.5x), "forecast v2"'s DPM++ 2M plan and those with the last six in full.
+    for at in DROPPED_TWO[:1] + DROPPED_TWO[2:3] + SIXTEEN_OF_25[:1] + SIXTEEN_OF_25[4:5] if steps == 25 else ():
         for space in ("v", "eps"):
             settings = spectrum.SpectrumSettings(at=at, space=space, **line)
             name = f"whole-step plan ({settings.label(steps)}) in {space}"
