@@ -4,6 +4,8 @@ the model only at its computed steps."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
@@ -44,6 +46,47 @@ def test_the_forecast_is_the_line_and_the_fit_blended():
     assert abs(forecast(blend=1.0, degree=1, ridge=0.0) - 2.3) < 1e-4
     fit = forecast(blend=1.0)
     assert fit < forecast() < 2.3
+
+
+def test_the_parabola_and_the_line_over_log_sigma_forecast_what_they_are_drawn_through():
+    """``order=2`` on outputs along a parabola of the noise level forecasts its value (the line through the last two
+    does not), moved ``reach`` of the way from the last output; with fewer than three kept it is the line.
+    ``log_sigma`` on outputs along a line of log sigma forecasts that line's value."""
+
+    def forecast(values, sigmas, at_sigma, **settings) -> float:
+        forecaster = Forecaster(SpectrumSettings(blend=0.0, by_sigma=True, **settings), 25)
+        for step, (value, sigma) in enumerate(zip(values, sigmas, strict=True)):
+            forecaster.add(step, torch.full((2, 3), value), sigma)
+        return float(forecaster.forecast(len(values), torch.float32, at_sigma)[0, 0])
+
+    sigmas, here = [8.0, 5.0, 3.0], 1.5
+    bent = [s * s for s in sigmas]
+    assert abs(forecast(bent, sigmas, here, order=2) - here * here) < 1e-4
+    line = 9.0 + (here - 3.0) * (9.0 - 25.0) / (3.0 - 5.0)
+    assert abs(forecast(bent, sigmas, here) - line) < 1e-4 and abs(line - here * here) > 1.0
+    assert abs(forecast(bent, sigmas, here, order=2, reach=0.5) - (9.0 + 0.5 * (here * here - 9.0))) < 1e-4
+    assert abs(forecast(bent[1:], sigmas[1:], here, order=2) - line) < 1e-4
+    logs = [2.0 * math.log(s) for s in sigmas]
+    assert abs(forecast(logs, sigmas, here, log_sigma=True) - 2.0 * math.log(here)) < 1e-4
+
+
+def test_the_error_share_returns_the_computed_output_moved_that_share_to_the_forecast():
+    """``error_share``: a skipped step runs the model as well (every step calls it) and its output lies that share
+    of the way from the computed output to the forecast; at 0 the run is the unpatched one, bit for bit."""
+    model = host.tiny_model("sd15")
+    plan = {"blend": 0.0, "window": 2, "warm_up": 2}
+    calls = []
+    handle = model.model.diffusion_model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        none = host.sample(spectrum_patch(SpectrumSettings(**plan, error_share=0.0))(model), steps=12, cfg=5.0)
+        assert len(calls) == 12
+        some = host.sample(spectrum_patch(SpectrumSettings(**plan, error_share=0.5))(model), steps=12, cfg=5.0)
+        skipped = host.sample(spectrum_patch(SpectrumSettings(**plan))(model), steps=12, cfg=5.0)
+    finally:
+        handle.remove()
+    plain = host.sample(model, steps=12, cfg=5.0)
+    assert torch.equal(none, plain)
+    assert not torch.equal(some, plain) and not torch.equal(some, skipped)
 
 
 def test_the_velocity_variant_keeps_the_share_of_the_input_edms_c_skip_gives():
