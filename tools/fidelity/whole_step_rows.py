@@ -89,10 +89,6 @@ FOURTEEN_OF_25 = (
     (0, 1, 3, 4, 6, 8, 9, 11, 13, 15, 19, 21, 22, 24),
 )
 
-# 11 of 25 on a regular spacing (a plan a schedule can give at any step count): the first 2, one in 3, the last 3;
-# the first 2, one in 3 from step 3, the last 2.
-REGULAR_11 = ((0, 1, 4, 7, 10, 13, 16, 19, 22, 23, 24), (0, 1, 3, 6, 9, 12, 15, 18, 21, 23, 24))
-
 
 # 16 of 25 with DPM++ 2M on Karras sigmas: "forecast v2"'s (the first 4, one in 2, the last 3), then other warm-ups
 # and tails of the same count, and two that keep steps 11-13 and 19-22 (the dearest single drops of the 19).
@@ -163,7 +159,7 @@ def whole_step_plan_rows(steps: int) -> list[FidelityRow]:
         "parabola over log sigma": ({"order": 2, "log_sigma": True}, (0.5, 0.75, 1.0)),
         "parabola in eps": ({"order": 2, "space": "eps"}, (0.65, 0.75, 0.85)),
     }
-    for at in (THIRTEEN_OF_25, *DROPPED_TWO[:2], *REGULAR_11, FOURTEEN_OF_25[1]) if steps == 25 else ():
+    for at in (THIRTEEN_OF_25, *DROPPED_TWO[:2], FOURTEEN_OF_25[1]) if steps == 25 else ():
         for curve, (shape, reaches) in curves.items():
             for reach in reaches:
                 settings = spectrum.SpectrumSettings(at=at, **{**line, "reach": reach, **shape})
