@@ -12,6 +12,7 @@ from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: 
 from tools.fidelity.spectrum import (
     Forecaster,
     SpectrumSettings,
+    SpectrumWrapper,
     from_space,
     settings_computing,
     spectrum_patch,
@@ -118,6 +119,42 @@ def test_the_noise_variant_keeps_all_of_the_inputs_move():
         assert torch.allclose(x - sigma * eps, denoised, atol=1e-5)
         assert torch.allclose(from_space(eps, x, sigma, settings), denoised, atol=1e-4)
         assert torch.allclose(from_space(eps, x + moved, sigma, settings) - denoised, moved, atol=1e-4)
+
+
+def test_eulers_corrector_puts_the_latent_back_on_the_full_runs_path():
+    """``correct``: with a denoised image that moves along a line of the noise level and does not depend on the input
+    (so the corrector's gain is 0), the line between two computed steps is exact for the skipped ones: after each
+    computed step the latent Euler reaches is the full run's (float error), where three quarters of the extrapolated
+    line leave it off the path; the steps that run the model are the plan's."""
+    sigmas = [14.6 * (0.002 ** (i / 11)) for i in range(12)] + [0.0]
+    generator = torch.Generator().manual_seed(0)
+    start, slope = torch.randn(2, 4, 4, 4, generator=generator), torch.randn(2, 4, 4, 4, generator=generator)
+    at = (0, 1, 4, 7, 10, 11)
+
+    def run(settings):
+        wrapper = SpectrumWrapper(settings) if settings else None
+        x, seen, calls = torch.ones(2, 4, 4, 4) * sigmas[0], [], []
+
+        def model(x, timestep, **_):
+            calls.append(float(timestep.max()))
+            return start + slope * float(timestep.max())
+
+        for step, sigma in enumerate(sigmas[:-1]):
+            seen.append(x)
+            options = {"transformer_options": {"sample_sigmas": sigmas}}
+            args = {"input": x, "timestep": torch.tensor([sigma]), "c": options}
+            denoised = wrapper(model, args) if wrapper else model(x, args["timestep"])
+            x = x + (x - denoised) / sigma * (sigmas[step + 1] - sigma)
+        return seen, len(calls)
+
+    full, _ = run(None)
+    line = {"at": at, "blend": 0.0, "reach": 0.75, "by_sigma": True}
+    corrected, calls = run(SpectrumSettings(**line, correct=True, correct_gain=0.0))
+    plain, _ = run(SpectrumSettings(**line))
+    assert calls == len(at)
+    for step in (5, 8, 11):  # the steps after the computed 4, 7 and 10, each at the end of a gap
+        assert torch.allclose(corrected[step], full[step], rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(plain[step], full[step], rtol=1e-2)
 
 
 def test_in_comfyui_it_runs_the_model_only_at_its_computed_steps():

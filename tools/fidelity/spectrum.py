@@ -50,6 +50,17 @@ class SpectrumSettings:
     # A diagnosis (a variant's): below 1, a skipped step runs the model too and returns its output moved this share
     # of the way to the forecast, so that the forecast's error is scaled by it (how a sampler carries that error on).
     error_share: float = 1.0
+    # Euler's corrector (a variant's): at a computed step, the skipped steps since the last computed one are redrawn
+    # on the line between the two (interpolated, no longer extrapolated), and the sampler's latent is moved to where
+    # Euler would have taken it with them, through the output this step returns; the model's output at the moved
+    # latent is taken as its output plus c_skip (at ``sigma_data``) times the move.
+    correct: bool = False
+    # The corrector's gain of the model's output on the latent's move (negative: c_skip), and the noise level under
+    # which it stands down (a variant's).
+    correct_gain: float = -1.0
+    correct_above: float = 0.0
+    correct_at: tuple[int, ...] = ()  # the computed steps that correct (empty: every one)
+    correct_after: int = 1  # the fewest skipped steps in a row before a computed step that corrects
 
     def computed(self, steps: int) -> list[bool]:
         """Which of a run's ``steps`` run the model (Neo's rule: a skipped step counts toward the window)."""
@@ -112,6 +123,8 @@ class Forecaster:
         self.at: list[int] = []
         self.sigmas: list[float] = []
         self.shape: torch.Size | None = None
+        # The skipped steps since the last computed one and what they returned (for ``correct``).
+        self.pending: list[tuple[int, torch.Tensor]] = []
 
     def _tau(self, step: float) -> float:
         return 2.0 * step / self.steps - 1.0
@@ -125,6 +138,7 @@ class Forecaster:
     def add(self, step: int, output: torch.Tensor, sigma: float = 0.0) -> None:
         if self.shape != output.shape:
             self.outputs, self.at, self.sigmas, self.shape = [], [], [], output.shape
+        self.pending = []
         self.outputs = (self.outputs + [output.detach().flatten().float()])[-self.keep :]
         self.at = (self.at + [step])[-self.keep :]
         self.sigmas = (self.sigmas + [sigma])[-self.keep :]
@@ -146,6 +160,23 @@ class Forecaster:
             line = self.outputs[-1]
         forecast = (1 - self.settings.blend) * line + self.settings.blend * fit
         return forecast.view(self.shape).to(dtype)
+
+
+def euler_correction(forecaster: Forecaster, output: torch.Tensor, step: int, sigmas: list[float], settings):
+    """(what to return, what to keep) at a computed ``step`` whose model ``output`` (flat, float) follows skipped
+    steps: the latent's move that the skipped steps' interpolated outputs would have made under Euler
+    (x' = r x + (1 - r) denoised, r = the next noise level over this one), carried into this step's output."""
+    first, low = forecaster.outputs[-1], forecaster.sigmas[-1]
+    here = sigmas[step]
+    move = torch.zeros_like(output)
+    for skipped, returned in forecaster.pending:
+        share = (sigmas[skipped] - low) / (here - low)
+        ratio = sigmas[skipped + 1] / sigmas[skipped]
+        move = ratio * move + (1 - ratio) * (first + share * (output - first) - returned)
+    skip = _preconditioning(here, settings.sigma_data)[0] if settings.correct_gain < 0 else settings.correct_gain
+    ratio = sigmas[step + 1] / here
+    kept = output + skip * move
+    return kept + ratio / (1 - ratio) * move, kept
 
 
 def _preconditioning(sigma: float, sigma_data: float) -> tuple[float, float]:
@@ -205,6 +236,7 @@ class SpectrumWrapper:
                 steps = len(sigmas) - 1 if sigmas is not None else 25
                 self.plan = self.settings.computed(steps)
                 self.steps = steps
+                self.sigma_list = [float(s) for s in sigmas] if sigmas is not None else []
         compute = self.step >= len(self.plan) or self.plan[self.step]
         key = (tuple(args.get("cond_or_uncond") or ()), tuple(x.shape))
         forecaster = self.forecasters.get(key)
@@ -214,9 +246,20 @@ class SpectrumWrapper:
             self.computed_calls += 1
             if forecaster is None:
                 forecaster = self.forecasters[key] = Forecaster(self.settings, self.steps)
+            correct = self.settings.correct and sigma > self.settings.correct_above
+            correct = correct and (not self.settings.correct_at or self.step in self.settings.correct_at)
+            correct = correct and len(forecaster.pending) >= max(self.settings.correct_after, 1)
+            if correct and forecaster.shape == out.shape:
+                returned, kept = euler_correction(
+                    forecaster, out.detach().flatten().float(), self.step, self.sigma_list, self.settings
+                )
+                forecaster.add(self.step, kept.view(out.shape), sigma)
+                return returned.view(out.shape).to(out.dtype)
             forecaster.add(self.step, to_space(out, x, sigma, self.settings), sigma)
             return out
         forecast = from_space(forecaster.forecast(self.step, x.dtype, sigma), x, sigma, self.settings)
+        if self.settings.correct:
+            forecaster.pending.append((self.step, forecast.detach().flatten().float()))
         if self.settings.error_share < 1.0:
             return torch.lerp(model_function(x, timestep, **c), forecast, self.settings.error_share)
         return forecast

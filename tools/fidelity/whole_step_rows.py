@@ -111,6 +111,17 @@ LONG_TAIL_OF_25 = (
 )
 
 
+# Euler's corrector (``spectrum.SpectrumSettings.correct``): the default's 13 and the two best 11 of 25; then plans
+# with one long gap, corrected after it alone.
+CORRECTED = (THIRTEEN_OF_25, *DROPPED_TWO[:2])
+LONG_GAP = (
+    (0, 1, 2, 3, 6, 9, 12, 18, 21, 22, 23, 24),
+    (0, 1, 3, 6, 12, 18, 21, 22, 23, 24),
+    (0, 1, 3, 6, 9, 12, 18, 22, 23, 24),
+    (0, 1, 3, 6, 9, 14, 19, 22, 23, 24),
+)
+
+
 NAMED_PLANS = (
     THIRTEEN_OF_25,
     *DROPPED_ONE,
@@ -120,6 +131,7 @@ NAMED_PLANS = (
     *FOURTEEN_OF_25,
     *SIXTEEN_OF_25,
     *LONG_TAIL_OF_25,
+    *LONG_GAP,
 )
 
 
@@ -165,6 +177,23 @@ def whole_step_plan_rows(steps: int) -> list[FidelityRow]:
                 settings = spectrum.SpectrumSettings(at=at, **{**line, "reach": reach, **shape})
                 name = f"whole-step plan ({settings.label(steps)}) {curve} {reach}"
                 rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+    # Euler's corrector: the skipped steps redrawn between the computed steps around them, the latent moved to match.
+    for at in CORRECTED if steps == 25 else ():
+        for above in (0.0, 0.5, 1.0):
+            settings = spectrum.SpectrumSettings(at=at, **line, correct=True, correct_above=above)
+            name = f"whole-step plan ({settings.label(steps)}) corrected above {above}"
+            rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+    # Each computed step after a gap corrected alone (the default's 13 and the best 11 of 25).
+    for at in CORRECTED[:2] if steps == 25 else ():
+        for step in [s for s in at if s > 0 and s - 1 not in at]:
+            settings = spectrum.SpectrumSettings(at=at, **line, correct=True, correct_at=(step,))
+            name = f"whole-step plan ({settings.label(steps)}) corrected at {step}"
+            rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+    # Corrected only after three skipped steps in a row or more, above noise level 0.5.
+    for at in (CORRECTED[1], *LONG_GAP) if steps == 25 else ():
+        settings = spectrum.SpectrumSettings(at=at, **line, correct=True, correct_after=3, correct_above=0.5)
+        name = f"whole-step plan ({settings.label(steps)}) corrected after 3 above 0.5"
+        rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
     # How a sampler carries a skipped step's error on: the forecast's error scaled down (the model runs at every step).
     for plan in (spectrum.settings_computing(steps, math.ceil(0.76 * steps)),):
         for share in (0.03, 0.1, 0.3):
