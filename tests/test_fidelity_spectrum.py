@@ -125,7 +125,7 @@ def test_eulers_corrector_puts_the_latent_back_on_the_full_runs_path():
     """``correct``: with a denoised image that moves along a line of the noise level and does not depend on the input
     (so the corrector's gain is 0), the line between two computed steps is exact for the skipped ones: after each
     computed step the latent Euler reaches is the full run's (float error), where three quarters of the extrapolated
-    line leave it off the path; the steps that run the model are the plan's."""
+    line leave it off the path; the steps that run the model are the plan's; none of the move is the line's run."""
     sigmas = [14.6 * (0.002 ** (i / 11)) for i in range(12)] + [0.0]
     generator = torch.Generator().manual_seed(0)
     start, slope = torch.randn(2, 4, 4, 4, generator=generator), torch.randn(2, 4, 4, 4, generator=generator)
@@ -151,7 +151,9 @@ def test_eulers_corrector_puts_the_latent_back_on_the_full_runs_path():
     line = {"at": at, "blend": 0.0, "reach": 0.75, "by_sigma": True}
     corrected, calls = run(SpectrumSettings(**line, correct=True, correct_gain=0.0))
     plain, _ = run(SpectrumSettings(**line))
+    none_of_it, _ = run(SpectrumSettings(**line, correct=True, correct_gain=0.0, correct_share=0.0))
     assert calls == len(at)
+    assert all(torch.equal(a, b) for a, b in zip(none_of_it, plain, strict=True))  # a share of 0: the line's run
     for step in (5, 8, 11):  # the steps after the computed 4, 7 and 10, each at the end of a gap
         assert torch.allclose(corrected[step], full[step], rtol=1e-4, atol=1e-5)
         assert not torch.allclose(plain[step], full[step], rtol=1e-2)

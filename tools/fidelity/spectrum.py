@@ -61,6 +61,7 @@ class SpectrumSettings:
     correct_above: float = 0.0
     correct_at: tuple[int, ...] = ()  # the computed steps that correct (empty: every one)
     correct_after: int = 1  # the fewest skipped steps in a row before a computed step that corrects
+    correct_share: float = 1.0  # the share of the latent's move taken
 
     def computed(self, steps: int) -> list[bool]:
         """Which of a run's ``steps`` run the model (Neo's rule: a skipped step counts toward the window)."""
@@ -175,6 +176,7 @@ def euler_correction(forecaster: Forecaster, output: torch.Tensor, step: int, si
         move = ratio * move + (1 - ratio) * (first + share * (output - first) - returned)
     skip = _preconditioning(here, settings.sigma_data)[0] if settings.correct_gain < 0 else settings.correct_gain
     ratio = sigmas[step + 1] / here
+    move = settings.correct_share * move
     kept = output + skip * move
     return kept + ratio / (1 - ratio) * move, kept
 

@@ -189,6 +189,12 @@ def whole_step_plan_rows(steps: int) -> list[FidelityRow]:
             settings = spectrum.SpectrumSettings(at=at, **line, correct=True, correct_at=(step,))
             name = f"whole-step plan ({settings.label(steps)}) corrected at {step}"
             rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+    # A share of the latent's move taken (above noise level 0.5, and at every computed step).
+    for at in CORRECTED[:2] if steps == 25 else ():
+        for share, above in ((0.25, 0.5), (0.5, 0.5), (0.5, 0.0)):
+            settings = spectrum.SpectrumSettings(at=at, **line, correct=True, correct_share=share, correct_above=above)
+            name = f"whole-step plan ({settings.label(steps)}) corrected above {above} share {share}"
+            rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
     # Corrected only after three skipped steps in a row or more, above noise level 0.5.
     for at in (CORRECTED[1], *LONG_GAP) if steps == 25 else ():
         settings = spectrum.SpectrumSettings(at=at, **line, correct=True, correct_after=3, correct_above=0.5)
