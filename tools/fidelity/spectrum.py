@@ -219,6 +219,7 @@ class SpectrumWrapper:
         self.last_sigma = math.inf
         self.step = -1
         self.plan: list[bool] = []
+        self.sigma_list: list[float] = []
 
     def __deepcopy__(self, memo):
         return self
@@ -248,7 +249,7 @@ class SpectrumWrapper:
             self.computed_calls += 1
             if forecaster is None:
                 forecaster = self.forecasters[key] = Forecaster(self.settings, self.steps)
-            correct = self.settings.correct and sigma > self.settings.correct_above
+            correct = self.settings.correct and bool(self.sigma_list) and sigma > self.settings.correct_above
             correct = correct and (not self.settings.correct_at or self.step in self.settings.correct_at)
             correct = correct and len(forecaster.pending) >= max(self.settings.correct_after, 1)
             if correct and forecaster.shape == out.shape:
