@@ -10,6 +10,13 @@ from tools.fidelity.row import FidelityRow
 from tools.fidelity.unet_rows import layer_reuse_variant
 
 
+def forecast_row(name: str, settings) -> FidelityRow:
+    """The lab's whole-step forecast with ``settings`` (``spectrum.SpectrumSettings``) as one of our rows."""
+    from tools.fidelity import spectrum
+
+    return FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings))
+
+
 def whole_step_rows(steps: int) -> list[FidelityRow]:
     """A skipped step that runs nothing (issue #60): the whole output forecast along the line through the last two
     computed steps alone (no Chebyshev fit), over the step (Spectrum's line) or over the noise level (ours), moved
@@ -32,7 +39,7 @@ def whole_step_rows(steps: int) -> list[FidelityRow]:
                 )
                 over = " over sigma" if by_sigma else ""
                 name = f"whole-step line {reach}{over} ({settings.label(steps)} computed)"
-                rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+                rows.append(forecast_row(name, settings))
             # The velocity forecast in place of the denoised image (``spectrum.SpectrumSettings.space``).
             for sigma_data in (1.0, 0.5):
                 settings = spectrum.SpectrumSettings(
@@ -45,13 +52,13 @@ def whole_step_rows(steps: int) -> list[FidelityRow]:
                     sigma_data=sigma_data,
                 )
                 name = f"whole-step line {reach} over sigma in v {sigma_data} ({settings.label(steps)} computed)"
-                rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+                rows.append(forecast_row(name, settings))
             # The predicted noise (an SD UNet's own output) in place of either.
             settings = spectrum.SpectrumSettings(
                 blend=0.0, window=plan.window, warm_up=plan.warm_up, reach=reach, by_sigma=True, space="eps"
             )
             name = f"whole-step line {reach} over sigma in eps ({settings.label(steps)} computed)"
-            rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+            rows.append(forecast_row(name, settings))
     return rows + whole_step_plan_rows(steps)
 
 
@@ -131,7 +138,7 @@ NAMED_PLANS = (
     *FOURTEEN_OF_25,
     *SIXTEEN_OF_25,
     *LONG_TAIL_OF_25,
-    *LONG_GAP,
+    *LONG_GAP[1:],  # the first is one of DROPPED_ONE
 )
 
 
@@ -155,14 +162,14 @@ def whole_step_plan_rows(steps: int) -> list[FidelityRow]:
     for at in NAMED_PLANS if steps == 25 else ():
         settings = spectrum.SpectrumSettings(at=at, **line)
         name = f"whole-step plan ({settings.label(steps)})"
-        rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+        rows.append(forecast_row(name, settings))
     # The two 11-of-25 plans that kept the most on both first references, forecasting the velocity or the noise.
     # And 16 of 25 (the stochastic samplers' 1.5x), "forecast v2"'s DPM++ 2M plan and those with the last six in full.
     for at in DROPPED_TWO[:1] + DROPPED_TWO[2:3] + SIXTEEN_OF_25[:1] + SIXTEEN_OF_25[4:5] if steps == 25 else ():
         for space in ("v", "eps"):
             settings = spectrum.SpectrumSettings(at=at, space=space, **line)
             name = f"whole-step plan ({settings.label(steps)}) in {space}"
-            rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+            rows.append(forecast_row(name, settings))
     # Other curves through the computed steps (the best 11 of 25 by each first reference, the default's 13 and
     # DPM++ 2M's best 14): the line over log sigma, the parabola through the last three.
     curves = {
@@ -176,36 +183,36 @@ def whole_step_plan_rows(steps: int) -> list[FidelityRow]:
             for reach in reaches:
                 settings = spectrum.SpectrumSettings(at=at, **{**line, "reach": reach, **shape})
                 name = f"whole-step plan ({settings.label(steps)}) {curve} {reach}"
-                rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+                rows.append(forecast_row(name, settings))
     # Euler's corrector: the skipped steps redrawn between the computed steps around them, the latent moved to match.
     for at in CORRECTED if steps == 25 else ():
         for above in (0.0, 0.5, 1.0):
             settings = spectrum.SpectrumSettings(at=at, **line, correct=True, correct_above=above)
             name = f"whole-step plan ({settings.label(steps)}) corrected above {above}"
-            rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+            rows.append(forecast_row(name, settings))
     # Each computed step after a gap corrected alone (the default's 13 and the best 11 of 25).
     for at in CORRECTED[:2] if steps == 25 else ():
         for step in [s for s in at if s > 0 and s - 1 not in at]:
             settings = spectrum.SpectrumSettings(at=at, **line, correct=True, correct_at=(step,))
             name = f"whole-step plan ({settings.label(steps)}) corrected at {step}"
-            rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+            rows.append(forecast_row(name, settings))
     # A share of the latent's move taken (above noise level 0.5, and at every computed step).
     for at in CORRECTED[:2] if steps == 25 else ():
         for share, above in ((0.25, 0.5), (0.5, 0.5), (0.5, 0.0)):
             settings = spectrum.SpectrumSettings(at=at, **line, correct=True, correct_share=share, correct_above=above)
             name = f"whole-step plan ({settings.label(steps)}) corrected above {above} share {share}"
-            rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+            rows.append(forecast_row(name, settings))
     # Corrected only after three skipped steps in a row or more, above noise level 0.5.
     for at in (CORRECTED[1], *LONG_GAP) if steps == 25 else ():
         settings = spectrum.SpectrumSettings(at=at, **line, correct=True, correct_after=3, correct_above=0.5)
         name = f"whole-step plan ({settings.label(steps)}) corrected after 3 above 0.5"
-        rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+        rows.append(forecast_row(name, settings))
     # How a sampler carries a skipped step's error on: the forecast's error scaled down (the model runs at every step).
     for plan in (spectrum.settings_computing(steps, math.ceil(0.76 * steps)),):
         for share in (0.03, 0.1, 0.3):
             settings = spectrum.SpectrumSettings(window=plan.window, warm_up=plan.warm_up, **line, error_share=share)
             name = f"whole-step line 0.75 over sigma ({settings.label(steps)} computed) error share {share}"
-            rows.append(FidelityRow(name, "ours", spectrum.spectrum_patch(settings), settings=vars(settings)))
+            rows.append(forecast_row(name, settings))
     for full, reused in HYBRIDS if steps == 25 else ():
         for layer_reach in (0.5, 0.75):
             schedule = {"kind": "named", "full": full, "extrapolate": layer_reach}
