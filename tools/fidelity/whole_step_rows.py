@@ -142,6 +142,15 @@ NAMED_PLANS = (
 )
 
 
+# The computed steps and, of them, those that run the prompt's half alone (``guidance``).
+GUIDANCE_PLANS = (
+    (THIRTEEN_OF_25, (3, 9, 15, 21)),
+    (THIRTEEN_OF_25, (21, 22, 23, 24)),
+    (THIRTEEN_OF_25, (9, 12, 15, 18)),
+    (tuple(range(25)), tuple(s for s in range(25) if s not in (0, 1, 2, 4, 7, 11, 16, 21))),
+)
+
+
 # Full steps and reusing steps (the outer layers only) of 25; the others run nothing (``hybrid``).
 HYBRIDS = (
     ((0, 1, 3, 6, 12, 18, 21, 22, 23, 24), (2, 9, 15)),
@@ -155,7 +164,7 @@ def whole_step_plan_rows(steps: int) -> list[FidelityRow]:
     """The whole step along ours' line (three quarters, over the noise level) on plans named step by step (25
     steps), with full, reusing and skipped steps in one run (``hybrid``), and on plans decided per image
     (``adaptive``)."""
-    from tools.fidelity import adaptive, hybrid, spectrum
+    from tools.fidelity import adaptive, guidance, hybrid, spectrum
 
     line = {"blend": 0.0, "reach": 0.75, "by_sigma": True}
     rows = []
@@ -213,6 +222,13 @@ def whole_step_plan_rows(steps: int) -> list[FidelityRow]:
             settings = spectrum.SpectrumSettings(window=plan.window, warm_up=plan.warm_up, **line, error_share=share)
             name = f"whole-step line 0.75 over sigma ({settings.label(steps)} computed) error share {share}"
             rows.append(forecast_row(name, settings))
+    # The prompt's half alone at some computed steps, the unconditional output from the guidance's line (``guidance``):
+    # four of the default's 13 (11 of 25 in calls), and with Euler a every step's prompt half, both halves at eight.
+    for at, cond_only in GUIDANCE_PLANS if steps == 25 else ():
+        for guidance_reach in (0.0, 0.75):
+            settings = guidance.GuidanceSettings(at, cond_only, guidance_reach=guidance_reach)
+            name = f"guidance forecast ({settings.label(steps)}) reach {guidance_reach}"
+            rows.append(FidelityRow(name, "ours", guidance.guidance_patch(settings), settings=vars(settings)))
     for full, reused in HYBRIDS if steps == 25 else ():
         for layer_reach in (0.5, 0.75):
             schedule = {"kind": "named", "full": full, "extrapolate": layer_reach}
