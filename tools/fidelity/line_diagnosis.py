@@ -12,6 +12,8 @@ forecast has). ``trend`` below 1 smooths the slope over the computed steps (Holt
 slope, the rest of the one before).
 
     python -m tools.fidelity.line_diagnosis --model ref-sdxl --prompts 16 --first-prompt 16
+    python -m tools.fidelity.line_diagnosis --model ref-sdxl --sampler dpmpp_2m --scheduler karras --plans "16 of 25
+    (forecast v2's DPM++ 2M),14 of 25 (0 1 3 6 9 11 13 15 17 19 21 22 23 24)"
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ PLANS = {
     "11 of 25 (0 1 3 6 9 12 18 21 22 23 24)": (0, 1, 3, 6, 9, 12, 18, 21, 22, 23, 24),
     "13 of 25 (the default's)": (0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 22, 23, 24),
     "9 of 25 (0 1 3 6 10 15 21 23 24)": (0, 1, 3, 6, 10, 15, 21, 23, 24),
+    # DPM++ 2M on Karras sigmas: "forecast v2"'s 16 of 25 and the best 14 of 25 on `ref-sdxl` (docs/step-reuse.md).
+    "16 of 25 (forecast v2's DPM++ 2M)": (0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 22, 23, 24),
+    "14 of 25 (0 1 3 6 9 11 13 15 17 19 21 22 23 24)": (0, 1, 3, 6, 9, 11, 13, 15, 17, 19, 21, 22, 23, 24),
 }
+EULER_PLANS = tuple(PLANS)[:3]
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,12 @@ def main(argv=None) -> None:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--cfg", type=float, default=4.0)
-    parser.add_argument("--plans", default=",".join(PLANS), help="which of the plans, comma-separated")
+    parser.add_argument("--sampler", default="euler", help="ComfyUI's sampler name (euler, dpmpp_2m, ...)")
+    parser.add_argument("--scheduler", default="normal", help="ComfyUI's scheduler name (normal, karras, ...)")
+    parser.add_argument("--plans", default=",".join(EULER_PLANS), help="which of the plans, comma-separated")
+    parser.add_argument(
+        "--trends", default="", help="only the run's own line, as shipped and with each of these trends (0.5,0.3)"
+    )
     args = parser.parse_args(argv)
     setup_comfy("cpu")
     torch.set_num_threads(1)
@@ -156,7 +167,12 @@ def main(argv=None) -> None:
     from tools.fidelity.row import FidelityRow
 
     sampling = argparse.Namespace(
-        steps=args.steps, cfg=args.cfg, sampler="euler", scheduler="normal", seeds=1, first_seed=args.first_seed
+        steps=args.steps,
+        cfg=args.cfg,
+        sampler=args.sampler,
+        scheduler=args.scheduler,
+        seeds=1,
+        first_seed=args.first_seed,
     )
     base, encoder = models.load_reference(args.model)
     cpu = torch.device("cpu")
@@ -170,9 +186,11 @@ def main(argv=None) -> None:
     unpatched, _, _ = run.sample_row(
         FidelityRow("unpatched", "unpatched", hooked(recorded)), patcher, positive, negative, shape, sampling
     )
-    print(f"{args.model}, prompts {args.first_prompt}-{args.first_prompt + args.prompts - 1}, seed {args.first_seed}")
+    first, last = args.first_prompt, args.first_prompt + args.prompts - 1
+    print(f"{args.model}, {args.sampler} {args.scheduler}, prompts {first}-{last}, seed {args.first_seed}")
+    lines = [Line()] + [Line(trend=float(t)) for t in args.trends.split(",")] if args.trends else LINES
     for plan in args.plans.split(","):
-        for line in LINES:
+        for line in lines:
             row = FidelityRow(line.label(), "ours", hooked(DiagnosedLine(PLANS[plan], line, recorded)))
             images, _, _ = run.sample_row(row, patcher, positive, negative, shape, sampling)
             metrics = run.image_metrics(images, unpatched)
