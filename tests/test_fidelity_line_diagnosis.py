@@ -46,3 +46,10 @@ def test_the_anchor_the_slope_or_the_line_come_from_the_unpatched_run_where_aske
     assert torch.allclose(_skipped_step(Line(reach=1.0, anchor="unpatched")), torch.tensor([2.5 - own_slope]))
     # Between the unpatched run's outputs at noise levels 4 and 1 (2.5 and 4.5): a third of the way at 3.
     assert torch.allclose(_skipped_step(Line(anchor="interpolated")), torch.tensor([2.5 + 2.0 / 3.0]))
+
+
+def test_a_trend_below_1_mixes_the_newest_slope_with_the_one_before():
+    hook = DiagnosedLine((0, 1), Line(trend=0.25), Recorder())
+    hook.slope = [torch.tensor([4.0])]
+    newest = hook._slope(2.0, [torch.tensor([3.0])], (4.0, [torch.tensor([5.0])]))  # (3 - 5) / (2 - 4) = 1
+    assert torch.allclose(newest[0], torch.tensor([0.25 * 1.0 + 0.75 * 4.0]))
