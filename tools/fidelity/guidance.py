@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tome_core.schedule import step_of
 from tools.fidelity.spectrum import line_through
 
 
@@ -33,11 +34,6 @@ class GuidanceSettings:
         full = " ".join(str(s) for s in self.computed if s not in self.cond_only)
         half = " ".join(map(str, self.cond_only))
         return f"{work:g} of {steps}: full {full}; prompt only {half}"
-
-
-def _step_of(sigma: float, sigmas: list[float]) -> int:
-    """The step whose noise level ``sigma`` is (the nearest of the run's)."""
-    return min(range(len(sigmas)), key=lambda i: abs(sigmas[i] - sigma)) if sigmas else 0
 
 
 class GuidanceForecast:
@@ -73,9 +69,9 @@ class GuidanceForecast:
             self.reset()
         self.last_sigma, self.shape = sigma, tuple(x.shape)
         sigmas = options.get("transformer_options", {}).get("sample_sigmas")
-        step = _step_of(sigma, [float(s) for s in sigmas] if sigmas is not None else [])
+        step = step_of([float(s) for s in sigmas], sigma) if sigmas is not None else None  # None: run in full
         both = len(conds) == 2 and conds[1] is not None
-        if step not in self.settings.computed and len(self.outputs) >= 2:
+        if step is not None and step not in self.settings.computed and len(self.outputs) >= 2:
             return [
                 line_through(self.sigmas, [o[i] for o in self.outputs], sigma, self.settings.reach)
                 for i in range(len(conds))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tome_core.schedule import step_of
 from tools.fidelity.spectrum import line_through
 
 PLANS = {
@@ -49,10 +50,6 @@ class Line:
             return "the unpatched run's outputs, interpolated"
         smoothed = f", trend {self.trend}" if self.trend < 1 else ""
         return f"anchor {self.anchor}, slope {self.slope}{smoothed}"
-
-
-def _step_of(sigma: float, sigmas: list[float]) -> int:
-    return min(range(len(sigmas)), key=lambda i: abs(sigmas[i] - sigma))
 
 
 class Recorder:
@@ -102,8 +99,8 @@ class DiagnosedLine:
             self.kept, self.slope = [], None
         self.last_sigma = sigma
         sigmas = [float(s) for s in args["model_options"]["transformer_options"]["sample_sigmas"]]
-        step = _step_of(sigma, sigmas)
-        if step in self.computed or len(self.kept) < 2:
+        step = step_of(sigmas, sigma)
+        if step is None or step in self.computed or len(self.kept) < 2:
             out = comfy.samplers.calc_cond_batch(
                 args["model"], args["conds"], args["input"], args["sigma"], args["model_options"]
             )
