@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_quick_run_answers_speed_and_picture(tmp_path):
-    flags = ["--model", "tiny", "--resolution", "64", "--max-minutes", "0", "--steps", "12", "--out", str(tmp_path)]
+    flags = ["--model", "tiny", "--resolution", "64", "--max-minutes", "0", "--steps", "12", "--prompts", "2"]
+    flags += ["--out", str(tmp_path)]  # two prompts (FD needs two): the picture part's plumbing, not its figures
     command = [sys.executable, "-m", "tools.bench", *flags]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

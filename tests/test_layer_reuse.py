@@ -566,15 +566,15 @@ def test_the_patched_unet_compiles(node_classes, models):
     same picture as without compiling, and reusing steps still reuse."""
     from comfy_api.torch_helpers import set_torch_compile_wrapper
 
-    model = models["sdxl"]
+    model = models["sd15"]
     patched = patch(node_classes, model)
     small = {"steps": STEPS, "latent_hw": (8, 8), "batch": 1}  # reusing steps 2 and 4
-    eager = run(patched, "sdxl", **small)
+    eager = run(patched, "sd15", **small)
     compiled = patched.clone()
     set_torch_compile_wrapper(compiled, backend="eager", keys=["diffusion_model"])
     torch._dynamo.reset()
     try:
-        out = run(compiled, "sdxl", **small)
+        out = run(compiled, "sd15", **small)
     finally:
         torch._dynamo.reset()
     assert hooks_of(compiled).last_run.reused_calls == REUSING_STEPS

@@ -2,7 +2,7 @@
 minutes on a 2-core CPU.
 
 Five rows over a 25-step run: unpatched, this project's default (ToDo 2 with reuse across steps every third step,
-whose skipped steps run nothing: ``reuse_plan`` "forecast"), ToDo 2 alone, ComfyUI's EasyCache at its default
+whose skipped steps run nothing: ``reuse_plan`` "forecast v2"), ToDo 2 alone, ComfyUI's EasyCache at its default
 threshold (0.2) and Forge Neo's Spectrum at its defaults, in two parts, each through the same entry points as the
 full benchmarks:
 1. picture (``tools.fidelity.run``): the trained reference model ``ref-sd1`` at 64x64 latents, four prompts of
@@ -54,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--resolution", default="768", help="image size of the speed parts in px")
     parser.add_argument("--max-minutes", type=float, default=2.0, help="time for the speed part's timed pairs")
     parser.add_argument("--steps", type=int, default=25, help="steps of the sampling run (picture and conversion)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts of the picture part (fewer: a plumbing check)")
     parser.add_argument("--out", default=str(ROOT / "results" / "quick"))
     return parser.parse_args(argv)
 
@@ -71,7 +72,8 @@ def speed_argv(args) -> list[str]:
 def picture_argv(args) -> list[str]:
     only = ",".join(f"={name}" for name in (DEFAULT_ROW, TODO_ROW, EASYCACHE_ROW, spectrum_name(args.steps)))
     return [
-        "--models", "ref-sd1", "--scales", "2", "--prompts", "4", "--seeds", "1", "--grid", "4",
+        "--models", "ref-sd1", "--scales", "2", "--prompts", str(args.prompts), "--seeds", "1",
+        "--grid", str(min(4, args.prompts)),
         "--steps", str(args.steps), "--real", "256", "--only", only, "--out", args.out,
     ]  # fmt: skip
 
