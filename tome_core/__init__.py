@@ -1,16 +1,6 @@
-"""The token merging engine: pure PyTorch, no host imports.
+"""The token merging engine: pure PyTorch, no host imports; ``tome_core.hosts`` call it from their hook points.
 
-``PatchSettings`` validates what the user chose; ``Reducer`` decides per transformer block how to reduce it;
-the doors into the hosts, ``tome_core.hosts``, call it from their hook points.
-
-For diffusers (``pip install`` of this repository gives this package)::
-
-    import tome_core
-    tome_core.apply_patch(pipe, ratio=0.5)   # a StableDiffusion(XL)/ControlNet/... pipeline or its UNet
-    image = pipe(prompt).images[0]
-    tome_core.apply_patch(pipe, reuse_interval=3)   # also reuse across steps (a pipeline only, not a bare UNet)
-    tome_core.apply_patch(flux_pipe, downsample_factor=1, reuse_interval=6)   # Flux, SD3, Wan: reuse alone
-    tome_core.remove_patch(pipe)
+For diffusers: ``tome_core.apply_patch(pipe, ratio=0.5)`` and ``tome_core.remove_patch(pipe)``; see docs/diffusers.md.
 """
 
 from .joint_attention import ImageTokens, SequenceDownsample
@@ -23,14 +13,11 @@ __version__ = "0.1.0"
 
 
 def apply_patch(pipe_or_unet, **settings):
-    """Patch a diffusers pipeline (SD1.x/SD2.x/SDXL UNets; the DiTs of ``hosts.diffusers.dit_reuse.LAYOUTS``: Flux,
-    Flux.2, SD3/SD3.5, Wan, Qwen-Image, Z-Image, HunyuanVideo 1.5, LTX-Video, LTX-2) or its denoiser in place with
-    ``settings`` (see ``SPECS``).
+    """Patch a diffusers pipeline or its denoiser in place with ``settings`` (see ``SPECS``).
 
-    Raises ValueError for a bad setting, TypeError for a model it cannot patch (both name what is allowed),
-    leaving the model unchanged. See ``tome_core.hosts.diffusers.patch.apply_patch``.
+    Raises ValueError for a bad setting, TypeError for a model it cannot patch, leaving the model unchanged.
     """
-    from .hosts.diffusers import patch  # imported here: hosts other than diffusers never load it
+    from .hosts.diffusers import patch  # lazy: other hosts never load diffusers
 
     return patch.apply_patch(pipe_or_unet, **settings)
 

@@ -1,13 +1,6 @@
-"""ToDo: self-attention keys and values downsampled on the token grid. Queries stay full: nothing to undo.
+"""ToDo: self-attention keys and values downsampled on the (frames, h, w) token grid; queries stay full.
 
-A grid of h x w tokens downsampled by ``factor`` keeps ceil(h / factor) x ceil(w / factor) tokens, so sizes that
-do not divide by the factor keep their last row and column covered. ``nearest-exact`` picks the same tokens
-as ``torch.nn.functional.interpolate(mode="nearest-exact")`` but as one cached row gather, without the two
-layout copies that interpolate needs for a (batch, tokens, channels) tensor.
-
-Video models have a third axis: a grid of frames x h x w tokens (raster order, frame first). It is downsampled
-spatially in every frame by ``factor`` and, optionally, along the frames by ``time_factor`` (1: every frame
-keeps its own keys). A 2D grid is the one-frame case, so the UNets and the DiTs share one function.
+``nearest-exact`` picks the tokens ``F.interpolate`` would, as one cached row gather without layout copies.
 """
 
 from __future__ import annotations

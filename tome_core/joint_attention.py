@@ -1,21 +1,6 @@
-"""ToDo for the attention of DiT models: the keys and values of the image (video) tokens are downsampled on
-their own token grid; every query, and every text or reference token, stays whole.
-
-A DiT attends over one sequence per call. Joint attention (Flux, SD3, Qwen-Image, Lumina 2) concatenates text
-and image tokens, HunyuanVideo the video before the text, and Flux Kontext appends the tokens of reference images
-after the image; video models (Wan, LTX-Video) attend over frames x h x w tokens. ``ImageTokens`` says where the
-image grid lies in such a sequence, from what the host adapter knows of the model's input;
-``SequenceDownsample`` reduces the keys and values of one attention call with the engine's grid downsampling
-(``downsample.py``, shared with the UNets). Where keys carry rotary position embeddings, the adapter calls this
-after the rotation, so every kept key keeps its own position.
-
-Joint attention needs one correction that a UNet's self-attention does not: the text (and reference) keys share
-the softmax with the image keys, so keeping a quarter of the image keys would hand the text about four times its
-share of the attention. Each kept image key stands for ``kept / grid`` of the grid, so it gets that weight back:
-``log(grid tokens / kept tokens)`` is added to its logits through the call's additive attention mask
-(proportional attention, as ToMe does for merged tokens); without it the picture is lost (docs/dit.md). A
-sequence that is all grid (Wan, SD3.5's x-only self-attention) needs no bias: the same constant on every key
-changes nothing, and no mask is added there.
+"""ToDo for DiT attention: the image (video) keys and values are downsampled on their own grid; queries, text
+and reference tokens stay whole. Joint attention gets a proportional bias so the text keeps its softmax share.
+See docs/dit.md, section 'How it works'.
 """
 
 from __future__ import annotations
@@ -34,11 +19,7 @@ TIME_FACTORS = (1.0, 2.0, 4.0)
 
 @dataclass(frozen=True)
 class ImageTokens:
-    """Where the image grid lies in an attention call's sequence.
-
-    ``after``: tokens after the grid (reference images), kept whole. ``before``: the exact count of tokens
-    before it, or None where it varies (text of any length in joint attention: whatever precedes the grid).
-    """
+    """Where the image grid lies in an attention call's sequence (``before`` None: any count of text tokens)."""
 
     grid: Grid
     after: int = 0
@@ -60,8 +41,7 @@ class SequenceDownsample:
     """Shared by every attention call of one patched DiT; holds only a cache that is safe to share."""
 
     def __init__(self, settings: PatchSettings, time_factor: float = 1.0, min_tokens: int | None = None):
-        """``min_tokens``: the image tokens of a call from which ``skip_when_slower`` lets it be reduced, where the
-        model's own break-even is known (None: the ToDo threshold of ``cost.MIN_TOKENS``)."""
+        """``min_tokens``: the family's own ``skip_when_slower`` threshold (None: ``cost.MIN_TOKENS``)."""
         if time_factor not in TIME_FACTORS:
             raise ValueError(
                 f"time_factor must be one of {', '.join(f'{f:g}' for f in TIME_FACTORS)}, got {time_factor!r}"
@@ -83,13 +63,8 @@ class SequenceDownsample:
     def keys_values(
         self, k: torch.Tensor, v: torch.Tensor, tokens: ImageTokens, dim: int, mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """Downsampled keys, values and attention mask of one call (tokens along ``dim`` of ``k`` and ``v``, along
-        the last axis of ``mask``), or None: leave the call as it is.
-
-        None where the sequence does not have the expected layout (a cross-attention, a model variant that
-        adds tokens of its own), where the grid is too small for the reduction to pay off, or where a mask would
-        have to be resampled by averaging (only nearest-exact keeps a mask exact: it drops whole keys).
-        """
+        """Downsampled keys, values and mask of one call, or None: leave the call as it is (another layout, too
+        small, or a mask that only nearest-exact can keep exact)."""
         total = k.shape[dim]
         if v.shape[dim] != total or self.does_nothing:
             return None
@@ -133,10 +108,7 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def proportional_bias(
     start: int, grid_tokens: int, kept: int, others: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """(1, keys) additive mask: ``log(grid_tokens / kept)`` on the ``kept`` grid keys at ``start``, 0 elsewhere.
-
-    Broadcasts over batch, heads and queries in every attention function of the hosts (a 2D mask is read as
-    (queries or 1, keys))."""
+    """(1, keys) additive mask: ``log(grid_tokens / kept)`` on the ``kept`` grid keys at ``start``, 0 elsewhere."""
     bias = torch.zeros(1, kept + others, dtype=dtype, device=device)
     bias[:, start : start + kept] = math.log(grid_tokens / kept)
     return bias

@@ -1,14 +1,7 @@
 """ToMe: bipartite soft matching on the token grid, merge by mean and unmerge by copy.
 
-The tokens are split into src and dst by a ``DstPattern`` (one dst per sy x sx cell). Each src token finds its
-most similar dst token (cosine similarity); the ``r`` src tokens with the highest best-score are merged into
-their dst by an unweighted mean, the others are kept. This is the matching of ToMe for Stable Diffusion.
-
-The result is stored as a ``MergePlan``: for every original token, the row of the merged sequence it went to
-(``slot``). Merging is then one ``index_add`` plus a scale, unmerging one row gather, instead of the several
-gathers, scatters and concatenations of a direct implementation; and a plan is a plain value that can be
-reused for every part of a block (self-attention, cross-attention queries, MLP).
-The merged sequence is laid out as [kept src tokens in descending best-score order, dst tokens in raster order].
+A ``MergePlan`` stores, per original token, the merged row it went to (``slot``), so merging is one
+``index_add`` and unmerging one gather, and one plan serves every part of a block.
 """
 
 from __future__ import annotations
@@ -19,15 +12,14 @@ import torch
 
 from .patterns import DstPattern
 
-# Past this many similarity scores the matrix is computed in slices of src tokens, to bound peak memory
-# (a 2048 px SD1.5 latent has 49152 src x 16384 dst tokens per image).
+# Past this many similarity scores the matrix is computed in slices of src tokens, to bound peak memory.
 _MAX_SCORES_PER_SLICE = 1 << 26
 
 
 @dataclass(frozen=True)
 class MergePlan:
-    slot: torch.Tensor  # (batch * n_tokens,) int64 row of the flattened merged tensor per original token
-    inv_group_size: torch.Tensor  # (batch * n_merged, 1) float32, 1 / tokens merged into each merged row
+    slot: torch.Tensor  # (batch * n_tokens,) row of the flattened merged tensor per original token
+    inv_group_size: torch.Tensor
     batch: int
     n_tokens: int
     n_merged: int

@@ -1,28 +1,7 @@
-"""Per transformer-block decisions: is this block reduced, and how. The one entry point of every host adapter.
+"""Per transformer-block decisions, the one entry point of every host adapter.
 
-A ``Reducer`` is built once per patch from validated settings and the UNet's attention levels. For each block
-call the adapter asks ``start_block`` and gets either None (leave the block exactly as it is) or a
-``BlockReduction``, one class per scope, whose methods it calls at its host's hook points:
-
-    out = reduction.run_block(x, body)         # around the whole block: body(tokens) runs the block
-    q, kv = reduction.self_attn_inputs(n)      # before self-attention
-    out = reduction.self_attn_output(out)      # after self-attention
-    q = reduction.cross_attn_query(n)          # before cross-attention (context untouched)
-    out = reduction.cross_attn_output(out)
-    y = reduction.mlp_input(n); out = reduction.mlp_output(out)
-
-Every method is identity unless the scope reduces that point, so an adapter maps all of its hook points once and
-never needs to know the scope; a hook point a host lacks (ComfyUI has none around the MLP) only matters to the
-scopes that use it. The methods are pure functions of the plan, so the hooks hold no state between block calls.
-
-Scopes (``PatchSettings.scope``, ToMe only; ToDo always reduces self-attention's keys and values):
-- ``self-attention``: ``TokenMerge``, one plan per block call, merged around the sub-layers the merge_* switches
-  name, each sub-layer's output unmerged into the full-size residual (ToMe for SD's way).
-- ``block``: ``BlockMerge``, the block runs on the merged residual stream and only its total update is unmerged.
-  One plan per level and UNet call, kept in a per-call ``plans`` dict that the adapter passes in (never on a
-  module). For mean merging with one plan, merge(x + unmerge(a)) == merge(x) + a, so running every block of a
-  level this way equals merging the residual once before the level's first block and unmerging once after its
-  last: the per-block form is exact and needs no state between blocks.
+``Reducer.start_block`` returns None (leave the block as it is) or a ``BlockReduction`` whose hook methods are
+identity wherever its scope does not reduce. See docs/how-it-works.md, section 'Scope: the whole transformer block'.
 """
 
 from __future__ import annotations
@@ -95,12 +74,7 @@ class TokenMerge(BlockReduction):
 
 
 class BlockMerge(BlockReduction):
-    """ToMe over the whole block: the block runs on merged tokens, its update is unmerged into the residual.
-
-    x -> x + unmerge(block(merge(x)) - merge(x)). Every sub-layer (self-attention, cross-attention queries, MLP)
-    and the norms and residual additions between them see the merged tokens; cross-attention's context (the
-    prompt) is untouched. Tokens that no other token merged into come back exactly as the block would make them.
-    """
+    """ToMe over the whole block: x -> x + unmerge(block(merge(x)) - merge(x))."""
 
     def __init__(self, plan: matching.MergePlan):
         self.plan = plan
@@ -113,7 +87,7 @@ class BlockMerge(BlockReduction):
 
     def run_block(self, x, body):
         start = self.merge(x)
-        # The body gets its own copy: a host block may add to its input in place (Forge's ``x += n``).
+        # A copy: a host block may add to its input in place (Forge's ``x += n``).
         update = body(start.clone()) - start
         return x + self.unmerge(update)
 
@@ -149,10 +123,7 @@ class Reducer:
         return not self.levels
 
     def acts_on(self, latent_hw: tuple[int, int], device_type: str = "cpu") -> bool:
-        """Whether a UNet call on a latent of ``latent_hw`` may reduce a level at all. False where every level
-        it would reduce is too small to pay (``skip_when_slower``): then every block is left as it is, and a host
-        can keep its hooks out of the call, which costs each block a few Python calls (on a GPU at 512-768 px
-        a step is a few milliseconds)."""
+        """Whether a UNet call on a latent of ``latent_hw`` may reduce any level; if not, a host can skip its hooks."""
         return any(
             worth_reducing(self.settings, h * w, device_type)
             for h, w in (grid_at_level(latent_hw, level) for level in self.levels)
@@ -171,12 +142,10 @@ class Reducer:
         metric: torch.Tensor | None = None,
         plans: dict | None = None,
     ) -> BlockReduction | None:
-        """Decide how to reduce a block whose input tokens are ``x`` (batch, tokens, channels).
+        """How to reduce a block whose input tokens are ``x`` (batch, tokens, channels), or None to leave it.
 
-        ``latent_hw`` is the UNet input's latent size; ``block_key`` names the block (it salts the random
-        dst pattern so blocks differ); ``metric`` is what ToMe compares tokens by (default ``x``). ``plans`` is a
-        dict that lives for one UNet call (scope block shares one plan per level through it; without it each
-        block makes its own). Returns None where the block must be left as it is.
+        ``block_key`` salts the random pattern; ``plans`` is a dict living for one UNet call (scope block shares
+        one plan per level through it).
         """
         if not self.levels or x.dim() != 3:
             return None
@@ -208,7 +177,7 @@ class Reducer:
         """Scope block: the level's plan of this UNet call, made from the first block that asks for it."""
         key = ("tome_plan", level, h, w)
         plan = None if plans is None else plans.get(key)
-        # A plan of another batch size cannot be applied (a host that split the batch differently): make a new one.
+        # A host may split the batch differently between blocks.
         if plan is None or plan.batch != metric.shape[0]:
             s = self.settings
             seed = stable_salt(s.seed, ("level", level)) if s.use_rand else None

@@ -1,10 +1,5 @@
-"""Step range: reduce only between start_percent and end_percent of the sampling schedule.
-
-Percentages follow ComfyUI's convention (as for ControlNet and conditioning ranges): a percent is turned into a
-noise level by the host (ComfyUI: ``model_sampling.percent_to_sigma``; the WebUI: the UNet timestep), and a
-step is inside the range when its noise level is in (noise at end, noise at start]. 0 and 1 are open ends, so
-the first and the last step are always inside the full range, and start == end is an empty range.
-"""
+"""Step range: a step is inside when its noise is in (noise at end_percent, noise at start_percent]; 0 and 1 are
+open ends. Percents map to noise as ComfyUI maps them."""
 
 from __future__ import annotations
 
