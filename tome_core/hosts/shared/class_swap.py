@@ -4,13 +4,8 @@ from __future__ import annotations
 
 
 def restore_classes(root, state_key: str, parent_key: str) -> None:
-    """Give every module under ``root`` back the class it had before ours (our subclasses name it in
-    ``parent_key``) and drop the per-module state stored under ``state_key``.
-
-    tomesd (also the WebUI's built-in token merging) wraps whatever class a block has, one new class per block,
-    and remembers it in ``_parent`` for its own removal. If that was ours, point it past ours, so that tomesd's
-    removal later restores the original class and tomesd keeps working until then.
-    """
+    """Give every module under ``root`` back the class it had before ours and drop its ``state_key`` state.
+    A tomesd class wrapping ours gets its ``_parent`` pointed past ours, so tomesd's own removal still works."""
     root.__dict__.pop(state_key, None)
     for module in root.modules():
         module.__dict__.pop(state_key, None)

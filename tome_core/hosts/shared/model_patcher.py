@@ -1,30 +1,8 @@
 """Hooks for model patchers with ComfyUI's list-hook signature: ComfyUI itself, Forge and reForge.
 
-ComfyUI (comfy/ldm/modules/attention.py, BasicTransformerBlock.forward) calls, per
-transformer block: every ``attn1_patch(n, context, value, extra_options)`` -> self-attention -> every
-``attn1_output_patch(out, extra_options)`` -> the same pair for cross-attention. ``extra_options`` is a fresh
-dict per block call shared by all four, so the block's plan is kept there and no state outlives the call.
-Forge's UNet (backend/nn/unet.py) calls the same lists with the same signature.
-
-Only the list hooks are used, never the one-slot replace hooks, so other nodes' patches keep working.
-
-Scope block (the whole block runs on merged tokens) needs a way around the whole block, which neither host has
-as a hook (there is none around the MLP). Each ``BasicTransformerBlock`` gets an instance attribute ``forward``
-(a ``BlockForward``) that calls the block's own forward inside the engine's ``run_block``; no module is replaced,
-so every weight keeps its key and LoRA / weight patches apply as before. It is set and removed by the patcher
-itself, at load and unload:
-- ComfyUI: an injection (``ModelPatcher.set_injections``, comfy/patcher_extension.py ``PatcherInjection``):
-  ``inject`` runs when the patcher loads the model, ``eject`` when it
-  unloads it or another clone of the model is loaded (model_management.py ``load_models_gpu``), and
-  ``eject`` deletes the attribute again, so the block is exactly as before.
-- Forge: an object patch per block (backend/patcher/base.py ``add_object_patch``, applied in
-  ``forge_patch_model`` and undone in ``forge_unpatch_model`` when the model or a clone of it is unloaded,
-  backend/memory_management.py ``unload_model_clones``). Forge restores the value it read, the block's bound
-  ``forward`` method, as an instance attribute: it computes exactly what the class's forward computes.
-A ``BlockForward`` reduces only calls whose ``transformer_options`` carry this patch's owner mark (put in the
-clone's ``model_options``), so a forward left on a block by another clone of the same model is inert.
-The merge plans that blocks of a level share live in the call's ``transformer_options`` (a fresh dict per model
-call in both hosts), tagged with that call's ``original_shape`` list, never on a module.
+Only the list hooks are used (never the one-slot replace hooks), so other nodes' patches keep working. Scope block
+sets an instance ``forward`` on each transformer block while the patcher has the model loaded. See
+docs/how-it-works.md, section 'ComfyUI'.
 """
 
 from __future__ import annotations
@@ -33,13 +11,13 @@ from ...reducer import Reducer
 from ...schedule import NoiseRange
 from .unet_layout import attention_levels, basic_transformer_blocks
 
-_PLAN_KEY = "tome_patch_reduction"
+_PLAN_KEY = "tome_patch_reduction"  # in extra_options: a fresh dict per block call, shared by the four hooks
 _ACTIVE_KEY = "tome_patch_active"  # the step decision, made once per model call by the apply_model wrapper
-OWNER_KEY = "tome_patch_owner"  # scope block: the PatcherHooks whose BlockForwards may reduce this call
-_PLANS_KEY = "tome_patch_plans"  # scope block: (original_shape of this call, {key: shared plan})
+OWNER_KEY = "tome_patch_owner"  # scope block: a BlockForward left by another clone is inert without it
+_PLANS_KEY = "tome_patch_plans"
 INJECTION_KEY = "tome_patch"
 HOOK_NAMES = ("attn1_patch", "attn1_output_patch", "attn2_patch", "attn2_output_patch")
-WRAPPER_TYPE = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
+WRAPPER_TYPE = "apply_model"
 WRAPPER_KEY = "tome_patch"
 
 
@@ -49,7 +27,7 @@ class PatcherHooks:
     def __init__(self, reducer: Reducer, noise_range: NoiseRange):
         self.reducer = reducer
         self.noise_range = noise_range
-        self._last_decision = (None, True)  # (sigmas tensor, active): one host sync per UNet call, not per block
+        self._last_decision = (None, True)  # one host sync per UNet call, not per block
 
     def __deepcopy__(self, memo):
         # Patchers deep-copy model_options on clone(); the hooks are shared, like functions.
@@ -59,7 +37,7 @@ class PatcherHooks:
         if self.noise_range.everywhere:
             return True
         decided = extra_options.get(_ACTIVE_KEY)
-        if decided is not None:  # ComfyUI: decided outside the (possibly compiled) diffusion model
+        if decided is not None:
             return decided
         # Forge has no wrappers: decide at the first block of each call, and reuse it for the call's other blocks.
         sigmas = extra_options.get("sigmas")
@@ -75,13 +53,8 @@ class PatcherHooks:
     def apply_model_wrapper(
         self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs
     ):
-        """ComfyUI APPLY_MODEL wrapper (comfy/model_base.py, BaseModel.apply_model).
-
-        Orders the hooks for this call, and takes the step decision once per call from the sigma ``t``, outside
-        the diffusion model, so a compiled model sees a plain Python bool and no host sync inside. A call that
-        reduces nothing (outside the step range, or every level too small to pay on this device) runs without
-        our hooks: the same output, without their cost in every block.
-        """
+        """ComfyUI's APPLY_MODEL wrapper: takes the step decision once per call outside the (possibly compiled)
+        model, and leaves our hooks out of a call that reduces nothing."""
         if transformer_options is not None:
             active = self.noise_range.everywhere or self.noise_range.contains(float(t.max()))
             if not active or (x.dim() == 4 and not self.reducer.acts_on(tuple(x.shape[-2:]), x.device.type)):
@@ -93,7 +66,6 @@ class PatcherHooks:
         return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
 
     def block_forward(self, forward: BlockForward, x, context, transformer_options, kwargs):
-        """A transformer block's forward with scope block: the block's own forward inside ``run_block``."""
         reduction = None
         if (
             transformer_options is not None
@@ -122,9 +94,8 @@ class PatcherHooks:
         query, reduced = reduction.self_attn_inputs(n)
         if context is n and value is n:
             return query, reduced, reduced
-        # An earlier patch changed keys/values (e.g. appended reference tokens): reduce the queries only,
-        # and only when that is still consistent with the block's output.
-        if reduced is not query:  # ToDo reduces keys/values only: leave foreign keys/values alone
+        # An earlier patch changed keys/values: reduce the queries only (ToMe), never foreign keys/values (ToDo).
+        if reduced is not query:
             return n, context, value
         return query, context, value
 
@@ -142,8 +113,7 @@ class PatcherHooks:
 
 
 def _plans_of_call(transformer_options: dict, shape) -> dict:
-    """The shared plans of this model call. The UNet writes a new ``original_shape`` list at every call, so a
-    plans dict tagged with another one belongs to an earlier call (a host that kept the options dict)."""
+    """This call's shared plans, tagged with the ``original_shape`` list the UNet writes anew at every call."""
     entry = transformer_options.get(_PLANS_KEY)
     if entry is None or entry[0] is not shape:
         entry = (shape, {})
@@ -205,12 +175,8 @@ def _is_ours(hook) -> bool:
 
 
 def order_ours_innermost(transformer_options: dict) -> None:
-    """Make our hooks run after every other input hook and before every other output hook.
-
-    Another merge (ComfyUI's built-in ToMe) that ran after ours would meet a token count it cannot place on
-    the grid and fail. Innermost, ours sees what the others made of the block: if they already reduced the
-    tokens, ours finds no grid and leaves the block alone. Only this call's options are rearranged (copies).
-    """
+    """Make our hooks innermost in this call's options (copies): another merge running after ours would fail on
+    the token count, while ours leaves a block that others reduced alone."""
     patches = transformer_options.get("patches")
     if not patches:
         return
@@ -302,12 +268,8 @@ class NotAUNetError(Exception):
 
 
 def patched_clone(patcher, settings, percent_to_sigma):
-    """A clone of ``patcher`` with the token reduction (ToMe or ToDo) of ``settings``; ``patcher`` itself is never
-    changed. Reuse across steps is each host's own wiring (``hosts.comfyui.patch``, ``hosts.webui.layer_reuse``).
-
-    ``percent_to_sigma`` maps a sampling percent to the model's sigma (the host's model sampling object).
-    Raises NotAUNetError (before cloning) for a model this patch cannot reduce.
-    """
+    """A clone of ``patcher`` with the token reduction of ``settings`` (``patcher`` is unchanged); raises
+    NotAUNetError before cloning for a model it cannot reduce."""
     unet = getattr(getattr(patcher, "model", None), "diffusion_model", None)
     levels = attention_levels(unet) if unet is not None else None
     if levels is None:

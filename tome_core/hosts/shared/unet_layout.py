@@ -1,10 +1,5 @@
-"""What a UNet looks like: which levels have attention. Found from the module tree, by duck typing.
-
-ComfyUI's, Forge's and the WebUI's (ldm, sgm) UNets share one layout: ``input_blocks`` of sequential blocks,
-where a ``Downsample`` block halves the grid and a ``SpatialTransformer`` holds the attention blocks, then a
-``middle_block`` at the coarsest level. A model without that layout (Flux, SD3 and other DiTs) is not a UNet
-that this patch can reduce.
-"""
+"""What a UNet looks like (which levels have attention, which blocks to hook), found from the module tree by duck
+typing. A model without ``input_blocks`` (a DiT) is not a UNet this patch can reduce."""
 
 from __future__ import annotations
 
@@ -44,10 +39,7 @@ def attention_levels(unet) -> tuple[int, ...] | None:
 
 
 def basic_transformer_blocks(unet) -> list[tuple[str, object]]:
-    """(name, module) of every spatial transformer block (class ``BasicTransformerBlock`` or a subclass of it).
-
-    Temporal blocks of video models have other classes and are left out.
-    """
+    """(name, module) of every spatial ``BasicTransformerBlock``; temporal blocks have other classes."""
     return [
         (name, module)
         for name, module in unet.named_modules()
@@ -57,12 +49,8 @@ def basic_transformer_blocks(unet) -> list[tuple[str, object]]:
 
 
 def inner_layers(unet, outer: int = 1) -> list[tuple[str, object]]:
-    """(name, module) of the layers that layer reuse skips, in the order a call runs them (``tome_core.reuse``).
-
-    Everything but the ``outer`` first input blocks and the ``outer`` last output blocks: the later input
-    blocks, the middle block, the earlier output blocks. Each block is a sequence the host runs layer by layer,
-    so its layers are listed, not the block. The last one (the boundary) gives the feature the kept output
-    blocks read. Empty where the UNet has too few blocks."""
+    """(name, module) of the layers that layer reuse skips, in call order: all but the ``outer`` first input and
+    last output blocks, layer by layer (the last gives the feature the kept output blocks read); [] if too few."""
     inputs = list(getattr(unet, "input_blocks", ()))
     outputs = list(getattr(unet, "output_blocks", ()))
     middle = getattr(unet, "middle_block", None)
