@@ -1,7 +1,5 @@
 """The token merging engine: pure PyTorch, no host imports; ``tome_core.hosts`` call it from their hook points.
-
-For diffusers: ``tome_core.apply_patch(pipe, ratio=0.5)`` and ``tome_core.remove_patch(pipe)``; see docs/diffusers.md.
-"""
+For diffusers: ``tome_core.apply_patch(pipe, ratio=0.5)``, ``tome_core.remove_patch(pipe)`` (docs/diffusers.md)."""
 
 from .joint_attention import ImageTokens, SequenceDownsample
 from .levels import find_level, grid_at_level, reduced_levels
@@ -13,10 +11,8 @@ __version__ = "0.1.0"
 
 
 def apply_patch(pipe_or_unet, **settings):
-    """Patch a diffusers pipeline or its denoiser in place with ``settings`` (see ``SPECS``).
-
-    Raises ValueError for a bad setting, TypeError for a model it cannot patch, leaving the model unchanged.
-    """
+    """Patch a diffusers pipeline or its denoiser in place with ``settings`` (see ``SPECS``); raises ValueError
+    for a bad setting, TypeError for a model it cannot patch, leaving the model unchanged."""
     from .hosts.diffusers import patch  # lazy: other hosts never load diffusers
 
     return patch.apply_patch(pipe_or_unet, **settings)

@@ -1,7 +1,6 @@
 """ToDo: self-attention keys and values downsampled on the (frames, h, w) token grid; queries stay full.
 
-``nearest-exact`` picks the tokens ``F.interpolate`` would, as one cached row gather without layout copies.
-"""
+``nearest-exact`` picks the tokens ``F.interpolate`` would, as one cached row gather without layout copies."""
 
 from __future__ import annotations
 
@@ -105,7 +104,7 @@ def downsample_grid(
         return x
     if method == "nearest-exact":
         return x.index_select(dim, index_cache.get_grid(grid, out_grid, x.device))
-    moved = x.movedim(dim, -2)  # (..., tokens, c)
+    moved = x.movedim(dim, -2)
     lead, channels = moved.shape[:-2], moved.shape[-1]
     volume = moved.reshape(-1, *grid, channels).permute(0, 4, 1, 2, 3)
     out = _resample(volume, out_grid, method).permute(0, 2, 3, 4, 1)
@@ -122,8 +121,7 @@ def downsample_segment(
     index_cache: NearestIndexCache,
     dim: int = 1,
 ) -> torch.Tensor:
-    """Downsample the grid tokens at ``start`` along ``dim`` of a joint sequence; the tokens before and after
-    them (text, reference images) are kept whole and in place."""
+    """Downsample the grid tokens at ``start`` along ``dim``; the tokens before and after stay whole, in place."""
     n_grid = math.prod(grid)
     total = x.shape[dim]
     if start == 0 and n_grid == total:
@@ -131,7 +129,7 @@ def downsample_segment(
     out_grid = downsampled_grid(grid, factor, time_factor)
     if out_grid == grid:
         return x
-    if method == "nearest-exact":  # one gather: [before, kept grid tokens, after]
+    if method == "nearest-exact":
         return x.index_select(dim, index_cache.get_segment(start, grid, out_grid, total, x.device))
     before, middle, after = x.split([start, n_grid, total - start - n_grid], dim=dim)
     middle = downsample_grid(middle, grid, factor, time_factor, method, index_cache, dim)

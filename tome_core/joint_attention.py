@@ -1,7 +1,6 @@
 """ToDo for DiT attention: the image (video) keys and values are downsampled on their own grid; queries, text
 and reference tokens stay whole. Joint attention gets a proportional bias so the text keeps its softmax share.
-See docs/dit.md, section 'How it works'.
-"""
+See docs/dit.md, section 'How it works'."""
 
 from __future__ import annotations
 

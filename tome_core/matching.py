@@ -1,8 +1,7 @@
 """ToMe: bipartite soft matching on the token grid, merge by mean and unmerge by copy.
 
 A ``MergePlan`` stores, per original token, the merged row it went to (``slot``), so merging is one
-``index_add`` and unmerging one gather, and one plan serves every part of a block.
-"""
+``index_add`` and unmerging one gather, and one plan serves every part of a block."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Per transformer-block decisions, the one entry point of every host adapter.
 
 ``Reducer.start_block`` returns None (leave the block as it is) or a ``BlockReduction`` whose hook methods are
-identity wherever its scope does not reduce. See docs/how-it-works.md, section 'Scope: the whole transformer block'.
-"""
+identity wherever its scope does not reduce. See docs/how-it-works.md, section 'Scope: the whole transformer block'."""
 
 from __future__ import annotations
 
@@ -143,10 +142,7 @@ class Reducer:
         plans: dict | None = None,
     ) -> BlockReduction | None:
         """How to reduce a block whose input tokens are ``x`` (batch, tokens, channels), or None to leave it.
-
-        ``block_key`` salts the random pattern; ``plans`` is a dict living for one UNet call (scope block shares
-        one plan per level through it).
-        """
+        ``plans``: a dict living for one UNet call, through which scope block shares one plan per level."""
         if not self.levels or x.dim() != 3:
             return None
         found = find_level(latent_hw, x.shape[1])
@@ -157,7 +153,7 @@ class Reducer:
         if level not in self.levels or not worth_reducing(s, h * w, x.device.type):
             return None
         if s.method == "todo":
-            if downsampled_size(h, w, s.downsample_factor) == (h, w):  # e.g. a 2x2 grid at factor 1.5
+            if downsampled_size(h, w, s.downsample_factor) == (h, w):
                 return None
             return KeyValueDownsample(h, w, s, self._nearest)
         r = int(h * w * s.ratio)

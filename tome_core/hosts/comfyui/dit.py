@@ -1,43 +1,6 @@
-"""ToDo on ComfyUI's DiT models: Flux (Flux.1, Flux.2, Chroma), SD3 / SD3.5 (MMDiT), Wan 2.x video, Qwen-Image,
-HunyuanVideo 1.0 / 1.5 (and HunyuanImage 2.1), LTX-Video, Lumina 2 and Z-Image.
-
-Hook point (checked in ComfyUI 0.3.75): every attention call of these models goes through ``optimized_attention``
-(comfy/ldm/modules/attention.py), whose ``wrap_attn`` hands the call to
-``transformer_options["optimized_attention_override"](func, *args, **kwargs)`` when that key is set. The patch
-adds one APPLY_MODEL wrapper to the clone; per model call, inside the step range, the wrapper puts an
-``AttentionOverride`` into that call's own ``transformer_options`` (a fresh dict per call), wrapping any override
-that another node put there. Nothing is set on a module, no class is replaced, and nothing outlives the call.
-
-What the override sees, per family (0.3.75):
-- Flux / Chroma (comfy/ldm/flux/math.py ``attention``): q, k, v of shape (batch, heads, tokens, head_dim) with
-  ``skip_reshape=True``, RoPE already applied to q and k. The sequence is [text, image, reference images]
-  in double blocks (text and image concatenated) and single blocks alike; Kontext's reference latents come
-  after the image.
-- SD3 / MMDiT (mmdit.py ``_block_mixing``): (batch, tokens, channels), [context, x] in joint attention;
-  SD3.5's extra x-only self-attention (``x_block_self_attn``) sees the image tokens alone. Positions are
-  added to x before the blocks, so the tokens carry them.
-- Wan (wan/model.py ``WanSelfAttention``): (batch, frames*h*w, channels) with RoPE applied, in raster order
-  frame first; the cross-attention to the text has other key counts and is left alone.
-- Qwen-Image (qwen_image/model.py ``Attention``): (batch, heads, tokens, head_dim), ``skip_reshape=True``, RoPE
-  applied, no mask: [text, image, reference images] (Qwen-Image Edit's reference latents follow the image). Its
-  latents are 5-D with one frame (Wan 2.1's latent format); patch 2, padded up.
-- HunyuanVideo 1.0 / 1.5 (hunyuan_video/model.py, Flux's blocks): (batch, heads, tokens, head_dim) with RoPE
-  applied: [reference latent, video, text] in double and single blocks alike, the video BEFORE the text. The
-  text is the context's tokens plus, where the model has their inputs, ByT5's glyph tokens and the vision
-  tokens of ``clip_fea``; its mask (a text with padding) is an additive (1, 1, tokens) mask. The token refiner's
-  self-attention over the text alone has another length and is left alone. HunyuanImage 2.1 is the same class
-  with a 2-D patch on 4-D latents.
-- LTX-Video (lightricks/model.py ``CrossAttention``): (batch, frames*h*w, channels), patch 1, RoPE applied; its
-  self-attention (``attn1``) sees the video tokens alone (LTXVAddGuide's keyframe latents are frames of the same
-  latent); the cross-attention to the text (``attn2``) has other key counts and is left alone.
-- Lumina 2 / Z-Image (lumina/model.py ``JointAttention``, ``NextDiT``): (batch, heads, tokens, head_dim), RoPE
-  applied, no mask in the main layers: [caption, image, image padding]. Z-Image pads the caption and the image
-  each to a multiple of ``pad_tokens_multiple`` tokens with learnt pad tokens (kept whole, as the caption).
-  The refiners before the main layers (caption alone, image and its padding alone) have other lengths and are
-  left alone.
-The image grid comes from the model input's shape and the family's patch size, and the engine finds it in each
-call's sequence (``ImageTokens``): a call whose sequence has another layout is left exactly as it is.
-"""
+"""ToDo on ComfyUI's DiT models through ``transformer_options["optimized_attention_override"]``: an APPLY_MODEL
+wrapper puts an ``AttentionOverride`` into each call's own options, wrapping any override another node set. Each
+family's token layout is read from the model input (``TOKEN_LAYOUTS``). See docs/dit.md, section 'How it works'."""
 
 from __future__ import annotations
 
@@ -50,7 +13,7 @@ from ...schedule import NoiseRange
 from ..shared import dit_families
 
 OVERRIDE_KEY = "optimized_attention_override"
-WRAPPER_TYPE = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
+WRAPPER_TYPE = "apply_model"
 WRAPPER_KEY = "tome_patch_dit"
 
 
@@ -65,16 +28,13 @@ def _cells(sizes, patch) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class TokenLayout:
-    """Where one model's image tokens lie in its attention calls: ``find(layout, x, kwargs, context)`` from the
-    shape of the model input ``x``, the call's kwargs and its text context (``c_crossattn``); one per family in
-    ``TOKEN_LAYOUTS``."""
+    """Where one family's image tokens lie in its attention calls, found by ``find`` from the model input."""
 
-    family: str  # the family's record name: the words of messages
-    patch: tuple[int, ...]  # (ph, pw) or, for video, (pt, ph, pw)
+    family: str
+    patch: tuple[int, ...]
     find: Callable = field(compare=False, repr=False)
     has_reference_conv: bool = False  # Wan with ``ref_conv``: reference tokens before the video
-    # HunyuanVideo: the call's kwargs whose tokens join the text after the context (ByT5's glyphs, the vision
-    # tokens), where the model has their input layers.
+    # HunyuanVideo: kwargs whose tokens join the text after the context, where the model has their layers.
     text_inputs: tuple[str, ...] = ()
     pad_multiple: int | None = None  # Z-Image: caption and image each padded to a multiple of this many tokens
 
@@ -115,8 +75,7 @@ def _wan_tokens(layout, x, kwargs, context) -> ImageTokens | None:
 
 
 def _hunyuan_tokens(layout, x, kwargs, context) -> ImageTokens | None:
-    """[reference latent, video, text]: both counts exact, so the text refiner's call (the context alone) and any
-    other layout find no place."""
+    """[reference latent, video, text], both counts exact, so the text refiner's call finds no place."""
     if context is None or x.dim() != len(layout.patch) + 2:
         return None
     grid = _cells(x.shape[2:], layout.patch)
@@ -143,8 +102,7 @@ def _ltxv_tokens(layout, x, kwargs, context) -> ImageTokens | None:
 
 
 def _lumina_tokens(layout, x, kwargs, context) -> ImageTokens | None:
-    """[caption, image, image padding]: the caption (padded) counted exactly, so the refiners' calls (caption alone,
-    image alone) find no place."""
+    """[caption, image, image padding], the padded caption counted exactly, so the refiners' calls find no place."""
     if context is None or x.dim() != 4:
         return None
     grid = (1, *_cells(x.shape[-2:], layout.patch))
@@ -194,10 +152,7 @@ def _lumina(name, model):
     return TokenLayout(name, _square(model), _lumina_tokens, pad_multiple=int(pad) if pad else None)
 
 
-# ComfyUI's ToDo per family, keyed by the family's record (``dit_families``): how its token layout is read from
-# the model, and the classes of the family whose attention sees other tokens (refused: reuse only). A family not
-# here (Qwen-Image's, LTX-2's, ... are) gets no ToDo; Wan's variants whose inputs join between blocks keep
-# Wan's layout for ToDo (VACE) or have none (S2V, HuMo, Animate: tokens of their own).
+# Per family record: how its token layout is read, and its classes refused (their attention sees other tokens).
 TOKEN_LAYOUTS = {
     "Flux": (_flux, ("ChromaRadiance",)),
     "SD3": (_sd3, ()),
@@ -211,7 +166,6 @@ TOKEN_LAYOUTS = {
 
 
 def class_names(module) -> set[str]:
-    """The names of the module's class and of every class it derives from."""
     return {c.__name__ for c in type(module).__mro__}
 
 
@@ -234,8 +188,7 @@ def describe(diffusion_model) -> str:
 
 
 class AttentionOverride:
-    """One model call's ``optimized_attention_override``: downsample the image keys and values, then call the
-    override that was there before (another node's) or ComfyUI's attention function."""
+    """One model call's attention override: downsample the image keys and values, then call the previous one."""
 
     def __init__(self, reducer: SequenceDownsample, tokens: ImageTokens, previous=None):
         self.reducer = reducer
@@ -273,20 +226,18 @@ class DitHooks:
         self.noise_range = noise_range
 
     def __deepcopy__(self, memo):
-        # Patchers deep-copy model_options on clone(); the hooks are shared, like functions.
         return self
 
     def apply_model_wrapper(
         self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs
     ):
-        """ComfyUI APPLY_MODEL wrapper (comfy/model_base.py ``BaseModel.apply_model``): the step decision and the
-        image grid of this call, taken outside the (possibly compiled) diffusion model."""
+        """ComfyUI's APPLY_MODEL wrapper: this call's step decision and image grid, outside the compiled model."""
         if transformer_options is not None and (
             self.noise_range.everywhere or self.noise_range.contains(float(t.max()))
         ):
             try:
                 tokens = self.layout.image_tokens(x, kwargs, c_crossattn)
-            except (AttributeError, TypeError, ValueError, IndexError):  # an input of another kind: left as it is
+            except (AttributeError, TypeError, ValueError, IndexError):
                 tokens = None
             if tokens is not None:
                 transformer_options = dict(transformer_options)  # this call's own copy: nothing outlives it
@@ -305,11 +256,8 @@ def remove_patch(patcher) -> None:
 
 
 def patched_clone(patcher, settings, percent_to_sigma, time_factor: float = 1.0):
-    """A clone of ``patcher`` with ToDo on its DiT's attention; ``patcher`` itself is never changed.
-
-    ``settings.method`` must be "todo" (the caller refuses ToMe on DiTs). Raises NotADitError (before cloning)
-    for a model of another family, ValueError for a bad ``time_factor``.
-    """
+    """A clone of ``patcher`` with ToDo on its DiT's attention (``patcher`` is unchanged). Raises NotADitError
+    before cloning for a model of another family, ValueError for a bad ``time_factor``."""
     model = getattr(getattr(patcher, "model", None), "diffusion_model", None)
     layout = token_layout_of(model)
     if layout is None:
@@ -318,7 +266,7 @@ def patched_clone(patcher, settings, percent_to_sigma, time_factor: float = 1.0)
         raise NotADitError(f"{type(patcher).__name__} without model wrappers")
     reducer = SequenceDownsample(settings, time_factor, dit_families.family(layout.family).todo_min_image_tokens)
     clone = patcher.clone()
-    remove_patch(clone)  # applying the patch again replaces the earlier one
+    remove_patch(clone)
     if reducer.does_nothing:
         return clone
     noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)

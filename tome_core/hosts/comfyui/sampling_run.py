@@ -1,10 +1,5 @@
-"""ComfyUI: run a sampling run with an object of ours in its transformer options, and drop it after, always.
-
-Reuse across steps (``layer_reuse``) keeps its cache in one object per sampling run. An OUTER_SAMPLE wrapper
-(comfy/patcher_extension.py ``WrappersMP.OUTER_SAMPLE``, where ComfyUI's EasyCache keeps its state too) puts it
-into a copy of the guider's model options for that run only; the guider gets its own options back when the run
-ends, however it ends, and the cache is dropped then.
-"""
+"""ComfyUI: run a sampling run with an object of ours (reuse's per-run cache) in a copy of the guider's transformer
+options, through an OUTER_SAMPLE wrapper, and drop it after, however the run ends."""
 
 from __future__ import annotations
 
@@ -14,8 +9,7 @@ log = logging.getLogger("tome_patch")
 
 
 def sample_with_run(executor, args, kwargs, key: str, value, run, on_end) -> object:
-    """Run ``executor`` (the OUTER_SAMPLE chain) with ``value`` at ``transformer_options[key]``; afterwards drop
-    ``run``'s cache, call ``on_end(run)`` and log its summary."""
+    """Run ``executor`` with ``value`` at ``transformer_options[key]``; then drop ``run``'s cache, call ``on_end``."""
     guider = executor.class_obj
     original = guider.model_options
     options = dict(original)

@@ -1,6 +1,5 @@
-"""diffusers: the step range (``start_percent`` / ``end_percent``) of a call, from the timestep the pipeline gives
-the denoiser, mapped through the pipeline's current scheduler. Shared by the UNet patch (``unet_patch``) and
-the DiT patch (``dit_patch``), which differ only in how a percent maps to a scheduler's timestep."""
+"""diffusers: the step range of a call, from the timestep the pipeline gives the denoiser, mapped through the
+pipeline's current scheduler; shared by the UNet and the DiT patch."""
 
 from __future__ import annotations
 
@@ -15,15 +14,8 @@ from ...settings import PatchSettings
 
 
 def percent_to_unet_timestep(scheduler) -> Callable[[float], float]:
-    """Map a sampling percent to the ``timestep`` value the pipeline gives the UNet, higher meaning noisier.
-
-    The convention is ComfyUI's (``model_sampling.percent_to_sigma``), so a range means the same noise levels in
-    every host: for DDPM-trained models (every SD1/SD2/SDXL scheduler of diffusers) percent p is the training
-    timestep (1 - p) * (T - 1), which is what those schedulers pass to the UNet (fractional for Euler/Karras
-    schedules). EDM-style schedulers (EDM Euler/DPM-Solver, CosineDPMSolver) pass ``precondition_noise(sigma)``:
-    there p is the sigma log-interpolated between sigma_max and sigma_min. Euler with continuous timesteps
-    passes 0.25 * log(sigma) of the training schedule.
-    """
+    """Map a sampling percent to the ``timestep`` the pipeline gives the UNet (higher: noisier), as ComfyUI maps
+    percents to noise, for DDPM, EDM-style and continuous-timestep schedulers alike."""
     config = getattr(scheduler, "config", None) or {}
     get = config.get if hasattr(config, "get") else lambda key, default=None: getattr(config, key, default)
     precondition = getattr(scheduler, "precondition_noise", None)
@@ -56,20 +48,15 @@ def unet_timestep_of_percent(scheduler) -> Callable[[float], float]:
 
 
 def flow_timestep_of_percent(scheduler) -> Callable[[float], float]:
-    """Percent of sampling -> the scheduler's timestep (``sigma x num_train_timesteps`` for the flow-matching
-    schedulers of the DiT pipelines: percent p is sigma 1 - p, before any shift)."""
+    """Percent of sampling -> a flow-matching scheduler's timestep (sigma 1 - p, before any shift)."""
     config = getattr(scheduler, "config", None) or {}
     steps = float(config.get("num_train_timesteps", 1000) if hasattr(config, "get") else 1000)
     return lambda percent: (1.0 - percent) * steps
 
 
 class StepRange:
-    """Whether a call is inside the range, its timestep mapped through the pipeline's current scheduler by
-    ``mapping_for(scheduler)`` (a percent -> timestep function).
-
-    The pipeline is held weakly and its scheduler looked up at each call, so a scheduler swapped after
-    ``apply_patch`` (``pipe.scheduler = X.from_config(...)``) is followed.
-    """
+    """Whether a call is inside the range, mapped by ``mapping_for(scheduler)``; the pipeline is held weakly and its
+    scheduler looked up at each call, so a scheduler swapped after ``apply_patch`` is followed."""
 
     def __init__(self, settings: PatchSettings, pipeline, mapping_for: Callable):
         self.settings = settings
@@ -84,7 +71,7 @@ class StepRange:
         return NoiseRange(s.start_percent, s.end_percent, self.mapping_for(scheduler))
 
     def contains(self, timestep: float) -> bool:
-        if self.everywhere:  # the whole schedule, whatever the scheduler
+        if self.everywhere:
             return True
         pipeline = self._pipeline() if self._pipeline is not None else None
         scheduler = getattr(pipeline, "scheduler", None)

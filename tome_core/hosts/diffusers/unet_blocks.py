@@ -1,5 +1,4 @@
-"""diffusers: a UNet's transformer blocks and the levels they work at, read from its module tree by class name (nothing
-from diffusers is imported)."""
+"""diffusers: a UNet's transformer blocks and their levels, read from its module tree by class name."""
 
 from __future__ import annotations
 
@@ -27,11 +26,7 @@ def has_blocks(module) -> bool:
 
 
 def attention_levels(unet) -> tuple[int, ...]:
-    """The downsampling levels (1, 2, 4, ...) whose blocks have transformer blocks.
-
-    ``down_blocks[i]`` works at the level reached after the downsamplers of the blocks before it; the mid block
-    at the coarsest level. (SD1.x: 1, 2, 4 and the mid block at 8; SDXL: 2 and 4.)
-    """
+    """The downsampling levels (1, 2, 4, ...) that have transformer blocks (the mid block at the coarsest)."""
     level, levels = 1, set()
     for block in getattr(unet, "down_blocks", ()):
         if has_blocks(getattr(block, "attentions", None)):

@@ -1,6 +1,5 @@
 """What each DiT family is, once for every host: its classes, block layout and defaults, one record per family.
-See docs/how-it-works.md, section 'Adding a DiT family', and docs/dit.md, section 'The defaults: `dit_settings`'.
-"""
+See docs/how-it-works.md, section 'Adding a DiT family', and docs/dit.md, section 'The defaults: `dit_settings`'."""
 
 from __future__ import annotations
 
@@ -93,8 +92,7 @@ class DitFamily:
         return self.first_block_guard is not None or self.line_guard is not None
 
     def auto_schedule(self) -> StepCountSchedule:
-        """The schedule ``dit_settings`` "auto" runs: its interval, guarded by the first block where a guard is set,
-        else by the curve."""
+        """The schedule "auto" runs: its interval, guarded by the first block if a guard is set, else by the curve."""
         if self.guarded_by_first_block:
             guards = (self.first_block_guard, self.line_guard)
             return StepCountSchedule(self.auto_intervals, None, *guards, short_run=self.short_run)

@@ -2,8 +2,7 @@
 
 Only the list hooks are used (never the one-slot replace hooks), so other nodes' patches keep working. Scope block
 sets an instance ``forward`` on each transformer block while the patcher has the model loaded. See
-docs/how-it-works.md, section 'ComfyUI'.
-"""
+docs/how-it-works.md, section 'ComfyUI'."""
 
 from __future__ import annotations
 
@@ -240,7 +239,7 @@ def install_block_forwards(patcher, hooks: PatcherHooks) -> None:
     patcher.model_options.setdefault("transformer_options", {})[OWNER_KEY] = hooks
     if hasattr(patcher, "set_injections"):  # ComfyUI: set on inject, deleted on eject
         patcher.set_injections(INJECTION_KEY, [BlockInjection(hooks, [block for _, block in blocks])])
-    elif hasattr(patcher, "add_object_patch"):  # Forge (and ComfyUI before injections): restored on unload
+    elif hasattr(patcher, "add_object_patch"):  # Forge: restored on unload
         for name, block in blocks:
             patcher.add_object_patch(f"diffusion_model.{name}.forward", BlockForward(hooks, block))
     else:
@@ -275,7 +274,7 @@ def patched_clone(patcher, settings, percent_to_sigma):
     if levels is None:
         raise NotAUNetError(type(unet).__name__ if unet is not None else type(patcher).__name__)
     clone = patcher.clone()
-    remove_patch(clone)  # applying the patch again replaces the earlier one
+    remove_patch(clone)
     if settings.is_noop:
         return clone
     reducer = Reducer(settings, levels)

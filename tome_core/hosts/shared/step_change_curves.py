@@ -1,6 +1,5 @@
 """The real models' published step-to-step change: MagCache's calibrated ratios, the conditional call's where they
-interleave (Zehong-Ma/MagCache, Zehong-Ma/ComfyUI-MagCache). What each family does with them: ``dit_families``.
-"""
+interleave (Zehong-Ma/MagCache, Zehong-Ma/ComfyUI-MagCache). What each family does with them: ``dit_families``."""
 
 FLUX1_DEV = (
     1.0, 1.21094, 1.11719, 1.07812, 1.0625, 1.03906, 1.03125, 1.03906, 1.02344, 1.03125, 1.02344, 0.98047, 1.01562,

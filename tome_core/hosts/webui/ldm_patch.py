@@ -1,20 +1,6 @@
-"""The patch for the WebUI's own UNets (``ldm`` for SD1/SD2, ``sgm`` for SDXL): a class swap per transformer block.
-
-Every ``BasicTransformerBlock`` of the UNet gets its class swapped for a subclass that overrides ``_forward``
-(the method both ``forward`` and gradient checkpointing call), and a forward pre-hook on the UNet records the
-latent size and the timestep of each call. Attention itself is not replaced: the WebUI's optimisations
-(xformers, sdp, sub-quadratic, split) replace ``CrossAttention.forward`` at class level with the signature
-``(self, x, context=None, mask=None, **kwargs)``, so a reduced query or a reduced ``context=`` reaches whichever
-one is active.
-
-Removal restores each block's original class and deletes every attribute and hook this module added, so the
-UNet then computes bit-identically to one that was never patched. The names here differ on purpose from
-tomesd's (``ToMeBlock``, ``_tome_info``): the WebUI's built-in token merging runs tomesd's ``remove_patch``,
-which reverts every class of that name and clears every ``_tome_info["hooks"]`` it finds.
-
-Nothing from ``ldm``/``sgm`` is imported: blocks are recognised by class name and attributes, so the module
-imports on Forge (which has neither) and in tests.
-"""
+"""The patch for the WebUI's UNets (``ldm``, ``sgm``): a class swap per transformer block overriding ``_forward``, so
+whichever attention optimisation is active gets the reduced tokens. Our names differ from tomesd's, whose
+``remove_patch`` reverts every class of its names. See docs/how-it-works.md, section 'AUTOMATIC1111 WebUI'."""
 
 from __future__ import annotations
 
@@ -31,13 +17,9 @@ from . import layer_reuse as webui_layer_reuse
 
 BLOCK_CLASS_NAME = "BasicTransformerBlock"
 _STATE = "_tome_patch_state"  # on each patched block and on the UNet
-_HOOK = "_tome_patch_hook"  # the UNet's forward pre-hook handle
-_AFTER_HOOK = "_tome_patch_after_hook"  # the UNet's forward hook handle
+_HOOK = "_tome_patch_hook"
+_AFTER_HOOK = "_tome_patch_after_hook"
 _PARENT = "_tome_patch_parent"  # on our block subclasses: the class they replace
-
-# sgm's BasicTransformerBlock._forward (generative-models, sgm/modules/attention.py) takes
-# ``additional_tokens`` and ``n_times_crossframe_attn_in_self`` beyond x and context. When a caller sets one, the
-# block runs unreduced with every argument passed through unchanged.
 
 _subclasses: dict[type, type] = {}
 _patched_unets: weakref.WeakSet = weakref.WeakSet()
@@ -48,12 +30,7 @@ class UnsupportedModelError(Exception):
 
 
 class _UNetState:
-    """Shared by the UNet's hooks and all of its patched blocks: what the current UNet call looks like.
-
-    Everything here describes one UNet call and is set afresh by the pre-hook at the start of each: the latent
-    size, the step decision and ``plans``, the merge plans that scope block shares between the blocks of a level
-    (emptied again by the forward hook after the call, so no plan outlives the call that made it).
-    """
+    """What the current UNet call looks like, set afresh by the pre-hook; ``plans`` is emptied after each call."""
 
     def __init__(self, reducer: Reducer, noise_range: NoiseRange):
         self.reducer = reducer
@@ -77,7 +54,7 @@ class _UNetState:
             self.active = True
         else:
             timesteps = args[1] if len(args) > 1 else kwargs.get("timesteps")
-            # One host sync per UNet call (not per block); no timestep known means "inside the range".
+            # One host sync per UNet call; no timestep known means "inside the range".
             self.active = timesteps is None or self.noise_range.contains(float(torch.as_tensor(timesteps).max()))
         return None
 
@@ -89,7 +66,7 @@ class _BlockState:
 
 
 def _extras_given(args: tuple, kwargs: dict) -> bool:
-    """True when sgm's extra arguments carry something (tokens to prepend, cross-frame attention)."""
+    """True when sgm's extra ``_forward`` arguments carry something: then the block runs unreduced."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor) or value not in (None, 0):
             return True
@@ -170,8 +147,7 @@ def is_patched(unet) -> bool:
 
 
 def remove_patch(unet) -> None:
-    """Undo ``install_patch`` on ``unet``, and layer reuse (``webui_layer_reuse.install_ldm``); a no-op on a UNet
-    that is not patched."""
+    """Undo ``install_patch`` and layer reuse on ``unet``; a no-op on a UNet that is not patched."""
     webui_layer_reuse.remove_ldm(unet)
     for key in (_HOOK, _AFTER_HOOK):
         handle = unet.__dict__.pop(key, None)

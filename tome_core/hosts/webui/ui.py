@@ -1,21 +1,6 @@
-"""The WebUI script's controls, built from ``webui_args.ARGS`` (and through it from the engine's ``SPECS``).
-
-gradio and the WebUI's ``modules.ui_components`` are imported inside ``build_ui`` only, so this module imports
-anywhere. The returned list is in ``ARGS`` order, which is the API's positional order.
-
-The accordion shows only the controls that act for the current choices (``webui_args.controls_shown``): the
-method's own values, the highres values while "same as first pass" is unticked, the merge switches with scope
-self-attention ("Merge MLP" never on Forge, which has no hook for it). A hidden control keeps its value and its
-position: the API's argument list and the infotext do not depend on what is shown. The visibility follows the
-choices through their ``change`` events, which gradio fires for a user's change and for a value set by another
-event alike (the WebUI's paste-back of generation parameters), and once when the page loads (the WebUI may start
-the controls on values saved in ui-config.json). ``gr.update(visible=...)``, ``change``, the page's ``load`` and
-every constructor argument used here exist in gradio 3.41 (WebUI v1.10.1) and gradio 4 (Forge) alike.
-
-With a DiT loaded in Forge Neo or lllyasviel's Forge, the script runs the family's default (reuse across steps, no
-ToDo): the accordion then shows the controls that act there (``webui_args.DIT_CONTROLS``) and a line naming the
-family. The loaded model is read when the page loads, when the accordion is ticked and at every choice (a model
-switched later shows at the next of these).
+"""The WebUI script's controls, built from ``webui_args.ARGS`` in the API's positional order; only the controls that
+act for the current choices (or the loaded DiT) are shown, and a hidden one keeps its value. gradio is imported
+inside ``build_ui`` only. See docs/how-it-works.md, section 'Which controls are shown'.
 """
 
 from __future__ import annotations
@@ -28,8 +13,7 @@ from .dit_reuse import family_of
 
 # Controls shown outside the "Advanced" accordion, in ARGS order.
 MAIN = ("method", "ratio", "downsample_factor", "hr_same", "hr_ratio", "hr_downsample_factor", "hr_only")
-# The rest, in the order shown: those of both methods, then ToMe's (its scope first: it decides whether the merge
-# switches act), then ToDo's. Each method sees only its own.
+# The rest, in the order shown: both methods', then ToMe's (scope first), then ToDo's.
 ADVANCED = (
     "max_downsample",
     "end_percent",
@@ -57,14 +41,12 @@ def _control(gr, arg, elem_id, with_info, visible):
         return gr.Radio(choices=list(arg.choices), **common)
     if arg.kind in ("choice", "max_downsample"):
         return gr.Dropdown(choices=list(arg.choices), **common)
-    # No ``precision`` for the whole-number sliders: gradio 3.41 ignores it with a warning and gradio 4 has none
-    # (Forge logs it). Their integer step keeps the value whole, and the script casts it to int.
+    # No ``precision``: gradio 3.41 warns about it and gradio 4 has none; the integer step keeps the value whole.
     return gr.Slider(minimum=arg.minimum, maximum=arg.maximum, step=arg.step, **common)
 
 
 def _enable_accordion(gr, script, label):
-    """The accordion whose header checkbox is the enable toggle (WebUI 1.7+ and Forge); a plain checkbox inside
-    an accordion on older versions."""
+    """The accordion whose header checkbox is the enable toggle (WebUI 1.7+, Forge), else a checkbox inside one."""
     elem_id = script.elem_id("enabled")
     try:
         from modules.ui_components import InputAccordion
@@ -78,8 +60,7 @@ def _enable_accordion(gr, script, label):
 
 
 def _never_acting_here():
-    """Controls that never act on this host: Forge and reForge patch the UNet through their patcher's hooks, which
-    have none around the MLP, so "Merge MLP" does nothing there."""
+    """{"merge_mlp"} on Forge and reForge, whose patcher has no hook around the MLP; else nothing."""
     try:
         on_forge = importlib.util.find_spec("modules_forge") is not None
     except ValueError:  # imported without a spec: there all the same
@@ -97,9 +78,7 @@ def _page_being_built():
 
 
 def loaded_dit_family() -> str | None:
-    """The DiT family whose default the script runs on the model the WebUI holds (Forge Neo, lllyasviel's Forge),
-    or None (a UNet, no model yet, or a DiT it leaves alone). Reads ``modules.sd_models.model_data.sd_model``,
-    never loading a model."""
+    """The DiT family whose default the script runs on the model the WebUI holds, or None; never loads a model."""
     sd_models = sys.modules.get("modules.sd_models")
     sd_model = getattr(getattr(sd_models, "model_data", None), "sd_model", None)
     unet = getattr(getattr(sd_model, "forge_objects", None), "unet", None)
@@ -128,8 +107,7 @@ def _follow_choices(gr, controls, note, hidden_for_good):
         note_update = gr.update(value=dit_note(family), visible=True) if family else gr.update(visible=False)
         return [gr.update(visible=shown[name]) for name in names] + [note_update]
 
-    # queue=False: a visibility change must not wait behind a running generation. api_name=False: not part of the
-    # WebUI's API.
+    # queue=False: a visibility change must not wait behind a generation; api_name=False: not in the API.
     options = {"inputs": inputs, "outputs": outputs, "queue": False, "show_progress": "hidden", "api_name": False}
     for control in [*inputs, controls["enabled"]]:
         control.change(show_what_acts, **options)
