@@ -13,7 +13,7 @@ from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: 
 from tome_core.hosts.comfyui import dit_reuse
 from tome_core.hosts.comfyui.layer_reuse import RUN_KEY
 from tome_core.hosts.shared import dit_families
-from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule, full_below_noise
+from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule, decide
 
 FAMILIES = ("flux", "chroma", "sd3", "wan")
 # Four blocks each: Flux and Chroma two double and two single (the span crosses from one kind to the other).
@@ -93,7 +93,9 @@ def planned_full_steps(model, steps: int, sampler="euler", part=None) -> int:
 
     sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "normal", steps)
     levels = [float(s) for s in sigmas[:steps]][part or slice(None)]
-    plan = NoiseSpacedSchedule(REUSE["reuse_interval"]).for_run(len(levels), levels, full_below_noise(sampler))
+    plan = NoiseSpacedSchedule(REUSE["reuse_interval"]).for_run(
+        len(levels), levels, decide(None, sampler, None, dit=True).full_below
+    )
     return plan.full_steps(len(levels))
 
 

@@ -365,7 +365,7 @@ def test_wans_default_unipc_scheduler_reuses_on_dits_only(pipes, caplog, monkeyp
         tome_core.apply_patch(sd, reuse_interval=3)
         H.run(sd, "txt2img", steps=10)
     tome_core.remove_patch(sd)
-    assert "reuse across steps is off with UniPCMultistepScheduler" in caplog.text
+    assert "reuse across steps is off: sampler UniPCMultistepScheduler" in caplog.text
 
 
 def test_unipc_runs_the_low_noise_steps_in_full(pipes, monkeypatch):

@@ -229,8 +229,11 @@ def test_skip_when_slower_has_a_cuda_table_and_the_reducer_asks_with_its_input_d
 
 
 def test_unipc_runs_in_full_below_half_noise_and_other_samplers_nowhere():
-    from tome_core.reuse import full_below_noise
+    from tome_core.reuse import FULL, decide
 
-    assert full_below_noise("uni_pc") == full_below_noise("UniPCMultistepScheduler") == 0.5
-    assert full_below_noise("euler") == full_below_noise("FlowMatchEulerDiscreteScheduler") == 0.0
-    assert full_below_noise(None) == 0.0
+    def below(sampler):
+        return decide(None, sampler, None, dit=True).full_below
+
+    assert below("uni_pc") == below("UniPCMultistepScheduler") == 0.5
+    assert below("euler") == below("FlowMatchEulerDiscreteScheduler") == 0.0
+    assert decide(None, None, None, dit=True).runs == FULL

@@ -814,10 +814,25 @@ def test_a_step_change_curve_counts_as_magcache_and_guards_the_fast_steps():
     assert max(flux.errors(flux.guard(every_3, 28), 28)) <= flux.threshold
 
 
+def keeps_the_picture_with(sampler, schedule=None, dit=False, plan="auto"):
+    """Whether ``plans.decide`` lets reuse run with ``sampler`` on ``schedule``."""
+    from tome_core.reuse import FULL, decide
+
+    return decide(plan, sampler, schedule, None if dit else 3, dit=dit).runs != FULL
+
+
+def full_below_noise(sampler, schedule=None, dit=True, plan="auto"):
+    """The noise level below which ``plans.decide`` runs every call in full (0: none, or no reuse at all)."""
+    from tome_core.reuse import FULL, decide
+
+    decision = decide(plan, sampler, schedule, None if dit else 3, dit=dit)
+    return 0.0 if decision.runs == FULL else (decision.fallback or decision).full_below
+
+
 def test_the_webuis_unipc_label_reuses_on_dits_only_with_its_corrector_rule():
     """Forge Neo's sampler label "UniPC" is ComfyUI's uni_pc: reuse runs with it on DiTs only, and its calls below
     noise 0.5 run in full (the corrector's rule)."""
-    from tome_core.reuse import FULL_BELOW_NOISE_WITH_A_CORRECTOR, full_below_noise, keeps_the_picture_with
+    from tome_core.reuse import FULL_BELOW_NOISE_WITH_A_CORRECTOR
 
     assert keeps_the_picture_with("UniPC", "Simple", dit=True)
     assert not keeps_the_picture_with("UniPC", "Simple", dit=False)
@@ -829,13 +844,11 @@ def test_the_webuis_unipc_label_reuses_on_dits_only_with_its_corrector_rule():
 def test_dpmpp_2m_reuses_on_unets_on_karras_sigmas_only_with_its_low_noise_calls_in_full():
     """DPM++ 2M (each host's name for it) on Karras sigmas: reuse runs on UNets, with every call below sigma 1.0 in
     full; on other sigmas, and on DiTs, it stands down as before; UniPC's rule stays the DiTs'."""
-    from tome_core.reuse import FULL_BELOW_SIGMA_WITH_DPMPP_2M, full_below_noise, keeps_the_picture_with
-
     for name in ("dpmpp_2m", "DPM++ 2M", "DPMSolverMultistepScheduler"):
         assert keeps_the_picture_with(name, "karras") and keeps_the_picture_with(name, "Karras")
         assert not keeps_the_picture_with(name, None) and not keeps_the_picture_with(name, "exponential")
         assert not keeps_the_picture_with(name, "karras", dit=True)
-        assert full_below_noise(name, "karras", dit=False) == FULL_BELOW_SIGMA_WITH_DPMPP_2M == 1.0
+        assert full_below_noise(name, "karras", dit=False) == 1.0
         assert full_below_noise(name, None, dit=False) == full_below_noise(name, "karras", dit=True) == 0.0
     for name in ("dpmpp_2m_sde", "dpmpp_3m_sde", "euler"):  # not measured, or lose the picture on Karras sigmas
         assert not keeps_the_picture_with(name, "karras")

@@ -29,9 +29,9 @@ from tome_core.reuse import (
     WHOLE_STEP_REACH,
     LayerReuseRun,
     WholeStepRun,
+    decide,
     denoised_of,
     output_of,
-    whole_step_schedule,
 )
 from tome_core.settings import PatchSettings
 
@@ -190,7 +190,7 @@ def test_euler_a_keeps_autos_behaviour_every_step_in_full(host, capsys):
     capsys.readouterr()
     out, p = job(host, sd_model, script_args(**FORECAST), sampler="Euler a")
     assert not runs_of(p) and torch.equal(out, off)
-    assert capsys.readouterr().out.count("reuse across steps is off with the sampler 'Euler a'") == 1
+    assert capsys.readouterr().out.count("reuse across steps is off: sampler Euler a is not one") == 1
     heun, p = job(host, sd_model, script_args(**FORECAST), sampler="Heun")
     (run,) = runs_of(p)
     assert type(run) is LayerReuseRun and run.reused_calls > 0
@@ -220,7 +220,7 @@ def test_the_step_range_and_the_highres_pass(host):
     _, p = job(host, sd_model, script_args(**FORECAST), enable_hr=True, hr_steps=hr_steps)
     first, second = runs_of(p)
     assert (first.steps, first.reused_calls) == (25, 12)
-    full = whole_step_schedule(3, "euler").full_steps(12)
+    full = decide("forecast v2", "euler", None, 3).schedule.full_steps(12)
     assert isinstance(second, WholeStepRun) and (second.steps, second.reused_calls) == (12, 12 - full) and full < 12
     assert_clean(sd_model)
 
@@ -239,7 +239,7 @@ def test_removal_keeps_a_forward_that_was_there_and_restores_the_unet(host):
 
     settings = PatchSettings(method="todo", downsample_factor=1.0, reuse_interval=3)
     euler = types.SimpleNamespace(sampler_name="Euler", scheduler="Automatic")
-    schedule = webui_whole_step.forecast_schedule(settings, euler)
+    schedule = webui_layer_reuse.decision_for(settings, euler).schedule
     with torch.no_grad():
         plain = unet(x, t, context=context)
         for remove in (lambda: ldm_patch.remove_patch(unet), ldm_patch.remove_all, lambda: None):

@@ -107,10 +107,11 @@ def test_a_job_of_25_steps_takes_its_familys_plan(host, layout, extrapolate):
 @pytest.mark.parametrize(
     ("job_of", "said"),
     [
-        ({"sampler": "DPM++ 2M", "scheduler": "Uniform"}, "reuse across steps is off with the sampler 'DPM++ 2M'"),
-        ({"sampler": "DPM2 a"}, "reuse across steps is off with the sampler 'DPM2 a'"),
-        ({"scheduler": "Karras"}, "reuse across steps is off with the sampler 'Euler' on the schedule"),
-        ({"sampler": "DPM++ SDE"}, "reuse across steps is off with the sampler 'DPM++ SDE'"),  # Automatic: Karras
+        ({"sampler": "DPM++ 2M", "scheduler": "Uniform"}, "reuse across steps is off: sampler DPM++ 2M is not one"),
+        ({"sampler": "DPM2 a"}, "reuse across steps is off: sampler DPM2 a is not one"),
+        ({"scheduler": "Karras"}, "reuse across steps is off: sampler Euler on karras sigmas is not one"),
+        # Automatic: Karras for DPM++ SDE
+        ({"sampler": "DPM++ SDE"}, "reuse across steps is off: sampler DPM++ SDE on karras sigmas is not one"),
     ],
     ids=("dpmpp-2m-uniform", "dpm2-a", "euler-karras", "dpmpp-sde-automatic"),
 )
@@ -158,7 +159,7 @@ def test_dpmpp_2m_on_karras_sigmas_under_every_n_keeps_every_step_in_full(host, 
     args = script_args(**{**REUSE, "reuse_plan": "every N"})
     out, p = job(host, sd_model, args, steps=steps, sampler="DPM++ 2M")
     assert not runs_of(p) and torch.equal(out, off)
-    assert capsys.readouterr().out.count("reuse across steps is off with the sampler 'DPM++ 2M'") == 1
+    assert capsys.readouterr().out.count("reuse across steps is off: sampler DPM++ 2M on karras sigmas is not one") == 1
     assert_clean(sd_model)
 
 
@@ -193,7 +194,7 @@ def test_with_todo_both_apply_and_removal_restores_the_unet(host):
         for remove in (lambda: ldm_patch.remove_patch(unet), ldm_patch.remove_all):
             assert not ldm_patch.install_patch(unet, settings)  # the reduction does nothing ...
             euler = types.SimpleNamespace(sampler_name="Euler")  # a job of a sampler reuse keeps the picture with
-            schedule = webui_layer_reuse.schedule_for(settings, unet, euler)
+            schedule = webui_layer_reuse.schedule_for(settings, unet, webui_layer_reuse.decision_for(settings, euler))
             assert webui_layer_reuse.install_ldm(unet, settings, euler, schedule) is not None  # ... the reuse does
             assert ldm_patch.is_patched(unet) and skippable_layers(unet)
             # A call outside a denoiser call has no known step: it runs in full.

@@ -319,7 +319,7 @@ def test_reuse_interval_1_and_an_unkept_sampler_run_every_block(host, flux, caps
     assert torch.equal(neo_job(host, flux, script_args(method="ToDo", reuse_interval=1), steps=12)[0], off)
     assert "reuse across steps is off (reuse interval 1)" in capsys.readouterr().out
     assert torch.equal(neo_job(host, flux, DEFAULTS, steps=12, sampler="Euler a")[0], off)
-    assert "the sampler 'Euler a' is not one it keeps the picture with" in capsys.readouterr().out
+    assert "sampler Euler a is not one it keeps the picture with" in capsys.readouterr().out
     assert_clean(flux)
 
 

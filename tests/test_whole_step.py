@@ -8,20 +8,41 @@ import torch
 
 from tome_core import PatchSettings
 from tome_core.reuse import (
-    WHOLE_STEP_PLAN,
+    DEFAULT_REUSE_PLAN,
+    FORECAST,
+    FULL,
     WHOLE_STEP_REACH,
     WholeStepRun,
+    decide,
     denoised_of,
-    keeps_the_picture_with,
     output_of,
     unet_schedule,
-    whole_step_kind,
-    whole_step_schedule,
 )
+
+# The sampler each forecast kind of these tests stands for.
+KINDS = {"euler": ("euler", None), "dpmpp_2m_karras": ("dpmpp_2m", "karras"), None: ("euler_ancestral", None)}
 
 
 def computed(schedule, steps):
     return [step for step in range(steps) if schedule.is_full(step, steps)]
+
+
+def whole_step_schedule(interval, kind, plan=DEFAULT_REUSE_PLAN):
+    """The forecast schedule ``decide`` gives a sampler of ``kind`` (None where the pass does not forecast)."""
+    decision = decide(plan, *KINDS[kind], interval)
+    return decision.schedule if decision.runs == FORECAST else None
+
+
+def whole_step_kind(sampler, schedule):
+    """Which forecast ``decide`` gives (by its computed steps at 25), or None where it gives none."""
+    decision = decide(DEFAULT_REUSE_PLAN, sampler, schedule, 3)
+    if decision.runs != FORECAST:
+        return None
+    return "euler" if len(computed(decision.schedule, 25)) == 13 else "dpmpp_2m_karras"
+
+
+def keeps_the_picture_with(sampler, schedule, plan):
+    return decide(plan, sampler, schedule, 3).runs != FULL
 
 
 def test_the_plans_at_25_steps_are_the_measured_ones():
@@ -39,7 +60,7 @@ def test_the_plans_at_25_steps_are_the_measured_ones():
         v2, forecast = (whole_step_schedule(3, "dpmpp_2m_karras", plan) for plan in ("forecast v2", "forecast"))
         assert computed(v2, steps) == computed(forecast, steps)
     assert len(computed(whole_step_schedule(3, "dpmpp_2m_karras"), 30)) == 19  # forecast: 22
-    assert PatchSettings().reuse_plan == WHOLE_STEP_PLAN == "forecast v2"
+    assert PatchSettings().reuse_plan == DEFAULT_REUSE_PLAN == "forecast v2"
     assert whole_step_schedule(3, "euler").extrapolate == WHOLE_STEP_REACH == 0.75
     assert whole_step_schedule(3, None) is None and whole_step_schedule(1, "euler") is None
     assert computed(whole_step_schedule(3, "euler"), 9) == list(range(9))  # under 10 steps: every step

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .reuse import plans
+
 METHODS = ("tome", "todo")
 METHOD_LABELS = {"tome": "ToMe", "todo": "ToDo"}
 DOWNSAMPLE_METHODS = ("nearest-exact", "avg_pool", "bilinear")
@@ -259,26 +261,16 @@ _SPEC_LIST += (
     ),
 )
 
-# Which steps a UNet runs in full when it reuses, and what the others run: the forecast of the whole step (its
-# plans of today and before), the plan measured per family, or one step in N.
-REUSE_PLANS = ("forecast v2", "forecast", "auto", "every N")
+REUSE_PLANS = tuple(plans.REUSE_PLANS)
 _SPEC_LIST += (
     Spec(
         "reuse_plan",
         "choice",
-        "forecast v2",
+        plans.DEFAULT_REUSE_PLAN,
         choices=REUSE_PLANS,
         tooltip="ToMe and ToDo: with reuse_interval above 1, which steps of a UNet run and what the others run. "
-        "forecast v2 (the default): with Euler or DDIM the first 4 steps of 25, one in reuse_interval after and "
-        "the last 3 run the model (13 of 25 at 3), with DPM++ 2M on Karras sigmas the first 4, one in 2 and the "
-        "last 3 (16 of 25; under 25 steps as forecast); the other steps run nothing, their output drawn along the "
-        "line through the last two computed steps; other samplers as auto. forecast: the same, but DPM++ 2M on "
-        "Karras sigmas runs its first 10 steps (19 of 25). auto: at reuse_interval 3 from 25 steps, the plan "
-        "measured for the UNet's family (SD1.x/SD2.x or SDXL: 12 full steps of 25), otherwise as every N, the "
-        "steps between running the outermost layers; DPM++ 2M on Karras sigmas: as every N with every call below "
-        "sigma 1 in full. every N: the first fifth of the steps, the last four and one in N in between (14 of 25 "
-        "at 3), and DPM++ 2M on Karras sigmas every step in full, as workflows saved before this input existed "
-        "run. DiTs ignore it (their full steps are spaced by the noise).",
+        + " ".join(plan.tooltip for plan in plans.REUSE_PLANS.values())
+        + " DiTs ignore it (their full steps are spaced by the noise).",
     ),
 )
 
@@ -389,6 +381,11 @@ class PatchSettings:
             # Scope block merges the whole block whatever the merge_* switches say.
             return self.scope == "self-attention" and not (self.merge_attn or self.merge_crossattn or self.merge_mlp)
         return self.downsample_factor == 1.0
+
+    @property
+    def dit_family_default(self) -> bool:
+        """Whether a DiT runs its family's measured setting (``dit_settings`` auto), not the inputs as set."""
+        return self.dit_settings == DIT_SETTINGS[0]
 
     @property
     def merges_whole_block(self) -> bool:

@@ -1,51 +1,36 @@
-"""Reuse across steps: between full steps only a model's outermost layers run, its inner ones are predicted.
-
-A UNet's inner layers (the coarse levels, the middle block and most of the fine ones) change their output slowly
-from one sampling step to the next, while the outermost layers (the first input block and the last output block,
-at full resolution) carry the fine detail through the skip connection. A DiT's blocks after the first form one
-*span*, whose residual (output minus input) changes slowly too. So at a *reusing* step the inner layers do not run:
-their output is predicted from the steps at which it was last computed, and only the outer layers run on the
-current input. This package knows no host; one module per idea:
-
-- ``schedules``: which steps run in full (the first ones, the last ones, one in ``interval`` between; for a DiT,
-  spaced by the noise level);
-- ``plans``: the measured defaults that hold for every model (the UNet families' plans; a DiT family's own are in
-  ``hosts.shared.dit_families``);
-- ``samplers``: the samplers and noise schedules reuse may run with;
-- ``cache``: one sampling run's records and the prediction from them (``LayerReuseRun``);
-- ``hooks``: the skippable forwards every host door shares (``LayerReuse``, ``SkippableLayer``);
-- ``whole_step``: ``reuse_plan``'s forecasts, where a skipped step runs no layer at all (``WholeStepRun``).
+"""Reuse across steps: at a step that reuses, a model's inner layers (a UNet's) or its blocks after the first (a
+DiT's) do not run, their output predicted from the last computed steps; under a forecast plan nothing runs. One
+module per idea: ``schedules`` (which steps run in full), ``plans`` (the plan records and the decision per pass),
+``samplers`` (which sampler a host's name is), ``cache`` (one run's records, ``LayerReuseRun``), ``hooks`` (the
+skippable forwards), ``whole_step`` (the whole-step forecast). Method: docs/step-reuse.md.
 """
 
 from .cache import COMPACT_SLOPE_BYTES, LayerReuseRun, join_streams, split_streams
 from .hooks import LayerReuse, SkippableLayer, attach_forwards, detach_forwards
 from .plans import (
     DEFAULT_EXTRAPOLATE,
+    DEFAULT_REUSE_PLAN,
     DIT_OUTER_BLOCKS,
+    DIT_PLAN,
+    FORECAST,
+    FULL,
+    FULL_BELOW_NOISE_WITH_A_CORRECTOR,
+    LAYERS,
     OUTER_BLOCKS,
+    REUSE_PLANS,
     UNET_LONG_RUN,
     UNET_LONG_RUN_PLANS,
     UNET_PLANNED_INTERVAL,
-    WHOLE_STEP_PLAN,
-    WHOLE_STEP_PLANS,
     WHOLE_STEP_REACH,
+    Decision,
+    ReusePlan,
+    Rule,
+    Spacing,
+    decide,
+    may_forecast,
     unet_schedule,
-    whole_step_schedule,
 )
-from .samplers import (
-    DIT_SAMPLERS_THAT_KEEP_THE_PICTURE,
-    FULL_BELOW_NOISE_WITH_A_CORRECTOR,
-    FULL_BELOW_SIGMA_WITH_DPMPP_2M,
-    KARRAS_RHO,
-    SAMPLERS_THAT_KEEP_THE_PICTURE,
-    SAMPLERS_WITH_A_CORRECTOR,
-    SCHEDULES_THAT_LOSE_THE_PICTURE,
-    UNET_SAMPLERS_WITH_LOW_NOISE_IN_FULL,
-    full_below_noise,
-    is_karras,
-    keeps_the_picture_with,
-    whole_step_kind,
-)
+from .samplers import KARRAS_RHO, SAMPLER_KINDS, is_karras, on_karras, sampler_kind
 from .schedules import (
     MIN_NOISE_LEVEL,
     FullSteps,
@@ -61,44 +46,47 @@ from .whole_step import WholeStepRun, denoised_of, output_of
 __all__ = [
     "COMPACT_SLOPE_BYTES",
     "DEFAULT_EXTRAPOLATE",
+    "DEFAULT_REUSE_PLAN",
     "DIT_OUTER_BLOCKS",
-    "DIT_SAMPLERS_THAT_KEEP_THE_PICTURE",
+    "DIT_PLAN",
+    "FORECAST",
+    "FULL",
     "FULL_BELOW_NOISE_WITH_A_CORRECTOR",
-    "FULL_BELOW_SIGMA_WITH_DPMPP_2M",
     "KARRAS_RHO",
+    "LAYERS",
     "MIN_NOISE_LEVEL",
     "OUTER_BLOCKS",
-    "SAMPLERS_THAT_KEEP_THE_PICTURE",
-    "SAMPLERS_WITH_A_CORRECTOR",
-    "SCHEDULES_THAT_LOSE_THE_PICTURE",
-    "UNET_SAMPLERS_WITH_LOW_NOISE_IN_FULL",
+    "REUSE_PLANS",
+    "SAMPLER_KINDS",
     "UNET_LONG_RUN",
     "UNET_LONG_RUN_PLANS",
     "UNET_PLANNED_INTERVAL",
-    "WHOLE_STEP_PLAN",
-    "WHOLE_STEP_PLANS",
     "WHOLE_STEP_REACH",
+    "Decision",
     "FullSteps",
     "IntervalSchedule",
     "LayerReuse",
     "LayerReuseRun",
     "NoiseSpacedSchedule",
+    "ReusePlan",
+    "Rule",
     "RunLengthSchedule",
     "SkippableLayer",
+    "Spacing",
     "StepChangeCurve",
     "StepCountSchedule",
     "WholeStepRun",
     "attach_forwards",
+    "decide",
+    "may_forecast",
     "denoised_of",
     "detach_forwards",
-    "full_below_noise",
     "is_karras",
     "join_streams",
-    "keeps_the_picture_with",
+    "on_karras",
     "output_of",
+    "sampler_kind",
     "spaced_by_noise",
     "split_streams",
     "unet_schedule",
-    "whole_step_kind",
-    "whole_step_schedule",
 ]

@@ -1,77 +1,209 @@
-"""The measured defaults of reuse across steps that hold for every model: what the hosts run unless told otherwise.
+"""The reuse plans as records, and the one decision a host asks for each sampling pass.
 
-Each constant is chosen by measurement on the reference models; the figures are in docs/step-reuse.md (UNets) and
-docs/dit.md (DiTs). What differs per DiT family lives in the family registry (``hosts.shared.dit_families``).
+A ``ReusePlan`` says, per sampler kind and schedule, what a UNet runs: the whole-step forecast (``whole_step``),
+layer reuse, or every step. A plan once shipped is never changed, so a job saved with it keeps its picture; a new
+sampler or spacing is a new record. How to add one: docs/how-it-works.md, "Adding a plan or a sampler". The figures
+behind each constant: docs/step-reuse.md ("The default", "A skipped step that runs nothing").
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .samplers import on_karras, sampler_kind
 from .schedules import IntervalSchedule, RunLengthSchedule
 
-# How far along the line through the last two full steps the prediction moves (1: all the way). Half way, over the
-# noise levels, kept the picture best on both UNet references (docs/step-reuse.md).
-DEFAULT_EXTRAPOLATE = 0.5
+DEFAULT_EXTRAPOLATE = 0.5  # layer reuse moves half way along the line
 OUTER_BLOCKS = 1  # the first input block and the last output block run at every step of a UNet
-# A DiT's blocks that run at every call: (at the start, at the end). The first block makes the span's input; running
-# the last one too kept no more of the picture and costs a block per reusing call (docs/dit.md).
-DIT_OUTER_BLOCKS = (1, 0)
+DIT_OUTER_BLOCKS = (1, 0)  # a DiT's blocks that run at every call: (at the start, at the end)
 
-# ``reuse_interval`` 3 (the default) on a UNet, in a run of ``UNET_LONG_RUN`` steps or more: 12 full steps of 25
-# instead of 14, planned per family on its reference model, as (full_start, full_end, extrapolate), keyed by
-# whether the UNet has attention at full resolution (SD1.x, SD2.x) or not (SDXL) (docs/step-reuse.md, "The
-# default"). Shorter runs and the other intervals keep ``IntervalSchedule``'s defaults.
+# Layer reuse at ``UNET_PLANNED_INTERVAL`` from ``UNET_LONG_RUN`` steps: (full_start, full_end, extrapolate), keyed by
+# whether the UNet has attention at full resolution (SD1.x, SD2.x) or not (SDXL).
 UNET_LONG_RUN = 25
 UNET_LONG_RUN_PLANS = {True: (0.12, 3, 0.75), False: (0.08, 4, 0.5)}
 UNET_PLANNED_INTERVAL = 3
 
+WHOLE_STEP_REACH = 0.75  # how far along the line a skipped step's forecast moves
+
+FORECAST, LAYERS, FULL = "forecast", "layers", "full"
+
+
+@dataclass(frozen=True)
+class Spacing:
+    """A forecast's computed steps: the first ``full_start`` share, the last ``full_end``, and one in
+    ``reuse_interval`` between (one in ``most`` at the most)."""
+
+    full_start: float
+    full_end: int
+    most: int | None = None
+
+    def schedule(self, interval: int) -> IntervalSchedule:
+        spacing = interval if self.most is None else min(interval, self.most)
+        return IntervalSchedule(spacing, self.full_start, self.full_end, extrapolate=WHOLE_STEP_REACH)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a plan runs with one sampler kind on one kind of schedule."""
+
+    runs: str  # FORECAST or LAYERS (a kind without a rule runs every step)
+    spacings: tuple[tuple[int, Spacing], ...] = ()  # FORECAST: (from this many steps on, spacing)
+    full_below: float = 0.0  # LAYERS: the calls below this noise level run in full
+    fallback: Rule | None = None  # FORECAST: what runs where the host cannot forecast the output
+
+
+# (sampler kind, on Karras sigmas) -> Rule
+Rules = Mapping[tuple[str, bool], Rule]
+
+
+@dataclass(frozen=True)
+class ReusePlan:
+    """One value of ``reuse_plan``: its rules, whether layer reuse takes the UNet family's measured plan (else one
+    step in ``reuse_interval``), and the words of its tooltip."""
+
+    name: str
+    rules: Rules
+    measured_layers: bool
+    tooltip: str
+    default: bool = field(default=False)
+
+    def samplers(self) -> str:
+        """The samplers it runs with, for a log line."""
+        off = sorted(kind for kind, karras in self.rules if not karras)
+        on = sorted(kind for kind, karras in self.rules if karras)
+        words = ", ".join(off)
+        return words + (f", and {', '.join(on)} on Karras sigmas" if on else "") if words else "none"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one sampling pass runs (FORECAST, LAYERS or FULL) and the one log line that says why."""
+
+    runs: str
+    why: str
+    schedule: IntervalSchedule | RunLengthSchedule | None = None  # FORECAST: the computed steps
+    full_below: float = 0.0  # LAYERS: the calls below this noise level run in full
+    fallback: Decision | None = None  # FORECAST: what runs where the host cannot forecast the output
+
+
+_LAYERS = Rule(LAYERS)
+_DPMPP_2M_LOW_NOISE = Rule(LAYERS, full_below=1.0)  # its two-step update carries a miss into the next step
+_EULER = Spacing(0.15, 3)
+_DPMPP_2M_FIRST_10 = Spacing(0.39, 3, 2)
+_DPMPP_2M_FIRST_4 = Spacing(0.15, 3, 2)
+_EULER_FORECAST = Rule(FORECAST, ((0, _EULER),), fallback=_LAYERS)
+_OFF_KARRAS_LAYERS: Rules = {(kind, False): _LAYERS for kind in ("euler", "heun", "dpmpp_sde", "flow_euler")}
+_AUTO_RULES: Rules = {**_OFF_KARRAS_LAYERS, ("dpmpp_2m", True): _DPMPP_2M_LOW_NOISE}
+
+
+def _forecast_rules(*dpmpp_2m: tuple[int, Spacing]) -> Rules:
+    return {
+        **_AUTO_RULES,
+        ("euler", False): _EULER_FORECAST,
+        ("dpmpp_2m", True): Rule(FORECAST, dpmpp_2m, fallback=_DPMPP_2M_LOW_NOISE),
+    }
+
+
+_PLAN_LIST = (
+    ReusePlan(
+        "forecast v2",
+        _forecast_rules((0, _DPMPP_2M_FIRST_10), (UNET_LONG_RUN, _DPMPP_2M_FIRST_4)),
+        measured_layers=True,
+        default=True,
+        tooltip="forecast v2 (the default): with Euler or DDIM the first 4 steps of 25, one in reuse_interval after "
+        "and the last 3 run the model (13 of 25 at 3), with DPM++ 2M on Karras sigmas the first 4, one in 2 and the "
+        "last 3 (16 of 25; under 25 steps as forecast); the other steps run nothing, their output drawn along the "
+        "line through the last two computed steps; other samplers as auto.",
+    ),
+    ReusePlan(
+        "forecast",
+        _forecast_rules((0, _DPMPP_2M_FIRST_10)),
+        measured_layers=True,
+        tooltip="forecast: the same, but DPM++ 2M on Karras sigmas runs its first 10 steps (19 of 25).",
+    ),
+    ReusePlan(
+        "auto",
+        _AUTO_RULES,
+        measured_layers=True,
+        tooltip="auto: at reuse_interval 3 from 25 steps, the plan measured for the UNet's family (SD1.x/SD2.x or "
+        "SDXL: 12 full steps of 25), otherwise as every N, the steps between running the outermost layers; DPM++ 2M "
+        "on Karras sigmas: as every N with every call below sigma 1 in full.",
+    ),
+    ReusePlan(
+        "every N",
+        _OFF_KARRAS_LAYERS,
+        measured_layers=False,
+        tooltip="every N: the first fifth of the steps, the last four and one in N in between (14 of 25 at 3), and "
+        "DPM++ 2M on Karras sigmas every step in full, as workflows saved before this input existed run.",
+    ),
+)
+REUSE_PLANS: dict[str, ReusePlan] = {plan.name: plan for plan in _PLAN_LIST}
+DEFAULT_REUSE_PLAN = next(plan.name for plan in _PLAN_LIST if plan.default)
+
+# A DiT runs whatever ``reuse_plan`` says: its full steps come from its family record (``hosts.shared.dit_families``).
+# UniPC's corrector multiplies a miss where the details form, so its low-noise calls run in full.
+FULL_BELOW_NOISE_WITH_A_CORRECTOR = 0.5
+DIT_PLAN = ReusePlan(
+    "DiT",
+    {
+        **_OFF_KARRAS_LAYERS,
+        ("unipc", False): Rule(LAYERS, full_below=FULL_BELOW_NOISE_WITH_A_CORRECTOR),
+    },
+    measured_layers=False,
+    tooltip="",
+)
+
+
+def may_forecast(plan: str) -> bool:
+    """Whether ``plan`` forecasts whole steps with any sampler (a host then wires the whole-step forward too)."""
+    return any(rule.runs == FORECAST for rule in REUSE_PLANS[plan].rules.values())
+
 
 def unet_schedule(interval: int, attention_levels, plan: str = "auto") -> IntervalSchedule | RunLengthSchedule:
-    """The schedule of ``reuse_interval`` ``interval`` on a UNet whose attention is at ``attention_levels`` (1, 2,
-    4, ...: downsampling factors; None where unknown): with ``reuse_plan`` (``plan``) "auto" (and the forecasts, for
-    the samplers they do not forecast), ``UNET_LONG_RUN_PLANS`` at the planned interval, else (and with "every N")
-    ``IntervalSchedule``'s defaults."""
+    """The layer-reuse schedule of ``plan`` at ``reuse_interval`` ``interval`` on a UNet with attention at
+    ``attention_levels`` (downsampling factors; None where unknown)."""
     general = IntervalSchedule(interval)
-    if (plan != "auto" and plan not in WHOLE_STEP_PLANS) or interval != UNET_PLANNED_INTERVAL or not attention_levels:
+    if not REUSE_PLANS[plan].measured_layers or interval != UNET_PLANNED_INTERVAL or not attention_levels:
         return general
     full_start, full_end, extrapolate = UNET_LONG_RUN_PLANS[1 in attention_levels]
     long = IntervalSchedule(interval, full_start=full_start, full_end=full_end, extrapolate=extrapolate)
     return RunLengthSchedule(general, long, UNET_LONG_RUN)
 
 
-# ``reuse_plan`` "forecast v2" and "forecast" on a UNet: a skipped step runs no layer, and the whole call's output
-# (the denoised image) follows the line through the last two computed steps over the noise level (``whole_step``).
-# Planned per sampler, as (full_start, full_end, the most steps in a row that run nothing plus one), on the four UNet
-# references (docs/step-reuse.md, "A skipped step that runs nothing"): Euler (and DDIM, Euler on other axes) the
-# first 4 steps of 25, one in ``reuse_interval`` after, the last 3; DPM++ 2M on Karras sigmas, whose two-step update
-# carries a forecast's error on, one in 2 after the first 10 ("forecast", the plan before: a job saved with it keeps
-# its picture) or, from ``UNET_LONG_RUN`` steps on, after the first 4 ("forecast v2": 16 of 25; at 20 steps that
-# spacing lost the picture, so shorter runs keep "forecast"'s). Each plan: {from this many steps on: plan}.
-# Other samplers keep "auto"'s plan.
-WHOLE_STEP_PLAN = "forecast v2"  # the default
-WHOLE_STEP_REACH = 0.75  # how far along the line the forecast moves: three quarters kept the most on all four
-_EULER, _DPMPP_2M_FIRST_10, _DPMPP_2M_FIRST_4 = (0.15, 3, None), (0.39, 3, 2), (0.15, 3, 2)
-WHOLE_STEP_PLANS = {
-    WHOLE_STEP_PLAN: {
-        "euler": {0: _EULER},
-        "dpmpp_2m_karras": {0: _DPMPP_2M_FIRST_10, UNET_LONG_RUN: _DPMPP_2M_FIRST_4},
-    },
-    "forecast": {"euler": {0: _EULER}, "dpmpp_2m_karras": {0: _DPMPP_2M_FIRST_10}},
-}
-
-
-def whole_step_schedule(
-    interval: int, kind: str | None, plan: str = WHOLE_STEP_PLAN
-) -> IntervalSchedule | RunLengthSchedule | None:
-    """The schedule of ``reuse_plan`` ``plan`` (one of ``WHOLE_STEP_PLANS``) at ``reuse_interval`` ``interval``
-    with a sampler of ``kind`` (``samplers.whole_step_kind``), or None where that sampler keeps "auto"'s plan."""
-    if kind is None or interval <= 1:
-        return None
-
-    def schedule(full_start: float, full_end: int, most: int | None) -> IntervalSchedule:
-        spacing = interval if most is None else min(interval, most)
-        return IntervalSchedule(spacing, full_start=full_start, full_end=full_end, extrapolate=WHOLE_STEP_REACH)
-
-    by_length = WHOLE_STEP_PLANS[plan][kind]
-    short = schedule(*by_length[0])
+def _forecast_schedule(spacings, interval: int) -> IntervalSchedule | RunLengthSchedule:
+    by_length = dict(spacings)
+    short = by_length[0].schedule(interval)
     long_run = max(by_length)
-    return short if long_run == 0 else RunLengthSchedule(short, schedule(*by_length[long_run]), long_run)
+    return short if long_run == 0 else RunLengthSchedule(short, by_length[long_run].schedule(interval), long_run)
+
+
+def _decision(rule: Rule, interval: int, why: str) -> Decision:
+    if rule.runs == LAYERS:
+        return Decision(LAYERS, why, full_below=rule.full_below)
+    fallback = _decision(rule.fallback, interval, why) if rule.fallback is not None else None
+    if interval is None:  # a DiT's full steps are its family's: no forecast plan applies
+        return fallback or Decision(FULL, why)
+    return Decision(FORECAST, why, _forecast_schedule(rule.spacings, interval), fallback=fallback)
+
+
+def decide(
+    plan: str, sampler: str | None, schedule: str | None, interval: int | None = None, dit: bool = False
+) -> Decision:
+    """What a pass of ``sampler`` (a host's name) on ``schedule`` (a host's schedule name, None: its default) runs
+    under ``reuse_plan`` ``plan`` at ``reuse_interval`` ``interval`` (None: a DiT family's own), on a UNet or
+    (``dit``) a DiT."""
+    record = DIT_PLAN if dit else REUSE_PLANS[plan]
+    karras = on_karras(schedule)
+    on = f"sampler {sampler or '(unknown)'}{' on karras sigmas' if karras else ''}"
+    if interval is not None and interval <= 1:
+        return Decision(FULL, "reuse_interval 1")
+    rule = record.rules.get((sampler_kind(sampler), karras))
+    if rule is None:
+        return Decision(FULL, f"{on} is not one it keeps the picture with ({_with(record, dit)})")
+    words = "forecast" if rule.runs == FORECAST else "layer reuse"
+    return _decision(rule, interval, f"{on}: {words} under reuse_plan {record.name!r}")
+
+
+def _with(record: ReusePlan, dit: bool) -> str:
+    return f"{record.samplers()}{'' if dit else f' under reuse_plan {record.name!r}'}"

@@ -91,7 +91,7 @@ class RunLengthSchedule:
         return self.short.interval
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> IntervalSchedule:
-        # A run whose low-noise calls run in full (DPM++ 2M on Karras sigmas, ``samplers.full_below_noise``) keeps
+        # A run whose low-noise calls run in full (DPM++ 2M on Karras sigmas, ``plans.decide``) keeps
         # the general schedule: the long runs' plans were chosen with Euler, and with DPM++ 2M they lose more of the
         # picture than it does (docs/step-reuse.md, "DPM++ 2M on Karras sigmas").
         if full_below > 0:

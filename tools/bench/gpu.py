@@ -177,12 +177,14 @@ def spectrum_at_our_work(steps: int, sampler: tuple[str, str]):
     """Spectrum's settings computing as many of ``steps`` as the default does with ``sampler`` (ComfyUI's sampler
     and scheduler), or None where the default forecasts no step with it or no plan of Spectrum's has that count."""
     from tome_core import PatchSettings
-    from tome_core.reuse import whole_step_kind, whole_step_schedule
+    from tome_core.reuse import FORECAST, decide
     from tools.fidelity import spectrum
 
-    planned = whole_step_schedule(PatchSettings().reuse_interval, whole_step_kind(*sampler))
-    if planned is None:
+    default = PatchSettings()
+    decision = decide(default.reuse_plan, *sampler, default.reuse_interval)
+    if decision.runs != FORECAST:
         return None
+    planned = decision.schedule
     try:
         return spectrum.settings_computing(steps, planned.full_steps(steps))
     except ValueError:

@@ -23,19 +23,17 @@ import torch
 
 from ...reuse import (
     DEFAULT_EXTRAPOLATE,
+    FORECAST,
+    FULL,
     OUTER_BLOCKS,
-    WHOLE_STEP_PLANS,
     IntervalSchedule,
     LayerReuse,
     LayerReuseRun,
     WholeStepRun,
     attach_forwards,
+    decide,
     detach_forwards,
-    full_below_noise,
     is_karras,
-    keeps_the_picture_with,
-    whole_step_kind,
-    whole_step_schedule,
 )
 from ...schedule import call_sigmas, step_of
 from ..shared.unet_layout import inner_layers
@@ -55,7 +53,7 @@ class LayerReuseHooks(LayerReuse):
     """Shared by every clone of one patch (like functions). The call in progress (``layer_run``) is set and cleared
     around each call by the APPLY_MODEL wrapper; the run itself lives in the sampling run's options."""
 
-    DIT = False  # which samplers reuse may run with (``layer_reuse.keeps_the_picture_with``)
+    DIT = False  # a DiT's door: its sampler rules (``plans.DIT_PLAN``), no forecast
 
     def __init__(self, schedule: IntervalSchedule, layers: int, noise_range, extrapolate=DEFAULT_EXTRAPOLATE):
         super().__init__(schedule, layers, extrapolate)
@@ -83,31 +81,20 @@ class LayerReuseHooks(LayerReuse):
             return executor(*args, **kwargs)
         name = sampler_name(args[2] if len(args) > 2 else kwargs.get("sampler"))
         raw_sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
-        schedule = schedule_name(guider, raw_sigmas)
-        if not keeps_the_picture_with(name, schedule, self.DIT, self.plan):
+        interval = None if self.DIT else self.schedule.interval
+        decision = decide(self.plan, name, schedule_name(guider, raw_sigmas), interval, dit=self.DIT)
+        if decision.runs == FULL:
             log.info(
-                "ToMe reuse across steps is off for this run: sampler %s%s is not one it keeps the picture with "
-                "(euler, heun, ddim, dpmpp_sde%s; not on karras sigmas%s); every step runs in full. ToDo/ToMe "
-                "still apply.",
-                name or "(unknown)",
-                f" on {schedule} sigmas" if schedule else "",
-                ", and uni_pc on DiTs" if self.DIT else "",
-                "" if self.DIT else ", but dpmpp_2m on karras, except under reuse_plan every N",
+                "ToMe reuse across steps is off for this run: %s; every step runs in full. ToDo/ToMe still apply.",
+                decision.why,
             )
             return executor(*args, **kwargs)
         sigmas = call_sigmas(raw_sigmas)
-        run = self.whole_step_run(name, schedule, len(sigmas))
-        if run is None:
-            run = self.new_run(len(sigmas), sigmas, full_below_noise(name, schedule, self.DIT, self.plan))
+        if decision.runs == FORECAST:
+            run = WholeStepRun(decision.schedule, len(sigmas))
+        else:
+            run = self.new_run(len(sigmas), sigmas, decision.full_below)
         return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
-
-    def whole_step_run(self, sampler: str | None, schedule: str | None, steps: int) -> WholeStepRun | None:
-        """A run whose skipped steps run nothing (``reuse_plan`` a forecast, with a sampler it has a plan for), or
-        None: the layers' reuse."""
-        if self.DIT or self.plan not in WHOLE_STEP_PLANS:
-            return None
-        planned = whole_step_schedule(self.schedule.interval, whole_step_kind(sampler, schedule), self.plan)
-        return WholeStepRun(planned, steps) if planned is not None else None
 
     def _ended(self, run) -> None:
         self.last_run = run

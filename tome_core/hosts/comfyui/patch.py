@@ -69,7 +69,7 @@ def _patch_dit(model, settings, percent_to_sigma):
     layout = dit_reuse.layout_of(diffusion_model)  # None: reuse does not know its blocks
     name = layout.family if layout is not None else tokens.family
     schedule = None
-    if settings.dit_settings == "auto":
+    if settings.dit_family_default:
         record = dit_families.family(name)
         schedule = dit_families.auto_schedule(name) if layout is not None and not record.unchanged_by_default else None
         log.info(

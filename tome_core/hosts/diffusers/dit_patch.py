@@ -59,7 +59,7 @@ def family_settings(
     named, and reuse across steps at the family's interval (``dit_families``) unless
     ``reuse_interval`` is named. With "as set", the settings as they are (their defaults where not named).
     ``label``: the family in the log line, where it is not ``family`` (Flux.2)."""
-    if validated.dit_settings != "auto":
+    if not validated.dit_family_default:
         return validated, None
     if not {"method", "downsample_factor"} & set(asked):
         validated = validated.replace(downsample_factor=1.0)

@@ -33,13 +33,14 @@ import torch
 
 from ...reuse import (
     DEFAULT_EXTRAPOLATE,
+    FULL,
+    Decision,
     IntervalSchedule,
     LayerReuse,
     LayerReuseRun,
     attach_forwards,
+    decide,
     detach_forwards,
-    full_below_noise,
-    keeps_the_picture_with,
 )
 
 log = logging.getLogger("tome_patch")
@@ -116,7 +117,7 @@ class PipelineReuse(LayerReuse):
     calls that must run every layer are what differ."""
 
     SAMPLE = "sample"  # the keyword of the model's noisy input (also its first positional argument)
-    DIT = False  # which schedulers reuse may run with (``layer_reuse.keeps_the_picture_with``)
+    DIT = False  # a DiT's door: its scheduler rules (``plans.DIT_PLAN``), no forecast
     TIMESTEP_SCALE = 1.0  # the pipeline passes the scheduler's timestep divided by this (Flux: 1000)
 
     def __init__(
@@ -155,17 +156,11 @@ class PipelineReuse(LayerReuse):
         scheduler, timesteps = self._scheduler_timesteps()
         if timesteps is None or timestep is None or not isinstance(sample, torch.Tensor):
             return None
-        name, schedule = scheduler_name(scheduler), karras_or_none(scheduler)
-        if not keeps_the_picture_with(name, schedule, self.DIT, self.plan):  # every step in full
+        decision = self.decision(scheduler)
+        if decision.runs == FULL:  # every step in full
             if self._refused is not type(scheduler):
                 self._refused = type(scheduler)
-                log.info(
-                    "ToMe reuse across steps is off with %s%s (it keeps the picture with the Euler, flow-matching "
-                    "Euler, Heun, DDIM and DPM++ SDE schedulers, not on Karras sigmas%s); every step runs in full.",
-                    name,
-                    " on Karras sigmas" if schedule else "",
-                    "" if self.DIT else ", and with DPM++ 2M on Karras sigmas under reuse_plan 'auto'",
-                )
+                log.info("ToMe reuse across steps is off: %s; every step runs in full.", decision.why)
             return None
         if self._timesteps is None or not self._timesteps.is_current(timesteps):
             self._timesteps = _Schedule(timesteps)
@@ -216,10 +211,15 @@ class PipelineReuse(LayerReuse):
             levels = levels[first_step:] if None not in levels else None
             self.run = self.run_for(scheduler, steps, levels)
 
+    def decision(self, scheduler) -> Decision:
+        """What a run that ``scheduler`` steps runs (``plans.decide``)."""
+        interval = None if self.DIT else self.schedule.interval
+        return decide(self.plan, scheduler_name(scheduler), karras_or_none(scheduler), interval, dit=self.DIT)
+
     def run_for(self, scheduler, steps: int, levels: list[float] | None) -> LayerReuseRun:
         """The run of ``steps`` at noise ``levels`` (None: unknown) that ``scheduler`` starts."""
-        below = full_below_noise(scheduler_name(scheduler), karras_or_none(scheduler), self.DIT, self.plan)
-        return self.new_run(steps, levels, below)
+        decision = self.decision(scheduler)
+        return self.new_run(steps, levels, (decision.fallback or decision).full_below)
 
     def _finish(self) -> None:
         run = self.run

@@ -36,7 +36,7 @@ import logging
 import torch
 
 from ...reducer import Reducer
-from ...reuse import WHOLE_STEP_PLANS
+from ...reuse import may_forecast
 from ...settings import PatchSettings
 from ..shared.class_swap import restore_classes
 from . import layer_reuse as diffusers_layer_reuse
@@ -289,8 +289,7 @@ def install(unet, pipeline, validated: PatchSettings, schedule) -> None:
     remove(unet)
     step_range = StepRange(validated, pipeline, unet_timestep_of_percent)
     if schedule is not None:
-        forecast = validated.reuse_plan in WHOLE_STEP_PLANS  # the whole step where the scheduler has a plan
-        reuse = diffusers_whole_step if forecast else diffusers_layer_reuse
+        reuse = diffusers_whole_step if may_forecast(validated.reuse_plan) else diffusers_layer_reuse
         reuse.install(unet, pipeline, validated, step_range.contains, schedule)
     reducer = Reducer(validated, attention_levels(unet))
     if reducer.does_nothing:

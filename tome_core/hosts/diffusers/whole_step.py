@@ -3,7 +3,7 @@
 
 The owner is layer reuse's (``layer_reuse.PipelineReuse``: runs, steps, batch layouts and the step range found from
 the pipeline's scheduler), and the UNet gets an instance ``forward`` of its own as well. Each run takes its plan
-from the scheduler it starts with: Euler, DDIM and DPM++ 2M on Karras sigmas (``whole_step_kind``), predicting the
+from the scheduler it starts with: Euler, DDIM and DPM++ 2M on Karras sigmas (``plans.decide``), predicting the
 noise or the velocity, make a ``WholeStepRun``, whose skipped calls return the forecast without calling the UNet's
 own forward; any other run is layer reuse's, as under "auto", and the UNet's forward then runs as it is.
 
@@ -24,19 +24,9 @@ from collections.abc import Callable
 
 import torch
 
-from ...reuse import (
-    WHOLE_STEP_PLANS,
-    LayerReuseRun,
-    SkippableLayer,
-    WholeStepRun,
-    attach_forwards,
-    denoised_of,
-    output_of,
-    whole_step_kind,
-    whole_step_schedule,
-)
+from ...reuse import FORECAST, LayerReuseRun, SkippableLayer, WholeStepRun, attach_forwards, denoised_of, output_of
 from . import layer_reuse
-from .layer_reuse import PipelineReuse, karras_or_none, scheduler_name
+from .layer_reuse import PipelineReuse
 
 # The scheduler's ``prediction_type`` -> whether the UNet predicts the velocity; others are not forecast.
 PREDICTIONS = {"epsilon": False, "v_prediction": True}
@@ -84,9 +74,9 @@ class WholeStepReuse(PipelineReuse):
         planned, predicts_v = None, v_prediction(scheduler)
         # Every sigma known and above 0: the conversions divide by it.
         known = levels is not None and all(math.isfinite(level) and level > 0 for level in levels)
-        if self.plan in WHOLE_STEP_PLANS and known and predicts_v is not None:
-            kind = whole_step_kind(scheduler_name(scheduler), karras_or_none(scheduler))
-            planned = whole_step_schedule(self.schedule.interval, kind, self.plan)
+        decision = self.decision(scheduler)
+        if decision.runs == FORECAST and known and predicts_v is not None:
+            planned = decision.schedule
         if planned is None:
             return super().run_for(scheduler, steps, levels)
         self.v_prediction = predicts_v

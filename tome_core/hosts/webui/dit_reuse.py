@@ -29,11 +29,7 @@ on the clone run every block.
 
 from __future__ import annotations
 
-from ...reuse import (
-    DIT_OUTER_BLOCKS,
-    full_below_noise,
-    keeps_the_picture_with,
-)
+from ...reuse import DIT_OUTER_BLOCKS, FULL, decide
 from ...schedule import NoiseRange, call_sigmas, step_of
 from ..shared import dit_families
 from ..shared.dit_block_hook import (
@@ -257,10 +253,8 @@ def why_not(patcher, p) -> str | None:
     needs = ("add_object_patch",) if forge else ("set_model_patch_replace", "add_object_patch")
     if not all(hasattr(patcher, name) for name in needs):
         return "this Forge has no block replacements on its patcher"
-    sampler, scheduler = sampler_and_schedule(p)
-    if not keeps_the_picture_with(sampler, scheduler, dit=True):
-        return f"the sampler {sampler!r} is not one it keeps the picture with (Euler, Heun, DDIM, UniPC)"
-    return None
+    decision = decide(None, *sampler_and_schedule(p), dit=True)
+    return decision.why if decision.runs == FULL else None
 
 
 def install_neo(patcher, settings, p, percent_to_sigma) -> PassDitReuse | None:
@@ -284,7 +278,7 @@ def install_neo(patcher, settings, p, percent_to_sigma) -> PassDitReuse | None:
         noise_range = NoiseRange(0.0, 1.0, lambda q: q)
     else:
         noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
-    full_below = full_below_noise(*sampler_and_schedule(p), dit=True)
+    full_below = decide(None, *sampler_and_schedule(p), dit=True).full_below
     owner = PassDitReuse(p, patcher, record, span, layout.streams, noise_range, full_below)
     patches = getattr(patcher, "object_patches", None) or {}
     if layout.hook == "dit" and not forge:

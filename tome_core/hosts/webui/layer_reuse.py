@@ -39,15 +39,16 @@ import weakref
 import torch
 
 from ...reuse import (
+    LAYERS,
     OUTER_BLOCKS,
+    Decision,
     IntervalSchedule,
     LayerReuse,
     LayerReuseRun,
     SkippableLayer,
     attach_forwards,
+    decide,
     detach_forwards,
-    full_below_noise,
-    keeps_the_picture_with,
     unet_schedule,
 )
 from ...schedule import NoiseRange, timestep_of_percent
@@ -166,22 +167,15 @@ def sampler_and_schedule(p) -> tuple[str | None, str | None]:
     return sampler, scheduler
 
 
-def sampler_keeps_the_picture(p, plan: str = "auto") -> bool:
-    """Whether the job's sampler on its schedule type (``sampler_and_schedule``) is one that reuse across steps
-    keeps the picture with under ``reuse_plan`` ``plan`` (``layer_reuse.keeps_the_picture_with``)."""
-    return keeps_the_picture_with(*sampler_and_schedule(p), plan=plan)
+def decision_for(settings, p, dit: bool = False) -> Decision:
+    """What a pass of job ``p`` runs under ``settings`` (``plans.decide`` on its sampler and schedule)."""
+    interval = None if dit else settings.reuse_interval
+    return decide(settings.reuse_plan, *sampler_and_schedule(p), interval, dit=dit)
 
 
-def low_noise_in_full(p, plan: str = "auto") -> float:
-    """The sigma below which every UNet call of job ``p`` runs in full under ``reuse_plan`` ``plan``
-    (``layer_reuse.full_below_noise``)."""
-    return full_below_noise(*sampler_and_schedule(p), dit=False, plan=plan)
-
-
-def schedule_for(settings, unet, p):
-    """The schedule a pass's reuse runs on (the front door asks): the UNet's plan for the settings, or None where
-    reuse is off for this pass (``reuse_interval`` 1, or a sampler it does not keep the picture with)."""
-    if settings.reuse_interval <= 1 or not sampler_keeps_the_picture(p, settings.reuse_plan):
+def schedule_for(settings, unet, decision: Decision):
+    """The layer-reuse schedule of a pass that ``decision`` gives layer reuse; None where it runs every step."""
+    if decision.runs != LAYERS:
         return None
     return unet_schedule(settings.reuse_interval, attention_levels(unet), settings.reuse_plan)
 
@@ -222,9 +216,9 @@ def on_cfg_after_cfg(params) -> None:
 # --- WebUI (ldm, sgm) -----------------------------------------------------------------------------------------------
 
 
-def install_ldm(unet, settings, p, schedule, num_timesteps: int = 1000) -> PassReuse | None:
-    """Give the WebUI's ``unet`` layer reuse on ``schedule`` (``schedule_for``) for one pass of job ``p``; None
-    where there is nothing to do."""
+def install_ldm(unet, settings, p, schedule, full_below: float = 0.0, num_timesteps: int = 1000) -> PassReuse | None:
+    """Give the WebUI's ``unet`` layer reuse on ``schedule`` (``schedule_for``) for one pass of job ``p``, every call
+    below ``full_below`` in full; None where there is nothing to do."""
     remove_ldm(unet)
     layers = [layer for _, layer in inner_layers(unet, OUTER_BLOCKS)]
     if schedule is None or not layers:
@@ -233,7 +227,7 @@ def install_ldm(unet, settings, p, schedule, num_timesteps: int = 1000) -> PassR
     noise_range = NoiseRange(
         settings.start_percent, settings.end_percent, lambda q: timestep_of_percent(q, num_timesteps)
     )
-    owner = PassReuse(p, schedule, len(layers), noise_range, low_noise_in_full(p, settings.reuse_plan))
+    owner = PassReuse(p, schedule, len(layers), noise_range, full_below)
 
     def before(module, args, kwargs):
         x = args[0] if args else kwargs.get("x")
@@ -363,16 +357,16 @@ def forge_noise_range(settings, percent_to_sigma) -> NoiseRange:
     return NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
 
 
-def install_forge(patcher, settings, p, percent_to_sigma, schedule) -> PassReuse | None:
+def install_forge(patcher, settings, p, percent_to_sigma, schedule, full_below: float = 0.0) -> PassReuse | None:
     """Give Forge's ``patcher`` (a clone of this pass) layer reuse on ``schedule`` (``schedule_for``) for one pass
-    of job ``p``."""
+    of job ``p``, every call below ``full_below`` in full."""
     remove_forge(patcher)
     unet = patcher.model.diffusion_model
     layers = inner_layers(unet, OUTER_BLOCKS)
     if schedule is None or not layers or not hasattr(patcher, "add_object_patch"):
         return None
     noise_range = forge_noise_range(settings, percent_to_sigma)
-    owner = PassReuse(p, schedule, len(layers), noise_range, low_noise_in_full(p, settings.reuse_plan))
+    owner = PassReuse(p, schedule, len(layers), noise_range, full_below)
     for index, (name, layer) in enumerate(layers):
         patcher.add_object_patch(f"diffusion_model.{name}.forward", SkippableLayer(owner, index, layer))
     inner = getattr(patcher, "object_patches", {}).get("diffusion_model.forward")

@@ -14,6 +14,7 @@ finished at the next pass or the job's end; the step of each model call comes fr
 
 from __future__ import annotations
 
+from ...reuse import FORECAST, FULL
 from ..shared.model_patcher import NotAUNetError, patched_clone
 from . import args as webui_args
 from . import dit_reuse as webui_dit_reuse
@@ -166,26 +167,25 @@ def _patch_ldm(p, sd_model, settings, job: Job) -> bool:
     except ldm_patch.UnsupportedModelError as err:
         job.warn_once(f"not applied: {err}.")
         return False
-    _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
-    forecast = webui_whole_step.forecast_schedule(settings, p)
+    decision = _decision(p, settings, job)
     v_prediction = webui_whole_step.ldm_v_prediction(sd_model)
-    if forecast is not None and v_prediction is not None:
-        reusing = webui_whole_step.install_ldm(unet, settings, p, forecast, v_prediction) is not None
+    if decision.runs == FORECAST and v_prediction is not None:
+        reusing = webui_whole_step.install_ldm(unet, settings, p, decision.schedule, v_prediction) is not None
     else:
-        schedule = webui_layer_reuse.schedule_for(settings, unet, p)
-        reusing = webui_layer_reuse.install_ldm(unet, settings, p, schedule) is not None
+        layers = decision.fallback or decision
+        schedule = webui_layer_reuse.schedule_for(settings, unet, layers)
+        reusing = webui_layer_reuse.install_ldm(unet, settings, p, schedule, layers.full_below) is not None
     return reduced or reusing
 
 
-def _warn_if_the_sampler_keeps_reuse_off(p, settings, job: Job) -> None:
-    if settings.reuse_interval > 1 and not webui_layer_reuse.sampler_keeps_the_picture(p, settings.reuse_plan):
-        scheduler = getattr(p, "scheduler", None)
-        on = f" on the schedule {scheduler!r}" if scheduler and scheduler != "Automatic" else ""
+def _decision(p, settings, job: Job):
+    """The pass's decision (``plans.decide``), with one warning where it runs every step though reuse is asked."""
+    decision = webui_layer_reuse.decision_for(settings, p)
+    if settings.reuse_interval > 1 and decision.runs == FULL:
         job.warn_once(
-            f"reuse across steps is off with the sampler {getattr(p, 'sampler_name', None)!r}{on} (it keeps the "
-            "picture with Euler, Heun, DDIM and DPM++ SDE, not on Karras sigmas but for DPM++ 2M under the reuse "
-            "plans 'forecast v2', 'forecast' and 'auto'); every step runs in full, the token reduction still applies."
+            f"reuse across steps is off: {decision.why}; every step runs in full, the token reduction still applies."
         )
+    return decision
 
 
 def _patch_forge(p, forge_objects, settings, job: Job) -> bool:
@@ -201,14 +201,14 @@ def _patch_forge(p, forge_objects, settings, job: Job) -> bool:
         return _patch_dit(p, forge_objects, settings, percent_to_sigma, job, str(err))
     # The step of each call comes from the WebUI's callbacks here, not from a ComfyUI-style sampler wrapper (which
     # a reForge patcher may take but the WebUI's samplers never run).
-    _warn_if_the_sampler_keeps_reuse_off(p, settings, job)
-    forecast = webui_whole_step.forecast_schedule(settings, p)
+    decision = _decision(p, settings, job)
     v_prediction = webui_whole_step.forge_v_prediction(clone)
-    if forecast is not None and v_prediction is not None:
-        webui_whole_step.install_forge(clone, settings, p, percent_to_sigma, forecast, v_prediction)
+    if decision.runs == FORECAST and v_prediction is not None:
+        webui_whole_step.install_forge(clone, settings, p, percent_to_sigma, decision.schedule, v_prediction)
     else:
-        schedule = webui_layer_reuse.schedule_for(settings, clone.model.diffusion_model, p)
-        webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma, schedule)
+        layers = decision.fallback or decision
+        schedule = webui_layer_reuse.schedule_for(settings, clone.model.diffusion_model, layers)
+        webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma, schedule, layers.full_below)
     forge_objects.unet = clone
     return True
 

@@ -1,6 +1,6 @@
 """WebUI and Forge wiring of ``reuse_plan``'s forecasts (the engine is ``tome_core.reuse.whole_step``).
 
-With a sampler that has a forecast plan (``whole_step_kind``), a skipped step runs no layer of the UNet: the UNet's
+With a sampler that has a forecast plan (``plans.decide``), a skipped step runs no layer of the UNet: the UNet's
 whole call returns the forecast of its denoised image, turned back into what the UNet returns (its noise, or its
 velocity on a v-prediction model), at the call's noise level. Everything else is layer reuse's (``layer_reuse``):
 one ``PassReuse`` per sampling pass, the step of each call from the ``cfg_denoiser`` callbacks, the user's step
@@ -22,19 +22,10 @@ from collections.abc import Callable
 
 import torch
 
-from ...reuse import WHOLE_STEP_PLANS, WholeStepRun, denoised_of, output_of, whole_step_kind, whole_step_schedule
+from ...reuse import WholeStepRun, denoised_of, output_of
 from ...schedule import NoiseRange, timestep_of_percent
 from . import layer_reuse as webui_layer_reuse
-from .layer_reuse import CallBoundary, PassReuse, _activate, _noise_level, sampler_and_schedule
-
-
-def forecast_schedule(settings, p):
-    """The schedule of the whole-step forecast for job ``p`` (``reuse_plan`` a forecast, ``reuse_interval`` above
-    1, a sampler with a forecast plan), or None where the pass keeps layer reuse's path."""
-    if settings.reuse_plan not in WHOLE_STEP_PLANS or settings.reuse_interval <= 1:
-        return None
-    kind = whole_step_kind(*sampler_and_schedule(p))
-    return whole_step_schedule(settings.reuse_interval, kind, settings.reuse_plan)
+from .layer_reuse import CallBoundary, PassReuse, _activate, _noise_level
 
 
 def ldm_v_prediction(sd_model) -> bool | None:
@@ -164,7 +155,7 @@ class WholeStepCall(CallBoundary):
 
 
 def install_ldm(unet, settings, p, schedule, v_prediction: bool, num_timesteps: int = 1000) -> WholeStepPass | None:
-    """Give the WebUI's ``unet`` the forecast on ``schedule`` (``forecast_schedule``) for one pass of job ``p``;
+    """Give the WebUI's ``unet`` the forecast on ``schedule`` (a forecast decision's) for one pass of job ``p``;
     None where there is nothing to do. ``layer_reuse.remove_ldm`` undoes it."""
     webui_layer_reuse.remove_ldm(unet)
     if schedule is None:

@@ -104,7 +104,7 @@ def full_steps(clone, name: str, steps: int, interval: int) -> int:
     """How many of a run's ``steps`` the DiT schedule runs in full on the model's own sigmas."""
     import comfy.samplers
 
-    from tome_core.reuse import NoiseSpacedSchedule, full_below_noise
+    from tome_core.reuse import NoiseSpacedSchedule, decide
 
     sampler = SAMPLERS.get(name, "euler")
     sampling = clone.get_model_object("model_sampling")
@@ -114,7 +114,7 @@ def full_steps(clone, name: str, steps: int, interval: int) -> int:
     else:
         sigmas = comfy.samplers.calculate_sigmas(sampling, "simple", steps)
     levels = [float(s) for s in sigmas[:steps]]
-    plan = NoiseSpacedSchedule(interval).for_run(steps, levels, full_below_noise(sampler))
+    plan = NoiseSpacedSchedule(interval).for_run(steps, levels, decide(None, sampler, None, dit=True).full_below)
     return plan.full_steps(steps)
 
 
