@@ -1,14 +1,6 @@
-"""The state of one sampling run of reuse across steps: what the full steps recorded and the prediction from it.
-
-One ``LayerReuseRun`` per sampling run, made when the run starts and dropped when it ends. It holds per batch
-layout and input shape the boundary's last two outputs (a UNet's last inner layer; a DiT's inner span's residual)
-and every inner layer's output shape. A call reuses only when that entry is complete and was made in this run;
-otherwise it runs in full (and records).
-
-The prediction is the record of the last full step, moved along the line through the last two full steps (a damped
-first-order extrapolation over the noise level), which follows the feature's drift over the skipped steps without
-overshooting it.
-"""
+"""One sampling run of reuse across steps (``LayerReuseRun``): per batch layout, what the last two full calls
+recorded; a call reuses only an entry complete and made in this run, its prediction the last record moved along the
+line through the last two (docs/step-reuse.md)."""
 
 from __future__ import annotations
 
@@ -19,21 +11,18 @@ from dataclasses import dataclass
 
 import torch
 
+from .agreement import Agreement
 from .plans import DEFAULT_EXTRAPOLATE
 from .schedules import IntervalSchedule
 
 log = logging.getLogger("tome_patch")
 
-# A DiT's residual of this size or more keeps the line's slope (the difference of its last two records) in 4 bits
-# per value, with a scale per token, instead of the record before the last: a long video's cache then holds little
-# more than one record (docs/dit.md, the 4-bit slope); the slope only moves the prediction, so its rounding is a
-# small part of a small part.
+# From this size a DiT's residual keeps the line's slope in 4 bits per value (docs/dit.md, the 4-bit slope).
 COMPACT_SLOPE_BYTES = 64 * 2**20
 
 
 class _Entry:
-    """One batch layout's record: the boundary's outputs at the last two full steps (or the last one and the
-    slope between them, packed), every layer's output shape."""
+    """One batch layout's record: the last two full calls' outputs (or the last and a packed slope), the shapes."""
 
     __slots__ = ("outputs", "shapes", "slope", "step", "span_inputs")
 
@@ -42,12 +31,10 @@ class _Entry:
         self.shapes: dict[int, object] = {}
         self.slope: _PackedSlope | None = None  # with one output: the line from the record before it
         self.step = -1  # the run's step of the last record
-        # A DiT's span input at the last full calls, as (position, input), oldest first: what the first-block guards
-        # weigh a reusing call's input against.
+        # A DiT's span input at the last full calls, (position, input): what the guards weigh a call against.
         self.span_inputs: list[tuple[float, torch.Tensor]] = []
 
-    # Both kept out of a compiled graph (torch.compile of the UNet): they compare and weigh the noise levels, which
-    # a graph would take as constants and compile again at every step.
+    # Out of compiled graphs: a graph would take the noise levels as constants and compile again at every step.
     @torch.compiler.disable
     def record(self, position: float, output: torch.Tensor, compact: bool = False, keep: int = 2) -> None:
         if self.outputs and self.outputs[-1][0] == position:  # the same step again (another call of this layout)
@@ -81,8 +68,7 @@ class _Entry:
 
 
 class _PackedSlope:
-    """The difference of two records in 4 bits per value (two to a byte), with a float32 scale per token (the
-    last axis), and the position of the earlier record."""
+    """The difference of two records in 4 bits per value, a float32 scale per token, the earlier record's position."""
 
     __slots__ = ("packed", "scale", "position")
     ROWS = 4096  # tokens packed at a time: the float32 working copies stay small beside the cache itself
@@ -106,7 +92,6 @@ class _PackedSlope:
         return cls(packed.reshape(*shape, -1), scale.reshape(*shape, 1), position)
 
     def unpacked(self, dtype: torch.dtype) -> torch.Tensor:
-        """The slope in ``dtype`` (the codes are small integers, exact in any float type)."""
         codes = torch.stack((self.packed & 15, self.packed >> 4), dim=-1).flatten(-2)
         return (codes.to(dtype) - 8) * self.scale.to(dtype)
 
@@ -143,30 +128,27 @@ class LayerReuseRun:
         self.steps = steps
         self.layers = layers  # how many inner layers there are; the last one is the boundary
         self.extrapolate = extrapolate
-        # A reusing call runs in full where the span's input (a DiT's first block's output; a UNet's first inner
-        # layer's input), which every call computes, moved more than ``first_block_guard`` since the last full call
-        # (mean |x - x_full| / mean |x_full|), or lies more than ``line_guard`` off the line through the last two
-        # full calls' inputs, the path the prediction follows (None: no such guard).
+        # A reusing call runs in full where the span's input moved more than ``first_block_guard`` since the last
+        # full call, or lies more than ``line_guard`` off the line through the last two (None: no such guard).
         self.first_block_guard = first_block_guard
         self.line_guard = line_guard
         self.guarded_calls = 0  # reusing calls a guard turned into full ones
         self.entries: dict[object, _Entry] = {}
         self.current: _Call | None = None
         self.last_step = -1
-        # The latest step the schedule (or the user's step range) ran in full. A batch layout that missed it (the
-        # host split or joined cond and uncond differently since, as ComfyUI does by its memory estimate) would
-        # draw its line through the steps before: its call runs in full and records afresh instead.
+        # A layout that missed the latest full step (cond and uncond split otherwise since) runs in full.
         self.latest_full_step = -1
         self.calls = 0
         self.reused_calls = 0
         # The noise level below which the host runs every call in full (``full_below_noise``; 0: none).
         self.full_below = 0.0
-        # What the log calls the layers that always run and the prediction (a DiT door says "blocks").
         self.outer_words = "the outer layers (the first input block and the last output block)"
         self.inner_words = "layers' output"
-        # Why this run stood down (a DiT block handed over a stream it cannot join); from then on every call runs
-        # in full. None: it did not.
+        # Why this run stood down (None: it did not); from then on every call runs in full.
         self.stood_down: str | None = None
+        # Under sequence parallelism, the group that decides each DiT call together (set by the host door per call).
+        self.agreement: Agreement | None = None
+        self._group_stood_down = False
 
     def drop(self) -> None:
         self.entries.clear()
@@ -174,13 +156,10 @@ class LayerReuseRun:
         self.latest_full_step = -1
 
     def begin_call(self, step: int | None, key: object, allowed: bool = True, position: float | None = None) -> bool:
-        """Start a model call at ``step`` (None: not on this run's schedule) for the batch layout ``key``;
-        ``allowed`` False runs it in full whatever the schedule says (outside the user's step range).
-        ``position`` is where the call lies on the line the prediction follows (default: the step).
-
-        Returns True when the call reuses (its inner layers will not run)."""
+        """A model call at ``step`` (None: off the schedule) for layout ``key``; ``allowed`` False runs it in full,
+        ``position`` places it on the prediction's line (default: the step). True when it reuses."""
         self.calls += 1
-        if self.stood_down is not None:
+        if self.stood_down is not None and (self.agreement is None or self._group_stood_down):
             self.current = None
             return False
         if step is None:  # off the schedule: nothing cached may belong to it, and it records nothing
@@ -190,7 +169,7 @@ class LayerReuseRun:
             self.drop()
         self.last_step = step
         entry = self.entries.setdefault(key, _Entry())
-        scheduled = allowed and not self.schedule.is_full(step, self.steps)
+        scheduled = allowed and self.stood_down is None and not self.schedule.is_full(step, self.steps)
         if not scheduled:
             self.latest_full_step = step
         reuse = (
@@ -207,9 +186,7 @@ class LayerReuseRun:
         self.current = None
 
     def run_layer(self, index: int, forward: Callable, args: tuple, kwargs: dict):
-        """The forward of inner layer ``index``: run and record (full call), or stand in for it (reusing call).
-
-        The boundary's output is a tensor, or a tuple whose first item is the tensor (diffusers' blocks)."""
+        """Inner layer ``index``: run and record, or stand in (the boundary returns a tensor or a 1-tuple of one)."""
         call = self.current
         if call is None:
             return forward(*args, **kwargs)
@@ -234,34 +211,51 @@ class LayerReuseRun:
                 call.entry.step = call.step
         return out
 
-    # A DiT's blocks run one after the other, with no skip connection around them: there the inner blocks are one
-    # *span*, and what is predicted is the span's residual (its output minus its input), added at a reusing call
-    # to the input the outer blocks give the span at that call. The host door calls ``start_span`` at the span's
-    # first block and ``end_span`` / ``predicted_span_output`` at its last, with the streams joined into one tensor.
+    # A DiT's inner blocks are one *span*: a reusing call adds its predicted residual (output minus input) to its
+    # input. The door calls ``start_span`` at its first block, ``end_span`` / ``predicted_span_output`` at its last.
 
-    def start_span(self, joined_input: torch.Tensor) -> bool:
-        """The inner span's first block is about to run, on ``joined_input``. Returns True when the call reuses
-        (the span's blocks are to be skipped). A reusing call whose input does not have the recorded residual's
-        shape (another token layout) is turned into a full one here, before anything was skipped."""
+    def start_span(self, joined_input: torch.Tensor | None) -> bool:
+        """The span's first block is about to run on ``joined_input`` (None: streams it cannot join); True when the
+        call reuses. A reusing call of another token layout runs in full."""
         call = self.current
         if call is None:
             return False
-        if call.reuse and tuple(joined_input.shape) != call.entry.shapes[0][0]:
-            self.reused_calls -= 1
-            call.reuse = False
+        if call.reuse and (joined_input is None or tuple(joined_input.shape) != call.entry.shapes[0][0]):
+            self.compute_in_full()
             call.entry.outputs.clear()
             call.entry.shapes.clear()
-        self._guard(call, joined_input)
-        if not call.reuse:
+        if self.agreement is not None:
+            self._agree(call, joined_input)
+        elif joined_input is not None:
+            self._guard(call, joined_input)
+        if not call.reuse and joined_input is not None and self.stood_down is None:
             # A copy: the host may change its tensors in place later in the call (ControlNet residuals).
             call.span_input = joined_input.detach().clone()
             self._keep_span_input(call, call.span_input)
         return call.reuse
 
+    @torch.compiler.disable
+    def _agree(self, call: _Call, joined_input: torch.Tensor | None) -> None:
+        """The group's verdict: full if any process cannot reuse, stand down if any does, the guards on the totals."""
+        sums = None
+        if call.reuse and joined_input is not None and self.guarded:
+            sums = self._guard_sums(call.entry, joined_input)
+        device = joined_input.device if joined_input is not None else None
+        flags = torch.tensor([not call.reuse, self.stood_down is not None], dtype=torch.float32, device=device)
+        evidence = torch.cat((flags, torch.zeros(4, device=device) if sums is None else sums.to(device)))
+        full, down, *totals = self.agreement.totals(evidence)
+        if down:
+            self._group_stood_down = True
+            if self.stood_down is None:
+                self.stand_down("another process of its context-parallel group stood down")
+        elif full:
+            self.compute_in_full()
+        elif self._moved(totals):
+            self.compute_in_full()
+            self.guarded_calls += 1
+
     def _watch_first_input(self, call: _Call, first_input: torch.Tensor) -> None:
-        """A UNet's call reaches its first inner layer with ``first_input`` (the outer input blocks' output, which
-        every call computes): the guards may turn a reusing call into a full one here, before anything is skipped,
-        and a full call's input is kept for them."""
+        """A UNet's first inner layer's input: the guards may turn the call full; a full call's input is kept."""
         if not self.guarded:
             return
         self._guard(call, first_input)
@@ -271,11 +265,9 @@ class LayerReuseRun:
 
     @property
     def guarded(self) -> bool:
-        """Whether either first-block guard is set."""
         return self.first_block_guard is not None or self.line_guard is not None
 
     def _guard(self, call: _Call, span_input: torch.Tensor) -> None:
-        """The first-block guards: a reusing call whose span input moved, or left its line, runs in full."""
         if self.guarded and call.reuse:
             if self._span_input_moved(call.entry, span_input):
                 self.compute_in_full()
@@ -290,23 +282,30 @@ class LayerReuseRun:
         call.entry.span_inputs = (kept + [(call.position, span_input)])[-count:]
 
     def _span_input_moved(self, entry: _Entry, joined_input: torch.Tensor) -> bool:
-        """Whether the span's input moved more than the first-block guard allows since the last full call, or lies
-        further than the line guard allows off the line through the last two full calls' inputs (with one full
-        call so far: from that call's input)."""
+        """Whether the span's input moved, or left the line, past a guard."""
+        sums = self._guard_sums(entry, joined_input)
+        return sums is not None and self._moved(sums.tolist())
+
+    def _guard_sums(self, entry: _Entry, joined_input: torch.Tensor) -> torch.Tensor | None:
+        """(sum |x - x_full|, sum |x_full|, sum |x - x_line|, sum |x_line|) in float32, x_full and x_line from the
+        last full calls' inputs; None where none of this shape is kept."""
         if not entry.span_inputs or entry.span_inputs[-1][1].shape != joined_input.shape:
-            return False
+            return None
         moved = joined_input.detach()
         last_position, last = entry.span_inputs[-1]
-        if self.first_block_guard is not None and _relative_change(moved, last) > self.first_block_guard:
-            return True
-        if self.line_guard is None:
-            return False
         expected = last
-        if len(entry.span_inputs) == 2 and entry.span_inputs[0][1].shape == last.shape:
+        if self.line_guard is not None and len(entry.span_inputs) == 2 and entry.span_inputs[0][1].shape == last.shape:
             first_position, first = entry.span_inputs[0]
             ahead = (self.current.position - last_position) / (last_position - first_position)
             expected = torch.lerp(first, last, 1.0 + ahead)
-        return _relative_change(moved, expected) > self.line_guard
+        pairs = ((moved - last, last), (moved - expected, expected))
+        return torch.stack([t.abs().sum(dtype=torch.float32) for pair in pairs for t in pair])
+
+    def _moved(self, sums: list[float]) -> bool:
+        moved, last, off_line, line = sums
+        if self.first_block_guard is not None and moved / max(last, 1e-12) > self.first_block_guard:
+            return True
+        return self.line_guard is not None and off_line / max(line, 1e-12) > self.line_guard
 
     def compute_in_full(self) -> None:
         """The call in progress runs every block after all (asked before anything was skipped)."""
@@ -339,17 +338,10 @@ class LayerReuseRun:
     def span_block(
         self, first: bool, last: bool, streams: dict, run_block: Callable, streams_of: Callable, in_full=None, pack=None
     ):
-        """One block of a DiT's inner span, at the call in progress (``current`` must be set).
-
-        ``streams``: the block's input streams by name, in token order (None where absent; a stream may be a tuple
-        of tensors, as LTX-2's video and audio); ``run_block()`` runs the block and returns what the host's block
-        returns, ``streams_of(out)`` its output streams. ``in_full()`` (the span's first block only): True where
-        this call must run every block after all. Returns the block's own output (it ran) or, where the span is
-        skipped, the streams it passes on: its input, or at the span's last block the input plus the predicted
-        residual (as ``pack(streams)`` where given: in the form the host's block returns).
-
-        A stream of any other kind (a dict, a nested tensor) makes the call run every block and the run stand
-        down (``stand_down``): a wrong guess costs speed, never the picture."""
+        """One block of a DiT's span: ``streams`` its inputs by name in token order, ``run_block()`` runs it,
+        ``streams_of(out)`` its outputs, ``in_full()`` (first block) True where the call must run every block. Returns
+        the block's output or, skipped, the streams passed on (at the last block plus the predicted residual, as
+        ``pack(streams)``). A stream it cannot join makes the run stand down."""
         call = self.current
         if call is None:
             return run_block()
@@ -359,8 +351,9 @@ class LayerReuseRun:
             joined = join_streams(streams)
             if joined is None:
                 self.stand_down(f"a DiT block handed over {describe_streams(streams)}")
-                return run_block()
             reuse = self.start_span(joined)
+            if self.stood_down is not None:
+                return run_block()
         else:
             reuse = call.reuse
         if not reuse:
@@ -376,8 +369,7 @@ class LayerReuseRun:
         return passed if pack is None else pack(passed)
 
     def stand_down(self, why: str) -> None:
-        """Reuse meets what it cannot predict: the call in progress runs every block (only asked before anything
-        was skipped: at the span's first block) and so does every later call of this run; one log line."""
+        """The call in progress (nothing skipped yet) and every later call of the run run in full; one log line."""
         self.compute_in_full()
         if self.current is not None:
             self.current.span_input = None
@@ -391,7 +383,6 @@ class LayerReuseRun:
             )
 
     def cache_bytes(self) -> int:
-        """What the cache holds now: the recorded boundary outputs of every batch layout."""
         return sum(entry.nbytes() for entry in self.entries.values())
 
     def summary(self) -> str:
@@ -401,15 +392,9 @@ class LayerReuseRun:
         )
 
 
-def _relative_change(x: torch.Tensor, reference: torch.Tensor) -> float:
-    """mean |x - reference| / mean |reference|: how far a span input lies from a reference, as a share of it."""
-    return float((x - reference).abs().mean() / reference.abs().mean().clamp_min(1e-12))
-
-
 def stream_parts(streams: dict) -> list[torch.Tensor] | None:
-    """The tensors of a DiT block's streams in token order: each stream a tensor or a tuple (or list) of tensors
-    (LTX-2's video and audio); None entries are left out. None where a stream is anything else, or where the parts
-    do not share their batch axis."""
+    """The tensors of a block's streams in token order (a stream: a tensor or a tuple of them; None left out); None
+    where a stream is anything else or the parts differ in batch."""
     parts = []
     for value in streams.values():
         if value is None:
@@ -426,27 +411,24 @@ def stream_parts(streams: dict) -> list[torch.Tensor] | None:
 
 
 def describe_streams(streams: dict) -> str:
-    """What a block's streams are, for the log (``stream_parts`` could not join them)."""
     return ", ".join(f"{name}: {type(value).__name__}" for name, value in streams.items() if value is not None) or (
         "no stream"
     )
 
 
 def _tokens_apart(parts: list[torch.Tensor]) -> bool:
-    """Whether the parts differ only in their token axis (axis 1): joined there, as text and image tokens."""
     first = parts[0]
     return all(p.dim() == first.dim() and p.shape[2:] == first.shape[2:] for p in parts)
 
 
 def _row_width(parts: list[torch.Tensor]) -> int:
-    """The row width that parts of other widths are cut into (LTX-2's video and audio tokens): the widths' gcd."""
+    """The row width parts of other widths (LTX-2's video and audio) are cut into."""
     return math.gcd(*(int(p.shape[-1]) for p in parts)) or 1
 
 
 def join_streams(streams: dict) -> torch.Tensor | None:
-    """A DiT block's streams (e.g. text and image tokens) as one tensor, tokens after tokens in the dict's order;
-    None entries are left out. Streams of other widths (LTX-2's video and audio) are cut into rows of one width
-    first. None where a stream is no tensor nor a tuple of tensors (``stream_parts``)."""
+    """A block's streams as one tensor, tokens after tokens (streams of other widths cut into rows of one); None where
+    ``stream_parts`` is."""
     parts = stream_parts(streams)
     if parts is None:
         return None
@@ -459,8 +441,7 @@ def join_streams(streams: dict) -> torch.Tensor | None:
 
 
 def split_streams(joined: torch.Tensor, like: dict) -> dict:
-    """The inverse of ``join_streams``, with the shapes of ``like`` (None entries stay None, a tuple stream comes
-    back as a tuple)."""
+    """The inverse of ``join_streams``, with the shapes of ``like``."""
     parts = stream_parts(like)
     if len(parts) == 1:
         pieces = [joined]
@@ -481,7 +462,6 @@ def split_streams(joined: torch.Tensor, like: dict) -> dict:
 
 
 def _spec_of(out):
-    """What a stand-in for ``out`` needs: shape, dtype and device of each tensor, the container's type."""
     if isinstance(out, torch.Tensor):
         return (tuple(out.shape), out.dtype, out.device)
     if isinstance(out, (tuple, list)):

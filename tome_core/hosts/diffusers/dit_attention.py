@@ -1,29 +1,14 @@
-"""diffusers: ToDo on the attention of DiT transformers (the engine's ``SequenceDownsample``, as in ComfyUI's DiT
-door): the keys and values of the image (video) tokens are downsampled on their grid, after any rotary position
-embedding, so every kept key keeps its own position; queries and text keys stay whole, and in joint attention
-the kept image keys get their share of the softmax back through an additive mask (``joint_attention``).
-
-Hook point (checked in diffusers 0.39.0): each attention module hands every call to its ``processor``. Where that
-is diffusers' own processor of the family, the patch sets one of ours that holds it and, per call, computes the
-projections, the q/k norms and the rotary embedding through the module's own layers, downsamples the image keys
-and values, runs the attention, and applies the module's output layers, as diffusers' does:
-- Flux (``FluxAttnProcessor``, double and single blocks): the sequence is [text, image, Kontext references];
-  attention through diffusers' ``dispatch_attention_fn`` with the processor's own backend;
-- SD3 / SD3.5 (``JointAttnProcessor2_0``): [image, text] in joint attention, the image alone in SD3.5's extra
-  self-attention; no rotary embedding (positions are added to the tokens before the blocks);
-- Wan (``WanAttnProcessor``): the self-attention over frames x h x w tokens (rotary embedding applied); the
-  cross-attention to the text is left to diffusers' processor.
-A call it cannot reduce (outside the step range, fused projections, a mask of the caller's, an attention backend
-that takes no mask where one is needed, another layout) goes to the held processor unchanged. Any other
-processor (IP-Adapter's, a user's own) is left in place, unreduced.
-
-The image grid comes from the transformer call, read by a forward pre-hook: Flux's ``img_ids`` (2x2 latent
-patches in raster order; Kontext's reference tokens, whose first id is not 0, come after the image and stay
-whole), SD3's and Wan's ``hidden_states`` shape and patch size.
+"""diffusers: ToDo on DiT attention (the engine's ``SequenceDownsample``): the image keys and values are downsampled
+on their grid after the rotary embedding; queries and text stay whole, a mask gives the kept keys their share in
+joint attention. Our processor holds diffusers' own of the family (Flux, SD3, Wan; diffusers 0.39.0), computes
+through the module's own layers, and hands it every call it cannot reduce (a mask of the caller's, fused
+projections, a backend without masks where one is needed, another layout, context parallelism). The grid comes
+from the transformer call (a pre-hook): Flux's ``img_ids``, SD3's and Wan's input shape and patch size.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -32,7 +17,9 @@ import torch
 from ...joint_attention import ImageTokens, SequenceDownsample
 from ..shared import dit_families
 
-_STATE = "_tome_patch_dit_attention"  # on the transformer: its _CallState
+log = logging.getLogger("tome_patch")
+
+_STATE = "_tome_patch_dit_attention"
 _HOOK = "_tome_patch_dit_attention_hook"
 # The attention backends that take an additive mask (the kept image keys' share of the softmax needs one).
 MASKED_BACKENDS = (None, "native", "_native_math", "_native_efficient", "_native_cudnn")
@@ -48,6 +35,7 @@ class _CallState:
         self.timestep_scale = scale
         self.grid = None  # Flux: ImageTokens (the ids say where); SD3 and Wan: the grid (frames, h, w)
         self.patch = None
+        self.told_parallel = False
 
     def before_call(self, module, args, kwargs):
         self.grid = None
@@ -82,8 +70,7 @@ def _patch_of(transformer) -> tuple[int, ...] | None:
 
 
 def flux_image_tokens(img_ids: torch.Tensor) -> ImageTokens | None:
-    """The image grid of a Flux call from its ``img_ids`` ((tokens, 3): kind, row, column; kind 0 the image),
-    or None where the image tokens are not one raster-ordered grid ahead of the reference tokens."""
+    """The image grid of a Flux call from its ``img_ids`` (kind 0, row, column), or None where not one raster grid."""
     ids = img_ids[0] if img_ids.dim() == 3 else img_ids
     ids = ids.detach().to("cpu", torch.float64)
     image = int((ids[:, 0] == 0).sum())
@@ -110,13 +97,34 @@ class _HeldProcessor:
         self.state = state
         self.original = original
 
+    # diffusers' ``set_attention_backend`` and ``enable_parallelism`` set these on the processor: the held one's.
     @property
     def _attention_backend(self):
         return getattr(self.original, "_attention_backend", None)
 
+    @_attention_backend.setter
+    def _attention_backend(self, value):
+        self.original._attention_backend = value
+
     @property
     def _parallel_config(self):
         return getattr(self.original, "_parallel_config", None)
+
+    @_parallel_config.setter
+    def _parallel_config(self, value):
+        self.original._parallel_config = value
+
+    def held(self) -> bool:
+        """Under context parallelism each process holds a shard of the tokens, not the grid: the held one runs."""
+        if self._parallel_config is None:
+            return False
+        if not self.state.told_parallel:
+            self.state.told_parallel = True
+            log.info(
+                "ToMe Patch: ToDo is left out under context parallelism (enable_parallelism): each process holds a "
+                "shard of the image tokens, not their grid; attention runs as diffusers' own."
+            )
+        return True
 
     def _reduce(self, k, v, tokens: ImageTokens, dim: int, needs_mask: bool):
         """(k, v, mask) with the image keys and values downsampled, or (k, v, None) unchanged."""
@@ -136,7 +144,7 @@ class TodoFluxProcessor(_HeldProcessor):
             or attention_mask is not None
             or getattr(attn, "fused_projections", False)
             or _backend_name(self._attention_backend) not in MASKED_BACKENDS
-            or self._parallel_config is not None
+            or self.held()
         ):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -169,7 +177,7 @@ class TodoJointProcessor(_HeldProcessor):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
         grid = self.state.grid
-        if grid is None or attention_mask is not None or args or kwargs or hidden_states.dim() != 3:
+        if grid is None or attention_mask is not None or args or kwargs or hidden_states.dim() != 3 or self.held():
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
         batch, image = hidden_states.shape[:2]
 
@@ -203,8 +211,7 @@ class TodoJointProcessor(_HeldProcessor):
 
 
 def _wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's rotary embedding: each (even, odd) channel pair of ``x`` turned by the angle whose cosine and sine
-    ``cos`` / ``sin`` hold (repeated per pair)."""
+    """Wan's rotary embedding: each (even, odd) channel pair of ``x`` turned by ``cos`` / ``sin``."""
     even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
     c, s = cos[..., 0::2], sin[..., 1::2]
     return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).type_as(x)
@@ -221,6 +228,7 @@ class TodoWanProcessor(_HeldProcessor):
             or attention_mask is not None
             or getattr(attn, "fused_projections", False)
             or getattr(attn, "add_k_proj", None) is not None
+            or self.held()
         ):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -231,7 +239,7 @@ class TodoWanProcessor(_HeldProcessor):
         if rotary_emb is not None:
             q, k = _wan_rotary(q, *rotary_emb), _wan_rotary(k, *rotary_emb)
         k, v, _ = self._reduce(k, v, ImageTokens(grid, before=0), 1, needs_mask=False)  # all grid: no bias
-        out = dispatch_attention_fn(q, k, v, backend=self._attention_backend, parallel_config=self._parallel_config)
+        out = dispatch_attention_fn(q, k, v, backend=self._attention_backend)
         out = out.flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 

@@ -1,43 +1,14 @@
-"""diffusers: reuse across steps on DiT pipelines (Flux.1, Flux.2, SD3 / SD3.5, Wan 2.x, Qwen-Image, Z-Image,
-HunyuanVideo 1.5, LTX-Video, LTX-2), setting ``reuse_interval``.
-
-The engine's DiT reuse (``LayerReuseRun.span_block``), as in ComfyUI's door (``hosts.comfyui.dit_reuse``): at a
-*reusing* call the transformer's first block runs (``DIT_OUTER_BLOCKS``) and the blocks after it, the *span*, do
-not; the span's output is its input plus its residual predicted from the last full calls. The same schedule
-(``NoiseSpacedSchedule``: one step in ``reuse_interval`` full, spaced evenly in the scheduler's sigmas).
-
-Hook points (checked in diffusers 0.39.0): each transformer's ``forward`` calls its main blocks one after the
-other (a row of ``LAYOUTS`` each):
-- ``FluxTransformer2DModel``: ``transformer_blocks`` then ``single_transformer_blocks``, and
-  ``SD3Transformer2DModel`` and ``QwenImageTransformer2DModel``: ``transformer_blocks``, all with keyword arguments
-  ``hidden_states`` and ``encoder_hidden_states`` and returning ``(encoder_hidden_states, hidden_states)``;
-- ``Flux2Transformer2DModel``: its ``transformer_blocks`` so too; its ``single_transformer_blocks`` then get text
-  and image as one tensor, ``hidden_states = cat((text, image))`` (``encoder_hidden_states=None``), and return
-  that tensor: the same tokens in the same order as the double blocks' joined streams, so one residual spans both;
-- ``WanTransformer3DModel``: ``blocks`` with ``(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)``,
-  returning ``hidden_states``, and ``LTXVideoTransformer3DModel``: ``transformer_blocks`` with keyword
-  ``hidden_states`` returning it (there ``encoder_hidden_states`` is the text the blocks read, not a stream they
-  pass on), and ``LTX2VideoTransformer3DModel``: ``transformer_blocks`` with keywords ``hidden_states`` and
-  ``audio_hidden_states`` (video and audio tokens, of two widths), returning both;
-- ``HunyuanVideo15Transformer3DModel``: ``transformer_blocks`` with positional ``(hidden_states,
-  encoder_hidden_states, ...)``, returning ``(hidden_states, encoder_hidden_states)``;
-- ``ZImageTransformer2DModel``: ``layers``, each called as ``layer(unified, mask, freqs, adaln_input, ...)`` on one
-  padded sequence of image and caption tokens, returning it; its ``noise_refiner`` and ``context_refiner`` run
-  before, on the image and the caption apart, at every call. Its forward takes a list of latents and the timestep
-  as ``1 - t / 1000`` (``ZImagePipeline``): ``DitLayout.inputs`` reads them.
-Every block of the span gets an instance ``forward`` (``SpanForward``); the transformer a forward pre-hook and hook
-that find the call's step in the pipeline's scheduler (``layer_reuse.PipelineReuse``, as for the UNets).
-
-A call computes every block where ControlNet residuals are added between blocks (Flux, SD3, Qwen-Image, Z-Image),
-where SD3's ``skip_layers`` leaves blocks out, where Flux.2 Klein extracts its reference tokens' KV cache (the
-blocks write it), where diffusers' own cache (``enable_cache``) is on the transformer (it skips blocks of its own:
-ours then stands down, with a warning), and at the schedule's full steps. Removal deletes the forwards and hooks:
-the transformer then computes bit-identically to one never patched.
+"""diffusers: reuse across steps on DiT pipelines (``reuse_interval``), as ComfyUI's door: at a reusing call the first
+block runs and the span after it passes its streams on, the last adding the predicted residual. A ``LAYOUTS`` row
+says how each class's forward calls its blocks (diffusers 0.39.0); the step comes from the pipeline's scheduler
+(``layer_reuse.PipelineReuse``). Under context parallelism each process records its shard and the group decides every
+call together (``reuse.agreement``). Removal leaves the transformer as never patched.
 """
 
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -49,12 +20,13 @@ from ...reuse import (
     attach_forwards,
     detach_forwards,
 )
+from ...reuse.agreement import Agreement
 from ..shared import dit_families
 from .layer_reuse import PipelineReuse, _disabled
 
 log = logging.getLogger("tome_patch")
 
-_STATE = "_tome_patch_dit_reuse"  # on the transformer: its DitReuse
+_STATE = "_tome_patch_dit_reuse"
 _HOOKS = "_tome_patch_dit_reuse_hooks"
 
 
@@ -82,23 +54,20 @@ def output(streams: Streams, values: dict):
 class DitLayout:
     """How one transformer class calls its blocks."""
 
-    block_lists: tuple[str, ...]  # the attributes holding the blocks, in call order
-    # The streams a block passes on, in the order it returns them; where the blocks return several, the joined
-    # tensor (``join_streams``) must list the tokens in the same order in every block list of the span.
+    block_lists: tuple[str, ...]
+    # The streams a block passes on, in its return order (the same token order in every block list of the span).
     streams: Streams
     timestep_scale: float  # the pipeline gives the transformer the scheduler's timestep divided by this
     in_full_when: tuple[str, ...]  # the transformer's keyword arguments that, when given, make a call full
     # SD3's last block returns no text stream (``context_pre_only``): it runs at every call, after the span.
     last_block_runs: bool = False
-    title: str = ""  # the family in messages where ``name`` is shared (Flux.2 reuses as Flux does)
+    title: str = ""
     list_streams: tuple[tuple[str, Streams], ...] = ()  # (block list, its blocks' streams) where not ``streams``
     in_full_if: tuple[tuple[str, object], ...] = ()  # (keyword, value): a call given that value is full
-    # (args, kwargs) of a transformer call -> (the noisy input, its timestep as the pipeline passes ``timestep``),
-    # where the forward names them otherwise (Z-Image); None (the default): ``hidden_states`` and ``timestep``.
+    # (args, kwargs) -> (noisy input, timestep) where the forward names them otherwise (Z-Image).
     inputs: Callable[[tuple, dict], tuple] | None = None
-    todo: bool = True  # whether ``dit_attention`` has ToDo processors for this class's attention
-    # The family: its record's name in the registry (``hosts.shared.dit_families``), set by ``layout_of``; the key
-    # of ToDo's processors (``dit_attention.PROCESSORS``); in messages unless ``title`` says otherwise.
+    todo: bool = True
+    # The family's record name (``dit_families``), set by ``layout_of``.
     name: str = ""
 
     @property
@@ -124,12 +93,8 @@ class DitLayout:
 
 
 def _z_image_inputs(args: tuple, kwargs: dict) -> tuple:
-    """``ZImageTransformer2DModel.forward(x, t, cap_feats, ...)``: ``x`` a list of (channels, frames, h, w) latents,
-    one per batch item; ``t`` is ``(1000 - timestep) / 1000`` (``ZImagePipeline`` and its variants, diffusers
-    0.39.0), given back here as ``timestep / 1000`` (in float64: the last steps' timesteps stay within the
-    schedule's tolerance). The sample stands for the batch by its shape alone (a meta tensor: no memory), which is
-    all the step lookup keeps of it. Omni mode (``x`` a list of lists, conditioning images among the latents) gives
-    no sample: those calls run every block."""
+    """Z-Image's ``forward(x, t, ...)``: ``x`` a list of latents, ``t`` ``1 - timestep / 1000`` (given back in float64);
+    the sample a meta tensor of the batch's shape. Omni mode's nested lists give none: every block runs."""
     x = args[0] if args else kwargs.get("x")
     t = args[1] if len(args) > 1 else kwargs.get("t")
     if not isinstance(x, (list, tuple)) or not x or not all(isinstance(item, torch.Tensor) for item in x):
@@ -141,7 +106,7 @@ def _z_image_inputs(args: tuple, kwargs: dict) -> tuple:
 
 
 _JOINT = (("encoder_hidden_states", 1), ("hidden_states", 0))  # Flux's, SD3's, Qwen's blocks return them so
-_IMAGE = (("hidden_states", 0),)  # blocks that pass on the image (video) tokens alone
+_IMAGE = (("hidden_states", 0),)
 LAYOUTS = {
     "FluxTransformer2DModel": DitLayout(
         ("transformer_blocks", "single_transformer_blocks"),
@@ -153,8 +118,7 @@ LAYOUTS = {
         ("transformer_blocks",), _JOINT, 1.0, ("block_controlnet_hidden_states", "skip_layers"), True
     ),
     "WanTransformer3DModel": DitLayout(("blocks",), _IMAGE, 1.0, ()),
-    # Flux2Pipeline and the Klein pipelines pass ``timestep / 1000``; ToDo's Flux processors do not fit Flux.2's
-    # attention (``Flux2AttnProcessor``, the parallel single blocks' fused projections).
+    # Flux.2's pipelines pass ``timestep / 1000``; ToDo's Flux processors do not fit its attention.
     "Flux2Transformer2DModel": DitLayout(
         ("transformer_blocks", "single_transformer_blocks"),
         _JOINT,
@@ -165,8 +129,7 @@ LAYOUTS = {
         in_full_if=(("kv_cache_mode", "extract"),),
         todo=False,
     ),
-    # QwenImagePipeline, its Edit, image-to-image, inpainting and ControlNet pipelines pass ``timestep / 1000``;
-    # the Edit pipelines' reference latents are image tokens after the image's, in the same stream.
+    # Qwen-Image's pipelines pass ``timestep / 1000``; Edit's reference latents follow the image's tokens.
     "QwenImageTransformer2DModel": DitLayout(
         ("transformer_blocks",), _JOINT, 1000.0, ("controlnet_block_samples",), todo=False
     ),
@@ -179,8 +142,7 @@ LAYOUTS = {
         inputs=_z_image_inputs,
         todo=False,
     ),
-    # HunyuanVideo15Pipeline (its guider runs the prompt and the negative prompt as two calls) and its
-    # image-to-video pipeline pass the scheduler's timestep as it is.
+    # HunyuanVideo 1.5's pipelines pass the scheduler's timestep as it is (its guider: two calls per step).
     "HunyuanVideo15Transformer3DModel": DitLayout(
         ("transformer_blocks",),
         (("hidden_states", 0), ("encoder_hidden_states", 1)),
@@ -189,12 +151,9 @@ LAYOUTS = {
         title="HunyuanVideo 1.5",
         todo=False,
     ),
-    # LTXPipeline (and its image-to-video and condition pipelines, whose conditioning tokens get timestep 0: the
-    # call's largest is the step's) passes the scheduler's timestep as it is.
+    # LTX's pipelines pass the timestep as it is (conditioning tokens get 0: the call's largest is the step's).
     "LTXVideoTransformer3DModel": DitLayout(("transformer_blocks",), _IMAGE, 1.0, (), todo=False),
-    # LTX2Pipeline and its image-to-video and condition pipelines pass the scheduler's timestep as it is. Its
-    # blocks pass on the video and the audio tokens, of two widths, and return both. A call with spatio-temporal
-    # guidance perturbs some blocks, one with modalities isolated skips the cross-attention between them: full.
+    # LTX-2: video and audio tokens of two widths; spatio-temporal guidance or isolated modalities run every block.
     "LTX2VideoTransformer3DModel": DitLayout(
         ("transformer_blocks",),
         (("hidden_states", 0), ("audio_hidden_states", 1)),
@@ -206,9 +165,14 @@ LAYOUTS = {
 }
 
 
+def parallelism(transformer) -> tuple[object, object]:
+    """(diffusers' parallel config or None, the mesh its tokens are sharded over or None)."""
+    config = getattr(transformer, "_parallel_config", None)
+    return config, getattr(getattr(config, "context_parallel_config", None), "_flattened_mesh", None)
+
+
 def layout_of(transformer) -> DitLayout | None:
-    """The layout of a transformer whose blocks reuse can skip (exact class: subclasses such as Wan's VACE add
-    inputs between blocks that a skipped span would count twice), named by its family's record, or None."""
+    """The layout of exactly this class (subclasses such as Wan's VACE add between blocks), or None."""
     layout = LAYOUTS.get(type(transformer).__name__)
     record = dit_families.of_model("diffusers", transformer) if layout is not None else None
     return None if record is None else replace(layout, name=record.name)
@@ -224,13 +188,14 @@ class DitReuse(PipelineReuse):
     def __init__(self, pipeline, transformer, layout: DitLayout, schedule, span, allowed: Callable[[float], bool]):
         blocks = [(f"span.{i}", block) for i, (block, _) in enumerate(span)]
         super().__init__(pipeline, schedule, blocks, allowed, dit_families.family(layout.name).extrapolate)
-        self.layers = 1  # what is recorded: the span's residual, one tensor per batch layout
+        self.layers = 1
         self.layout = layout
         self.block_streams = [streams for _, streams in span]
         self.span_length = len(span)
         self.TIMESTEP_SCALE = layout.timestep_scale
         self._transformer = transformer
         self._warned_cache = False
+        self._told_parallel = False
 
     def before_call(self, module, args, kwargs):
         if self.layout.inputs is None:
@@ -241,8 +206,35 @@ class DitReuse(PipelineReuse):
             return None
         return super().before_call(module, (sample, timestep), kwargs)
 
+    def begin_call(self, run, step, key, allowed=True, position=None) -> bool:
+        run.agreement = self._agreement()
+        return super().begin_call(run, step, key, allowed, position)
+
+    def _agreement(self) -> Agreement | None:
+        """The group that decides each call together where the transformer runs under context parallelism."""
+        config, mesh = parallelism(self._transformer)
+        if mesh is None or mesh.size() < 2:
+            return None
+        if not self._told_parallel:
+            self._told_parallel = True
+            log.info(
+                "ToMe reuse across steps under context parallelism: %d processes each keep their shard of the "
+                "cache and take every step's decision together.",
+                mesh.size(),
+            )
+        return Agreement(mesh.get_group(), getattr(config.context_parallel_config, "_device", None))
+
     def must_run_in_full(self, module, kwargs) -> bool:
         if self.layout.in_full(kwargs):
+            return True
+        config, mesh = parallelism(module)
+        if config is not None and mesh is None:
+            if not self._told_parallel:
+                self._told_parallel = True
+                log.warning(
+                    "ToMe reuse across steps stands down: the transformer runs under a parallelism whose process "
+                    "group this patch cannot find; every block runs in full."
+                )
             return True
         if getattr(module, "is_cache_enabled", False):  # diffusers' own step cache skips blocks of its own
             if not self._warned_cache:
@@ -256,8 +248,7 @@ class DitReuse(PipelineReuse):
 
 
 class DiffusersSpanForward(SkippableLayer):
-    """The ``forward`` of one block of the span: run it (a full call), or pass its streams on (a reusing call);
-    the last one adds the predicted residual."""
+    """The ``forward`` of one span block: run it, or pass its streams on (the last adds the predicted residual)."""
 
     def __call__(self, *args, **kwargs):
         owner = self.owner
@@ -283,9 +274,7 @@ def span_of(transformer, layout: DitLayout, outer=DIT_OUTER_BLOCKS) -> list[tupl
 
 
 def install(transformer, pipeline, settings, allowed: Callable[[float], bool], schedule) -> bool:
-    """Give ``transformer`` reuse across steps on ``schedule`` (the front door's: the family's under
-    ``dit_settings`` auto, else one step in ``reuse_interval``), following ``pipeline``'s scheduler; False where
-    its class is not one this door knows (it is then left as it is)."""
+    """Give ``transformer`` reuse on ``schedule``, following ``pipeline``'s scheduler; False: class unknown."""
     layout = layout_of(transformer)
     if layout is None:
         return False
@@ -312,5 +301,18 @@ def remove(transformer) -> None:
     for handle in transformer.__dict__.pop(_HOOKS, ()):
         handle.remove()
     detach_forwards(transformer.modules(), lambda other: isinstance(other, DitReuse))
+    _out_of_diffusers_hooks(transformer)
     if owner is not None:
         owner.drop()
+
+
+def _out_of_diffusers_hooks(transformer) -> None:
+    """Take our forwards out of diffusers' hook chains (``enable_parallelism`` after ``apply_patch`` wraps them)."""
+    for module in transformer.modules():
+        registry = module.__dict__.get("_diffusers_hook")
+        for ref in getattr(registry, "_fn_refs", ()):
+            for name in ("forward", "original_forward"):
+                ours = getattr(ref, name, None)
+                if isinstance(ours, SkippableLayer) and isinstance(ours.owner, DitReuse):
+                    inner = ours.inner or types.MethodType(type(module).forward, module)
+                    setattr(ref, name, inner)

@@ -1,14 +1,5 @@
-"""The block hook that ComfyUI and Forge Neo share: where a DiT's loop hands each block to
-``transformer_options["patches_replace"]["dit"][(block_type, i)]``, and the replacement that reuse puts there.
-
-Both hosts' loops (ComfyUI 0.3.75 / 0.8.0 ``comfy/ldm``; Forge Neo neo-2.26 ``backend/nn``, a port of ComfyUI's)
-hand block ``i`` to that key when it is set, with the block's inputs as a dict and ``{"original_block": ...}``,
-and read the block's outputs back from the dict it returns. A family's ``BlockLayout`` is part of its registry
-record (``dit_families``): its block lists, the streams a block passes on and the order the model joins them in,
-whether its last block must run, and whether the host's loop has the hook at all. The argument names of each
-family's dict never matter: a span block passes the dict on or runs the original block with it, and reads and
-writes only the streams.
-"""
+"""The block hook ComfyUI and Forge Neo share: their DiT loops hand block ``i`` to
+``transformer_options["patches_replace"]["dit"][(block_type, i)]``, where reuse's span blocks go."""
 
 from __future__ import annotations
 
@@ -16,19 +7,17 @@ from ...reuse import SkippableLayer
 from . import dit_families
 from .dit_families import BlockLayout
 
-PATCH_NAME = "dit"  # transformer_options["patches_replace"]["dit"]
+PATCH_NAME = "dit"
 BLOCK_PATCHES = ("double_block", "single_block")  # transformer_options["patches"]: run after each block
 
 
 def layout_named(family: str) -> BlockLayout | None:
-    """The block layout of the family a host door calls ``family`` (its registry record's), or None."""
     record = dit_families.family(family)
     return record.blocks if record is not dit_families.OTHER else None
 
 
 def block_keys(diffusion_model, layout: BlockLayout) -> list[tuple[str, int]] | None:
-    """Every block of ``diffusion_model`` in call order, as its ``patches_replace["dit"]`` key; None where a block
-    list of the layout is missing."""
+    """Every block's ``patches_replace["dit"]`` key in call order; None where a block list is missing."""
     keys = []
     for block_type, attribute in layout.lists:
         blocks = getattr(diffusion_model, attribute, None)
@@ -39,15 +28,13 @@ def block_keys(diffusion_model, layout: BlockLayout) -> list[tuple[str, int]] | 
 
 
 def replacements(patcher) -> dict:
-    """The ``patches_replace["dit"]`` entries of ``patcher``'s own options (a clone's)."""
     options = getattr(patcher, "model_options", None) or {}
     return ((options.get("transformer_options") or {}).get("patches_replace") or {}).get(PATCH_NAME) or {}
 
 
 def why_every_block_runs(transformer_options, keys: list, blocks: dict) -> str | None:
-    """Why a call must run every block (None: it need not): another patch replaced one of the span's blocks after
-    ours (``blocks``: ours by key), or patches after each block (``patches["double_block"]``, Qwen-Image's
-    block-wise ControlNets) add to the streams between blocks, which a predicted residual already holds."""
+    """Why a call must run every block (None: it need not): another patch replaced a span block after ours, or
+    patches after each block add to the streams."""
     options = transformer_options or {}
     replaced = (options.get("patches_replace") or {}).get(PATCH_NAME) or {}
     if not all(replaced.get(key) is blocks.get(key) for key in keys):
@@ -58,13 +45,11 @@ def why_every_block_runs(transformer_options, keys: list, blocks: dict) -> str |
 
 
 class SpanBlock:
-    """The ``patches_replace["dit"]`` entry of one block of the span: run it (a full call), or pass its inputs on
-    untouched (a reusing call); the last one adds the predicted residual. ``hooks``: the host door's owner of the
-    span (``layer_run()``, ``streams``, ``keys``, ``runs_in_full(transformer_options)``)."""
+    """The ``patches_replace["dit"]`` entry of one span block; ``hooks``: the door's owner of the span."""
 
     def __init__(self, hooks, position: int, previous=None):
         self.hooks = hooks
-        self.position = position  # 0: the span's first block; len(keys) - 1: its last
+        self.position = position
         self.previous = previous  # another node's replacement that was there before ours
 
     def __deepcopy__(self, memo):
@@ -92,8 +77,7 @@ class SpanBlock:
 
 
 class SpanForward(SkippableLayer):
-    """The instance ``forward`` of one span block of a family without a block hook: its first positional argument
-    is the one stream, its return value the stream after the block."""
+    """The instance ``forward`` of a span block of a family without a block hook (one stream, the first argument)."""
 
     def __call__(self, *args, **kwargs):
         hooks = self.owner
