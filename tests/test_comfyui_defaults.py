@@ -166,13 +166,22 @@ def test_dpmpp_2m_on_karras_sigmas_under_every_n_keeps_every_step_in_full(node_c
 
 
 def test_only_karras_sigmas_are_taken_for_karras(model):
-    """The Karras check on the levels each of ComfyUI's schedulers gives (the model's sigma range, 12 steps)."""
+    """The Karras check on the levels each of ComfyUI's schedulers gives (the model's sigma range, 12 steps), and
+    on the stretches of them that denoise below 1, KSamplerAdvanced's step ranges and SplitSigmas hand a sampler:
+    only Karras's are Karras, the stretches "part of karras"."""
     import comfy.samplers
 
-    from tome_core.reuse import is_karras
+    from tome_core.reuse import KARRAS, KARRAS_PART, karras_schedule
 
     sampling = model.get_model_object("model_sampling")
     low, high = float(sampling.sigma_min), float(sampling.sigma_max)
     for name in comfy.samplers.SCHEDULER_NAMES:
         sigmas = comfy.samplers.calculate_sigmas(sampling, name, 12)
-        assert is_karras(sigmas, low, high) == (name == "karras"), name
+        assert karras_schedule(sigmas, low, high) == (KARRAS if name == "karras" else None), name
+        whole = comfy.samplers.calculate_sigmas(sampling, name, 25)
+        for part in (whole[10:], whole[:13], whole[5:20]):  # denoise 0.6; a first pass; a middle stretch
+            # A stretch over less than a factor 2 of noise (linear_quadratic's first half) may lie within the
+            # check's tolerance of a Karras one: it then counts as one, and so runs in full (either is safe).
+            if name != "karras" and float(part[0]) < 2 * float(part[part > 0][-1]):
+                continue
+            assert karras_schedule(part, low, high) == (KARRAS_PART if name == "karras" else None), name

@@ -7,6 +7,9 @@ step calls nothing of the model, which samplers keep "auto"'s layer reuse, and t
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import pytest
 import torch
 from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
@@ -34,14 +37,14 @@ def hooks_of(patched):
     return hooks
 
 
-def sample_counting(patched, steps=25, sampler="euler", scheduler="normal", seed=42):
-    """The sampled latent and how many times the UNet itself ran."""
+def sample_counting(patched, steps=25, sampler="euler", scheduler="normal", seed=42, **options):
+    """The sampled latent and how many times the UNet itself ran (``options``: ``host.sample``'s)."""
     unet = patched.model.diffusion_model
     calls = []
     handle = unet.register_forward_pre_hook(lambda module, args: calls.append(1))
     try:
         out = host.sample(patched, "sd15", latent_hw=HW, steps=steps, batch=2, sampler=sampler, scheduler=scheduler,
-                          seed=seed)  # fmt: skip
+                          seed=seed, **options)  # fmt: skip
     finally:
         handle.remove()
     return out, len(calls)
@@ -161,3 +164,45 @@ def test_comfyuis_step_caches_decide_the_steps_alone(node_classes, model, cache)
     todo = node.execute(host.patch_with_node(node_classes, model, reuse_interval=1), **settings).result[0]
     assert torch.equal(sample_counting(both, steps=12)[0], sample_counting(todo, steps=12)[0])
     assert hooks_of(ours).last_run is None
+
+
+@pytest.mark.parametrize(
+    ("sampler", "scheduler", "computed"),
+    [("dpmpp_2m", "karras", 25), ("euler", "karras", 25), ("euler", "normal", 13)],
+)
+def test_part_of_a_karras_schedule_runs_every_step_and_says_why(node_classes, model, caplog, sampler, scheduler,
+                                                                computed):  # fmt: skip
+    """KSampler at denoise 0.6 samples the last stretch of a longer schedule: on Karras sigmas it is recognised as
+    part of one, where no plan is measured, so every step runs and one line says why (not "the sampler"); on the
+    normal schedule Euler keeps its forecast."""
+    patched = host.patch_with_node(node_classes, model, downsample_factor=1.0)
+    hooks_of(patched).last_run = None
+    with caplog.at_level(logging.INFO, logger="tome_patch"):
+        _, unet_calls = sample_counting(patched, sampler=sampler, scheduler=scheduler, denoise=0.6)
+    assert unet_calls == computed
+    said = f"sampler {sampler} on part of a Karras schedule" in caplog.text
+    assert said == (scheduler == "karras") and (hooks_of(patched).last_run is None) == said
+
+
+@pytest.mark.parametrize("cfg", [1.0, 4.0])
+def test_pags_second_model_call_at_a_step_keeps_records_of_its_own(node_classes, model, cfg, monkeypatch):
+    """ComfyUI's PerturbedAttentionGuidance calls the model a second time at each step with the prompt's cond (the
+    same batch layout as the sampler's own call at CFG 1): that call is a model call of its own, with its own
+    records, so a skipped step forecasts each from its own line, and the two stay apart."""
+    from comfy_extras.nodes_pag import PerturbedAttentionGuidance
+
+    kept = []  # each batch layout's last record when the run ends
+    for cache in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.cache")]:
+
+        def drop(self, _drop=cache.LayerReuseRun.drop):
+            kept.extend(entry.outputs[-1][1] for entry in self.entries.values() if entry.outputs)
+            _drop(self)
+
+        monkeypatch.setattr(cache.LayerReuseRun, "drop", drop)
+    patched = host.patch_with_node(node_classes, model, downsample_factor=1.0)
+    pag = PerturbedAttentionGuidance.execute(patched, 3.0).result[0]
+    _, unet_calls = sample_counting(pag, cfg=cfg)
+    run = hooks_of(pag).last_run
+    assert kind_of(run) == "WholeStepRun" and unet_calls == 2 * 13 == run.calls - run.reused_calls
+    ours, pags = kept  # the sampler's call and PAG's, each with its own records
+    assert not torch.equal(ours, pags)

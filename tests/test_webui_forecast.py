@@ -418,3 +418,49 @@ def test_forge_exception_mid_sampling_leaves_nothing_for_the_next_job(host):
     out, _ = job(host, forge, script_args(enabled=False))
     assert torch.equal(out, never)
     assert_clean(forge)
+
+
+@pytest.mark.parametrize(
+    ("first", "hires", "hires_runs"),
+    [
+        ("Euler", "Euler a", False),  # the default stands down for Euler a: not the first pass's forecast
+        ("Euler a", "Euler", True),  # and the other way round, the highres pass forecasts
+        ("Euler", "Use same sampler", True),  # the UI's word for the first pass's sampler
+    ],
+)
+def test_the_highres_pass_runs_the_plan_of_its_own_sampler(host, capsys, first, hires, hires_runs):
+    """The highres pass samples with ``hr_sampler_name`` where one is set: the plan is that sampler's, and a
+    stand-down says so once."""
+    sd_model = SDModel(make_unet("sd1"))
+    capsys.readouterr()
+    _, p = job(
+        host, sd_model, script_args(**FORECAST), enable_hr=True, sampler=first, hr_sampler_name=hires, hr_steps=STEPS
+    )
+    expected = [True] * (first == "Euler") + [True] * hires_runs  # a forecast run per pass that reuses
+    assert [isinstance(run, WholeStepRun) for run in runs_of(p)] == expected
+    said = capsys.readouterr().out
+    assert ("reuse across steps is off: sampler Euler a is not one" in said) == ("Euler a" in (first, hires))
+    assert_clean(sd_model)
+
+
+def test_an_api_request_without_a_scheduler_runs_automatic(host):
+    """An API request that names no schedule type leaves ``p.scheduler`` None, which the WebUI runs as "Automatic":
+    Karras sigmas for DPM++ 2M, so its forecast (16 of 25), as with "Automatic" itself."""
+    sd_model = SDModel(make_unet("sd1"))
+    for scheduler in (None, "Automatic"):
+        _, p = job(host, sd_model, script_args(**FORECAST), sampler="DPM++ 2M", scheduler=scheduler)
+        (run,) = runs_of(p)
+        assert isinstance(run, WholeStepRun) and run.reused_calls == 25 - 16, scheduler
+    assert_clean(sd_model)
+
+
+def test_a_highres_pass_on_karras_sigmas_runs_every_step(host, capsys):
+    """The highres pass runs over part of its schedule; on Karras sigmas no plan is measured there, so it runs
+    every step in full and says why (the first pass keeps its forecast)."""
+    sd_model = SDModel(make_unet("sd1"))
+    capsys.readouterr()
+    _, p = job(host, sd_model, script_args(**FORECAST), enable_hr=True, sampler="DPM++ 2M", hr_steps=STEPS)
+    (run,) = runs_of(p)
+    assert isinstance(run, WholeStepRun) and run.steps == 25
+    assert "sampler DPM++ 2M on part of a Karras schedule" in capsys.readouterr().out
+    assert_clean(sd_model)

@@ -590,13 +590,18 @@ def sample(
     cfg: float = 5.0,
     sampler: str = "euler",
     scheduler: str = "normal",
+    denoise: float = 1.0,
 ) -> torch.Tensor:
-    """Sample with ComfyUI's own KSampler path; returns the denoised latent."""
-    latent = {"samples": torch.zeros(batch, 4, *latent_hw)}
+    """Sample with ComfyUI's own KSampler path (below ``denoise`` 1 from a fixed latent, as img2img); returns the
+    denoised latent."""
+    start = torch.zeros(batch, 4, *latent_hw)
+    if denoise < 1.0:
+        start = torch.randn(start.shape, generator=torch.Generator().manual_seed(3))
+    latent = {"samples": start}
     positive = conditioning(family, 1, seed=1)
     negative = conditioning(family, 1, seed=2)
     (out,) = comfy_nodes.common_ksampler(
-        model, seed, steps, cfg, sampler, scheduler, positive, negative, latent, denoise=1.0
+        model, seed, steps, cfg, sampler, scheduler, positive, negative, latent, denoise=denoise
     )
     return out["samples"]
 

@@ -377,7 +377,9 @@ def sample(host, p, apply_model, x, timesteps, cond, uncond, cfg=5.0):
     denoiser = CFGDenoiser(p)  # initialize: step 0
     steps = len(timesteps)
     denoiser.steps = steps  # launch_sampling
-    denoiser.total_steps = steps * 2 if p.sampler == "Heun" else steps
+    # The highres pass samples with ``hr_sampler_name or sampler_name`` (modules/processing.py sample_hr_pass).
+    heun = ((p.hr_sampler_name if p.is_hr_pass else None) or p.sampler) == "Heun"
+    denoiser.total_steps = steps * 2 if heun else steps
     host.state.sampling_steps = steps
     host.state.sampling_step = 0
     sigmas = [float(SIGMAS[t]) for t in timesteps] + [0.0]
@@ -387,7 +389,7 @@ def sample(host, p, apply_model, x, timesteps, cond, uncond, cfg=5.0):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         denoised = cfg_denoise(host, p, denoiser, apply_model, x, t, sigma, cond, uncond, cfg)
         d = (x - denoised) / sigma
-        if p.sampler == "Heun" and sigma_next > 0:  # k-diffusion sample_heun: a second call at the next sigma
+        if heun and sigma_next > 0:  # k-diffusion sample_heun: a second call at the next sigma
             x_2 = x + d * (sigma_next - sigma)
             denoised_2 = cfg_denoise(
                 host, p, denoiser, apply_model, x_2, timesteps[i + 1], sigma_next, cond, uncond, cfg
@@ -453,6 +455,9 @@ class Processing:
         self.sampler = "Euler"  # or "Heun" (second order: two model calls per step but the last)
         # The schedule type (v1.9+: "Automatic", "Karras", ...): read by scripts; this host's loop keeps its sigmas.
         self.scheduler = "Automatic"
+        # The highres pass's own sampler and schedule type (None: the first pass's; v1.10 Txt2Img processing).
+        self.hr_sampler_name = None
+        self.hr_scheduler = None
         self.batch_cond_uncond = True  # Settings > Optimizations "Batch cond/uncond" (shared.opts.batch_cond_uncond)
         self.forge_objects_after_applying_lora = None
 
@@ -753,7 +758,10 @@ def script_args(enabled=True, **values) -> list:
 def run_job(host: Host, sd_model, args, **kwargs):
     """One generation through the host; returns the final latent and the processing object. Keyword arguments
     that are not Processing's own set attributes (token_merging_ratio, on_step, ...)."""
-    settable = ("token_merging_ratio", "token_merging_ratio_hr", "on_step", "steps", "hr_steps", "sampler", "scheduler")
+    settable = (
+        *("token_merging_ratio", "token_merging_ratio_hr", "on_step", "steps", "hr_steps", "sampler", "scheduler"),
+        *("hr_sampler_name", "hr_scheduler"),
+    )
     attributes = {k: kwargs.pop(k) for k in list(kwargs) if k in (*settable, "batch_cond_uncond")}
     p = Processing(sd_model, args, **kwargs)
     for name, value in attributes.items():

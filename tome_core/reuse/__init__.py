@@ -30,7 +30,7 @@ from .plans import (
     may_forecast,
     unet_schedule,
 )
-from .samplers import KARRAS_RHO, SAMPLER_KINDS, is_karras, on_karras, sampler_kind
+from .samplers import KARRAS, KARRAS_PART, KARRAS_RHO, SAMPLER_KINDS, karras_schedule, on_karras, sampler_kind
 from .schedules import (
     MIN_NOISE_LEVEL,
     FullSteps,
@@ -52,6 +52,8 @@ __all__ = [
     "FORECAST",
     "FULL",
     "FULL_BELOW_NOISE_WITH_A_CORRECTOR",
+    "KARRAS",
+    "KARRAS_PART",
     "KARRAS_RHO",
     "LAYERS",
     "MIN_NOISE_LEVEL",
@@ -81,7 +83,7 @@ __all__ = [
     "may_forecast",
     "denoised_of",
     "detach_forwards",
-    "is_karras",
+    "karras_schedule",
     "join_streams",
     "on_karras",
     "output_of",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .samplers import on_karras, sampler_kind
+from .samplers import KARRAS_PART, on_karras, sampler_kind
 from .schedules import IntervalSchedule, RunLengthSchedule
 
 DEFAULT_EXTRAPOLATE = 0.5  # layer reuse moves half way along the line
@@ -198,6 +198,12 @@ def decide(
     on = f"sampler {sampler or '(unknown)'}{' on karras sigmas' if karras else ''}"
     if interval is not None and interval <= 1:
         return Decision(FULL, "reuse_interval 1")
+    if schedule == KARRAS_PART:
+        return Decision(
+            FULL,
+            f"sampler {sampler or '(unknown)'} on part of a Karras schedule (denoise below 1, a "
+            "later pass or split sigmas): no plan is measured there",
+        )
     rule = record.rules.get((sampler_kind(sampler), karras))
     if rule is None:
         return Decision(FULL, f"{on} is not one it keeps the picture with ({_with(record, dit)})")

@@ -19,6 +19,8 @@ SAMPLER_KINDS = {
     **dict.fromkeys(("uni_pc", "unipc", "unipcmultistepscheduler"), "unipc"),
 }
 KARRAS = "karras"
+# A run over part of a Karras schedule (denoise below 1, a later pass, split sigmas): no plan is measured there.
+KARRAS_PART = "part of karras"
 KARRAS_RHO = 7.0  # the exponent of Karras et al.'s noise schedule, as every host uses it
 
 
@@ -36,15 +38,21 @@ def on_karras(schedule: str | None) -> bool:
     return _lower(schedule) == KARRAS
 
 
-def is_karras(sigmas: torch.Tensor, sigma_min: float, sigma_max: float) -> bool:
-    """Whether ``sigmas`` (a run's noise levels, the final 0 included or not) are Karras sigmas between
-    ``sigma_min`` and ``sigma_max``: for a host that hands over the levels but not the schedule's name."""
+def karras_schedule(sigmas: torch.Tensor, sigma_min: float, sigma_max: float) -> str | None:
+    """``KARRAS`` where ``sigmas`` (a run's noise levels, the final 0 included or not) are a whole Karras schedule
+    from ``sigma_max`` to ``sigma_min``, ``KARRAS_PART`` where they are a stretch of one (evenly spaced in sigma to
+    the 1/rho inside that range), else None: for a host that hands over the levels but not the schedule's name."""
     levels = sigmas.detach().double().cpu().flatten()
     if levels.numel() and levels[-1] == 0:
         levels = levels[:-1]
     if levels.numel() < 3 or sigma_min <= 0 or sigma_max <= sigma_min:
-        return False
+        return None
     ramp = torch.linspace(0.0, 1.0, levels.numel(), dtype=torch.float64)
     low, high = sigma_min ** (1 / KARRAS_RHO), sigma_max ** (1 / KARRAS_RHO)
-    karras = (high + ramp * (low - high)) ** KARRAS_RHO
-    return bool(torch.allclose(levels, karras, rtol=1e-3, atol=0.0))
+    whole = (high + ramp * (low - high)) ** KARRAS_RHO
+    if torch.allclose(levels, whole, rtol=1e-3, atol=0.0):
+        return KARRAS
+    first, last = float(levels[0]) ** (1 / KARRAS_RHO), float(levels[-1]) ** (1 / KARRAS_RHO)
+    stretch = (first + ramp * (last - first)) ** KARRAS_RHO
+    inside = sigma_min * (1 - 1e-3) <= float(levels[-1]) < float(levels[0]) <= sigma_max * (1 + 1e-3)
+    return KARRAS_PART if inside and torch.allclose(levels, stretch, rtol=1e-3, atol=0.0) else None

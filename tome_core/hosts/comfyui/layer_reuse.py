@@ -33,7 +33,7 @@ from ...reuse import (
     attach_forwards,
     decide,
     detach_forwards,
-    is_karras,
+    karras_schedule,
 )
 from ...schedule import call_sigmas, step_of
 from ..shared.unet_layout import inner_layers
@@ -41,11 +41,12 @@ from .sampling_run import sample_with_run
 
 log = logging.getLogger("tome_patch")
 
-RUN_KEY = "tome_patch_layer_reuse_run"  # transformer_options: (LayerReuseRun, call sigmas) of the current run
+RUN_KEY = "tome_patch_layer_reuse_run"  # transformer_options: the current run's ``_RunState``
 WRAPPER_KEY = "tome_patch_layer_reuse"
 INJECTION_KEY = "tome_patch_layer_reuse"
 OUTER_SAMPLE = "outer_sample"  # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE
 APPLY_MODEL = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL
+PREDICT_NOISE = "predict_noise"  # comfy.patcher_extension.WrappersMP.PREDICT_NOISE: one sampler call
 STEP_CACHE_KEY = "easycache"  # transformer_options: ComfyUI's EasyCache and LazyCache keep their state there
 
 
@@ -94,7 +95,7 @@ class LayerReuseHooks(LayerReuse):
             run = WholeStepRun(decision.schedule, len(sigmas))
         else:
             run = self.new_run(len(sigmas), sigmas, decision.full_below)
-        return sample_with_run(executor, args, kwargs, RUN_KEY, (run, sigmas), run, self._ended)
+        return sample_with_run(executor, args, kwargs, RUN_KEY, _RunState(run, sigmas), run, self._ended)
 
     def _ended(self, run) -> None:
         self.last_run = run
@@ -103,17 +104,30 @@ class LayerReuseHooks(LayerReuse):
         """Where a call at ``sigma`` lies on the line the prediction follows: its noise level."""
         return sigma
 
+    def predict_noise_wrapper(self, executor, *args, **kwargs):
+        """Each sampler call starts counting its model calls afresh (``_RunState.key``)."""
+        options = args[2] if len(args) > 2 else kwargs.get("model_options")
+        state = ((options or {}).get("transformer_options") or {}).get(RUN_KEY)
+        if isinstance(state, _RunState):
+            state.calls.clear()
+        return executor(*args, **kwargs)
+
     def apply_model_wrapper(
         self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs
     ):
-        found = (transformer_options or {}).get(RUN_KEY)
-        if found is None:  # the model called outside a sampling run: nothing to reuse
+        state = (transformer_options or {}).get(RUN_KEY)
+        if state is None:  # the model called outside a sampling run: nothing to reuse
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
-        run, sigmas = found
+        run, sigmas = state.run, state.sigmas
         sigma = float(t.max())
         step = step_of(sigmas, sigma)
-        layout = tuple(str(u) for u in transformer_options.get("uuids") or ())
-        key = (layout, tuple(x.shape), x.dtype)
+        key = state.key(transformer_options.get("uuids"), x, sigma)
+        if control is not None and not state.control_said:
+            state.control_said = True
+            log.info(
+                "ToMe reuse across steps: a ControlNet or adapter runs at every step, the skipped ones too (it is "
+                "computed before the model call that reuse skips): the speed-up is smaller."
+            )
         allowed = self.noise_range.contains(sigma) and sigma >= run.full_below
         if isinstance(run, WholeStepRun):  # the whole call is skipped or computed; the layers run as they are
             run.begin_call(step, key, allowed=allowed, position=sigma)
@@ -128,6 +142,29 @@ class LayerReuseHooks(LayerReuse):
             return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
         finally:
             self.end_call()
+
+
+class _RunState:
+    """One sampling run's state in the run's transformer options: the run, its sigmas, and how many model calls of
+    each batch layout the sampler call in progress has made. A second call of a layout within one sampler call (PAG's
+    and SAG's guidance, context windows) is a model call of its own, with its own records."""
+
+    __slots__ = ("run", "sigmas", "calls", "sigma", "control_said")
+
+    def __init__(self, run, sigmas):
+        self.run, self.sigmas, self.calls, self.sigma, self.control_said = run, sigmas, {}, None, False
+
+    def __deepcopy__(self, memo):
+        return self  # shared by every copy of the options, like the run
+
+    def key(self, uuids, x, sigma: float) -> tuple:
+        if sigma != self.sigma:  # another step: a new sampler call, where no PREDICT_NOISE wrapper said so
+            self.calls.clear()
+            self.sigma = sigma
+        layout = (tuple(str(u) for u in uuids or ()), tuple(x.shape), x.dtype)
+        occurrence = self.calls.get(layout, 0)
+        self.calls[layout] = occurrence + 1
+        return (*layout, occurrence)
 
 
 # Sampler functions whose name is not the sampler's: ComfyUI's "uni_pc" runs ``sample_unipc``.
@@ -146,8 +183,8 @@ def sampler_name(sampler) -> str | None:
 
 
 def schedule_name(guider, sigmas) -> str | None:
-    """ "karras" when the run's sigmas are Karras sigmas of the model's range (ComfyUI hands the sampler the
-    levels, not the scheduler's name), else None."""
+    """ "karras" when the run's sigmas are a whole Karras schedule of the model's range, "part of karras" when they
+    are a stretch of one (ComfyUI hands the sampler the levels, not the scheduler's name), else None."""
     patcher = getattr(guider, "model_patcher", None)
     try:
         model_sampling = patcher.get_model_object("model_sampling")
@@ -156,7 +193,7 @@ def schedule_name(guider, sigmas) -> str | None:
         return None
     if not isinstance(sigmas, torch.Tensor):
         return None
-    return "karras" if is_karras(sigmas, low, high) else None
+    return karras_schedule(sigmas, low, high)
 
 
 class LayerInjection:
@@ -190,6 +227,7 @@ def install(clone, settings, noise_range, schedule) -> bool:
     hooks.plan = settings.reuse_plan
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)
+    clone.add_wrapper_with_key(PREDICT_NOISE, WRAPPER_KEY, hooks.predict_noise_wrapper)
     clone.set_injections(INJECTION_KEY, [LayerInjection(hooks, layers)])
     return True
 
@@ -197,7 +235,7 @@ def install(clone, settings, noise_range, schedule) -> bool:
 def remove(patcher) -> None:
     """Remove everything layer reuse put on ``patcher`` (a clone)."""
     if hasattr(patcher, "remove_wrappers_with_key"):
-        for kind in (OUTER_SAMPLE, APPLY_MODEL):
+        for kind in (OUTER_SAMPLE, APPLY_MODEL, PREDICT_NOISE):
             patcher.remove_wrappers_with_key(kind, WRAPPER_KEY)
     if hasattr(patcher, "remove_injections"):
         patcher.remove_injections(INJECTION_KEY)

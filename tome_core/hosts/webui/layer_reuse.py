@@ -39,6 +39,8 @@ import weakref
 import torch
 
 from ...reuse import (
+    KARRAS,
+    KARRAS_PART,
     LAYERS,
     OUTER_BLOCKS,
     Decision,
@@ -49,6 +51,7 @@ from ...reuse import (
     attach_forwards,
     decide,
     detach_forwards,
+    on_karras,
     unet_schedule,
 )
 from ...schedule import NoiseRange, timestep_of_percent
@@ -155,16 +158,29 @@ KARRAS_LABEL = " karras"  # before v1.9 the label named the schedule: "DPM++ 2M 
 
 
 def sampler_and_schedule(p) -> tuple[str | None, str | None]:
-    """The job's sampler and noise schedule, as the samplers' rule names them: ``p.sampler_name`` (the WebUI's
-    label: "Euler", "DPM++ 2M", ...; "DPM++ 2M Karras" before v1.9) and ``p.scheduler`` (since v1.9: "Automatic",
-    "Karras", ...; "Automatic" is the sampler's own)."""
-    sampler, scheduler = getattr(p, "sampler_name", None), getattr(p, "scheduler", None)
+    """The pass's sampler and noise schedule, as the samplers' rule names them. The sampler is the WebUI's label
+    (``p.sampler_name``, or in the highres pass ``p.hr_sampler_name`` where one is set; "DPM++ 2M Karras" before
+    v1.9); the schedule ``p.scheduler`` (``p.hr_scheduler`` in the highres pass), where None (an API request that
+    names none) and "Automatic" are the sampler's own. A pass over part of a Karras schedule (img2img below denoise 1,
+    the highres pass) is ``KARRAS_PART``."""
+    hires = bool(getattr(p, "is_hr_pass", False))
+    sampler = (_chosen(getattr(p, "hr_sampler_name", None)) if hires else None) or getattr(p, "sampler_name", None)
     label = (sampler or "").strip()
     if label.lower().endswith(KARRAS_LABEL):
-        return label[: -len(KARRAS_LABEL)], "karras"
-    if isinstance(scheduler, str) and scheduler.strip().lower() == "automatic":
-        return sampler, AUTOMATIC_SCHEDULES.get(label.lower())
-    return sampler, scheduler
+        sampler, scheduler = label[: -len(KARRAS_LABEL)], KARRAS
+    elif hasattr(p, "scheduler"):  # v1.9 on
+        scheduler = (_chosen(getattr(p, "hr_scheduler", None)) if hires else None) or p.scheduler or "Automatic"
+        if scheduler.strip().lower() == "automatic":
+            scheduler = AUTOMATIC_SCHEDULES.get(label.lower())
+    else:
+        scheduler = None
+    part = hires or (hasattr(p, "init_images") and getattr(p, "denoising_strength", 1.0) < 1.0)
+    return sampler, KARRAS_PART if part and on_karras(scheduler) else scheduler
+
+
+def _chosen(label):
+    """A highres pass's own choice, or None where it takes the first pass's ("Use same sampler", ...)."""
+    return None if not isinstance(label, str) or label.startswith("Use same") else label
 
 
 def decision_for(settings, p, dit: bool = False) -> Decision:
