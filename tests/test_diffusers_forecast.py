@@ -321,3 +321,33 @@ def test_a_compiled_unet_forecasts_the_same_steps_and_picture(pipes, scheduler_o
         tome_core.remove_patch(pipe)
         pipe.unet = unet
         torch._dynamo.reset()
+
+
+def test_pndm_says_once_at_warning_how_to_get_the_default(pipes, scheduler_of, caplog):
+    """SD1.5 ships PNDMScheduler, which no plan knows: every step runs in full and one WARNING (seen at the default
+    logging level) says so and how to get the default's plan."""
+    import logging
+
+    pipe = scheduler_of(pipeline(pipes, "txt2img"), "PNDMScheduler")
+    tome_core.apply_patch(pipe, **REUSE)
+    with caplog.at_level(logging.WARNING, logger="tome_patch"):
+        H.run(pipe, "txt2img", steps=12)
+        H.run(pipe, "txt2img", steps=12)
+    said = [r for r in caplog.records if "reuse across steps is off" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "sampler PNDMScheduler" in said[0].getMessage() and "EulerDiscreteScheduler" in said[0].getMessage()
+    assert last_run(pipe) is None
+
+
+def test_image_to_image_on_karras_sigmas_runs_every_step(pipes, scheduler_of, caplog):
+    """Below strength 1 a pipeline samples part of its scheduler's sigmas; on Karras sigmas no plan is measured
+    there, so DPM++ 2M runs every step in full (with a line that says why), as the picture unpatched."""
+    import logging
+
+    pipe = scheduler_of(pipeline(pipes, "img2img"), "DPMSolverMultistepScheduler", use_karras_sigmas=True)
+    plain = H.run(pipe, "img2img", steps=15)
+    tome_core.apply_patch(pipe, **REUSE)  # ToMe at ratio 0: reuse alone
+    with caplog.at_level(logging.WARNING, logger="tome_patch"):
+        image = H.run(pipe, "img2img", steps=15)
+    assert np.array_equal(image, plain) and last_run(pipe) is None
+    assert "on part of a Karras schedule" in caplog.text

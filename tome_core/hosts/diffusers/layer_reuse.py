@@ -34,6 +34,8 @@ import torch
 from ...reuse import (
     DEFAULT_EXTRAPOLATE,
     FULL,
+    KARRAS,
+    KARRAS_PART,
     Decision,
     IntervalSchedule,
     LayerReuse,
@@ -119,6 +121,8 @@ class PipelineReuse(LayerReuse):
     SAMPLE = "sample"  # the keyword of the model's noisy input (also its first positional argument)
     DIT = False  # a DiT's door: its scheduler rules (``plans.DIT_PLAN``), no forecast
     TIMESTEP_SCALE = 1.0  # the pipeline passes the scheduler's timestep divided by this (Flux: 1000)
+    # How a UNet pipeline whose scheduler has no plan (SD1.5 ships PNDM) gets the default's speed.
+    HINT = " For the default's plan: pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)."
 
     def __init__(
         self,
@@ -156,12 +160,6 @@ class PipelineReuse(LayerReuse):
         scheduler, timesteps = self._scheduler_timesteps()
         if timesteps is None or timestep is None or not isinstance(sample, torch.Tensor):
             return None
-        decision = self.decision(scheduler)
-        if decision.runs == FULL:  # every step in full
-            if self._refused is not type(scheduler):
-                self._refused = type(scheduler)
-                log.info("ToMe reuse across steps is off: %s; every step runs in full.", decision.why)
-            return None
         if self._timesteps is None or not self._timesteps.is_current(timesteps):
             self._timesteps = _Schedule(timesteps)
             self._new_run(None)
@@ -169,7 +167,15 @@ class PipelineReuse(LayerReuse):
         step = self._timesteps.step_of(t, getattr(scheduler, "_step_index", None))
         if step is None:  # not on the schedule (a call of the user's own): run in full, leave the run as it is
             return None
-        if self.run is None or step < self._last_step:
+        starts = self.run is None or step < self._last_step
+        decision = self.decision(scheduler, step if starts else self._first_step)
+        if decision.runs == FULL:  # every step in full
+            if self._refused is not type(scheduler):
+                self._refused = type(scheduler)
+                hint = "" if self.DIT else self.HINT
+                log.warning("ToMe reuse across steps is off: %s; every step runs in full.%s", decision.why, hint)
+            return None
+        if starts:
             self._new_run(step, scheduler)
         self._call_in_step = self._call_in_step + 1 if step == self._last_step else 0
         self._calls_per_step = max(self._calls_per_step, self._call_in_step + 1)
@@ -211,14 +217,18 @@ class PipelineReuse(LayerReuse):
             levels = levels[first_step:] if None not in levels else None
             self.run = self.run_for(scheduler, steps, levels)
 
-    def decision(self, scheduler) -> Decision:
-        """What a run that ``scheduler`` steps runs (``plans.decide``)."""
+    def decision(self, scheduler, first_step: int = 0) -> Decision:
+        """What a run that ``scheduler`` steps from its step ``first_step`` runs (``plans.decide``): a run that starts
+        later (img2img below strength 1) samples part of the scheduler's sigmas."""
         interval = None if self.DIT else self.schedule.interval
-        return decide(self.plan, scheduler_name(scheduler), karras_or_none(scheduler), interval, dit=self.DIT)
+        schedule = karras_or_none(scheduler)
+        if schedule == KARRAS and first_step > 0:
+            schedule = KARRAS_PART
+        return decide(self.plan, scheduler_name(scheduler), schedule, interval, dit=self.DIT)
 
     def run_for(self, scheduler, steps: int, levels: list[float] | None) -> LayerReuseRun:
         """The run of ``steps`` at noise ``levels`` (None: unknown) that ``scheduler`` starts."""
-        decision = self.decision(scheduler)
+        decision = self.decision(scheduler, self._first_step)
         return self.new_run(steps, levels, (decision.fallback or decision).full_below)
 
     def _finish(self) -> None:
@@ -251,7 +261,7 @@ def scheduler_name(scheduler) -> str:
 
 def karras_or_none(scheduler) -> str | None:
     """ "karras" where the scheduler's sigmas are Karras sigmas (``use_karras_sigmas``), else None."""
-    return "karras" if getattr(getattr(scheduler, "config", None), "use_karras_sigmas", False) else None
+    return KARRAS if getattr(getattr(scheduler, "config", None), "use_karras_sigmas", False) else None
 
 
 def _sigma_of(scheduler, step: int, timestep: float) -> float | None:
