@@ -194,19 +194,3 @@ def test_training_feeds_the_model_what_comfyui_feeds_it_while_sampling(name):
         else:
             torch.testing.assert_close(seen[key].expand_as(inputs[key]), inputs[key])
     torch.testing.assert_close(sampling.calculate_denoised(sigma, target, noisy), x0, atol=1e-5, rtol=1e-5)
-
-
-def test_forced_full_takes_a_plan_apart_one_reused_step_at_a_time(capsys):
-    """``tools.fidelity.forced_full`` on the smallest DiT reference: one line per step the default's plan reuses,
-    none for its full steps; computing every reused step but one in full is not what the plan alone does."""
-    from tools.fidelity import forced_full
-
-    argv = ["--models", "ref-flux", "--row", "ours default", "--prompts", "1", "--steps", "10", "--scales", "1"]
-    results = forced_full.main(argv)
-    printed = capsys.readouterr().out
-    full = [step for step in range(10) if f"| step {step} |" not in printed]
-    assert 0 in full and 9 in full and len(results) == 10 - len(full) >= 3  # under 25 steps: one in two at most
-    assert [r["step"] for r in results] == [step for step in range(10) if step not in full]
-    assert any(r["gain"] != 0.0 for r in results)  # a step computed in full changes the picture
-    with pytest.raises(SystemExit, match="no row named"):
-        forced_full.main(["--models", "ref-flux", "--row", "no such row", "--scales", "1"])

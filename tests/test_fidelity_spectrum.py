@@ -190,3 +190,24 @@ def test_in_forge_neo_it_plans_for_the_jobs_own_step_count():
     neo_host.process_images(webui_host.Host(), p, "flux", shape=(1, 8, 8))
     assert sum(SpectrumSettings().computed(12)) == 10 and sum(SpectrumSettings().computed(25)[:12]) == 9
     assert (wrapper.calls, wrapper.computed_calls) == (12, 10)
+
+
+def _count_calls(model):
+    """(calls, batch entries) of the UNet's forward, as a list the hook appends to."""
+    seen = []
+    handle = model.model.diffusion_model.register_forward_hook(lambda _m, args, _o: seen.append(int(args[0].shape[0])))
+    return seen, handle
+
+
+def test_a_named_plan_computes_exactly_its_steps():
+    at = (0, 1, 3, 6, 9, 12, 15, 18, 22, 23, 24)
+    settings = SpectrumSettings(at=at, blend=0.0, reach=0.75, by_sigma=True)
+    assert [step for step, c in enumerate(settings.computed(25)) if c] == list(at)
+    assert settings.label(25).startswith("11 of 25: 0 1 3")
+    model = host.tiny_model("sd15")
+    seen, handle = _count_calls(model)
+    try:
+        host.sample(spectrum_patch(settings)(model), steps=25, cfg=5.0)
+    finally:
+        handle.remove()
+    assert len(seen) == 11  # cond and uncond batched: one call per computed step

@@ -45,7 +45,6 @@ from tools.fidelity.dit_rows import dit_rows
 from tools.fidelity.peer_rows import comfy_builtin, spectrum_rows, step_cache_rows, todo_reference, tomesd_row
 from tools.fidelity.row import ROOT, FidelityRow, load_our_nodes, ours
 from tools.fidelity.unet_rows import layer_reuse_rows
-from tools.fidelity.whole_step_rows import whole_step_rows
 from tools.fidelity.work import count_work
 
 PROMPT_SEED = 1234
@@ -88,7 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--broken", action="store_true", help="add a deliberately broken patch (plumbing check)")
     parser.add_argument(
-        "--variants", action="store_true", help="add the reuse_interval variants its defaults were chosen from"
+        "--variants",
+        action="store_true",
+        help="add rows beside the defaults: the plan of jobs saved before reuse_plan and EasyCache 0.5 / 0.6 (UNets), "
+        "start_percent and the slope in 4 bits (DiTs)",
     )
     parser.add_argument("--real", type=int, default=1024, help="real scenes for the Frechet distance")
     parser.add_argument("--grid", type=int, default=8, help="images per row in the grid")
@@ -136,10 +138,8 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
 
     nodes = load_our_nodes()
     if models.is_dit(name):  # Flux, Flux.2, Wan, Qwen-Image: the same rows (the family comes from the model)
-        # The step the family does not take, as variants: half on Flux (its own is whole), whole on the others.
-        other_step = 0.5 if models.is_flux(name) else 1.0
         ratios_of = magcache_calibration(name, args)
-        rows = dit_rows(nodes, args.variants, models.is_video(name), args, other_step, ratios_of)
+        rows = dit_rows(nodes, args.variants, models.is_video(name), args, ratios_of)
         return keep_asked_rows(rows, args, broken_dit_patch)
     family = models.FAMILIES[name]
     finest = 1 if family.depth[0] else 2  # the finest level that has attention
@@ -162,7 +162,6 @@ def rows_for(name: str, base_model, args) -> list[FidelityRow]:
     rows += spectrum_rows(args.steps, (0.48, 0.52, 0.56, 0.6, 0.64, 0.76))
     if args.variants:  # EasyCache at the work of the default's plan (12 full steps of 25: 0.48 of the calls)
         rows += [row for row in step_cache_rows((0.5, 0.6)) if row.name.startswith("EasyCache")]
-        rows += whole_step_rows(args.steps)
     state_dict = base_model.diffusion_model.state_dict()
     for everywhere in (False, True):
         row = tomesd_row(family, state_dict, 0.5, finest, everywhere)
