@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import time
 import traceback
 from contextlib import contextmanager
@@ -50,7 +49,6 @@ def spawn(world: int, scenarios: list[tuple[str, dict]], folder: Path, deadline_
 
 def _worker(rank: int, world: int, folder: str, scenarios: list[tuple[str, dict]]) -> None:
     torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results: dict = {}
     try:
         dist.init_process_group(
