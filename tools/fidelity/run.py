@@ -29,9 +29,9 @@ reduction does to the picture. Speed at real sizes is the speed benchmark's job 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from tome_core.settings import SPECS
+from tools.common.any_sampler import reuse_with_any_sampler
 from tools.common.host import setup_comfy
 from tools.common.machine import machine, versions
 from tools.fidelity.dit_rows import dit_rows
@@ -247,31 +248,23 @@ def sample_row(row: FidelityRow, patcher, positive, negative, shape: tuple, args
 
     model = row.patch(patcher)
     row.enter()
-    # Measuring reuse with a sampler the rule does not know yet: every loaded copy of the engine's rule (ComfyUI
-    # loads the node package under its folder's name) lets it through for this row.
-    rules = [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.samplers")]
-    kept = [(rule.SAMPLERS_THAT_KEEP_THE_PICTURE, rule.SCHEDULES_THAT_LOSE_THE_PICTURE) for rule in rules]
-    if getattr(args, "any_sampler", False):  # the sampler and its schedule (Karras sigmas) both let through
-        for rule, (samplers, schedules) in zip(rules, kept, strict=True):
-            rule.SAMPLERS_THAT_KEEP_THE_PICTURE = samplers | {args.sampler}
-            rule.SCHEDULES_THAT_LOSE_THE_PICTURE = schedules - {args.scheduler}
+    # Measuring reuse with a sampler no plan knows yet (``--any-sampler``).
+    allow = reuse_with_any_sampler(args.sampler) if getattr(args, "any_sampler", False) else contextlib.nullcontext()
     try:
-        wall, cpu = time.perf_counter(), time.process_time()
-        images = []
-        for seed in range(args.first_seed, args.first_seed + args.seeds):
-            latent = {"samples": torch.zeros(shape)}
-            # Without gradients, as ComfyUI's executor runs a prompt: most samplers say so themselves, uni_pc does
-            # not (it would keep every step's graph).
-            with torch.no_grad():
-                (out,) = comfy_nodes.common_ksampler(
-                    model, seed, args.steps, args.cfg, args.sampler, args.scheduler, positive, negative, latent
-                )
-            images.append(patcher.model.process_latent_in(out["samples"]))  # undo the latent scale factor
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        with allow:
+            wall, cpu = time.perf_counter(), time.process_time()
+            images = []
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
+                latent = {"samples": torch.zeros(shape)}
+                # Without gradients, as ComfyUI's executor runs a prompt: most samplers say so themselves, uni_pc does
+                # not (it would keep every step's graph).
+                with torch.no_grad():
+                    (out,) = comfy_nodes.common_ksampler(
+                        model, seed, args.steps, args.cfg, args.sampler, args.scheduler, positive, negative, latent
+                    )
+                images.append(patcher.model.process_latent_in(out["samples"]))  # undo the latent scale factor
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
-        for rule, (samplers, schedules) in zip(rules, kept, strict=True):
-            rule.SAMPLERS_THAT_KEEP_THE_PICTURE = samplers
-            rule.SCHEDULES_THAT_LOSE_THE_PICTURE = schedules
         row.leave()
     return torch.cat(images), wall, cpu
 

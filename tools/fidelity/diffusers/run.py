@@ -31,12 +31,12 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from tools.common.any_sampler import reuse_with_any_sampler
 from tools.fidelity.work import at_depth
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -174,19 +174,6 @@ def make_scheduler(name: str):
     if name == "unipc":
         return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     return FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
-
-
-@contextlib.contextmanager
-def reuse_with_any_scheduler(scheduler) -> Iterator[None]:
-    """Let reuse run with ``scheduler`` whether or not it is among the measured ones (to measure it)."""
-    from tome_core import layer_reuse
-
-    kept = layer_reuse.SAMPLERS_THAT_KEEP_THE_PICTURE
-    layer_reuse.SAMPLERS_THAT_KEEP_THE_PICTURE = kept | {type(scheduler).__name__.lower()}
-    try:
-        yield
-    finally:
-        layer_reuse.SAMPLERS_THAT_KEEP_THE_PICTURE = kept
 
 
 def build_pipeline(transformer, scheduler: str = "flux"):
@@ -369,7 +356,8 @@ def main(argv=None) -> dict:
         if row.setup is not None:
             row.setup(pipe, args)
         try:
-            allow = reuse_with_any_scheduler(pipe.scheduler) if args.any_scheduler else contextlib.nullcontext()
+            scheduler = type(pipe.scheduler).__name__
+            allow = reuse_with_any_sampler(scheduler) if args.any_scheduler else contextlib.nullcontext()
             with allow, BlockWork(pipe.transformer) as work:
                 wall = time.perf_counter()
                 images = sample(pipe, text, args, size)
