@@ -464,3 +464,25 @@ def test_a_highres_pass_on_karras_sigmas_runs_every_step(host, capsys):
     assert isinstance(run, WholeStepRun) and run.steps == 25
     assert "sampler DPM++ 2M on part of a Karras schedule" in capsys.readouterr().out
     assert_clean(sd_model)
+
+
+def test_prompt_editing_drops_what_was_recorded_for_the_prompt_before(host):
+    """Prompt editing ("[a:b:10]") switches the prompt at step 10: what the steps before recorded belongs to the old
+    prompt, so the first call after the switch computes (a skipped step on the plan) and records afresh, instead of
+    forecasting the old prompt's line; the picture differs from the run without the switch."""
+    sd_model = SDModel(make_unet("sd1"))
+    unet = unet_of(sd_model)
+    new_prompt = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(9))
+    counted = []
+    handle = unet.middle_block.register_forward_pre_hook(lambda module, args: counted.append(1))  # computed calls
+    try:
+        plain, _ = job(host, sd_model, script_args(**FORECAST))
+        computed = len(counted)
+        counted.clear()
+        edited, p = job(host, sd_model, script_args(**FORECAST), prompt_edit=(10, new_prompt))
+    finally:
+        handle.remove()
+    assert computed == len(EULER_COMPUTED)
+    assert len(counted) == computed + 1  # step 10, skipped on the plan, computes after the switch
+    assert not torch.equal(plain, edited)
+    assert_clean(sd_model)

@@ -387,12 +387,15 @@ def sample(host, p, apply_model, x, timesteps, cond, uncond, cfg=5.0):
         if p.on_step is not None:
             p.on_step(p, i)
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
-        denoised = cfg_denoise(host, p, denoiser, apply_model, x, t, sigma, cond, uncond, cfg)
+        # Prompt editing ("[a:b:when]"): the WebUI rebuilds the cond batch at every step, switching at ``when``.
+        edit = p.prompt_edit
+        step_cond = (edit[1] if edit is not None and i >= edit[0] else cond).clone()
+        denoised = cfg_denoise(host, p, denoiser, apply_model, x, t, sigma, step_cond, uncond, cfg)
         d = (x - denoised) / sigma
         if heun and sigma_next > 0:  # k-diffusion sample_heun: a second call at the next sigma
             x_2 = x + d * (sigma_next - sigma)
             denoised_2 = cfg_denoise(
-                host, p, denoiser, apply_model, x_2, timesteps[i + 1], sigma_next, cond, uncond, cfg
+                host, p, denoiser, apply_model, x_2, timesteps[i + 1], sigma_next, step_cond, uncond, cfg
             )
             d = (d + (x_2 - denoised_2) / sigma_next) / 2
         x = x + d * (sigma_next - sigma)
@@ -458,6 +461,7 @@ class Processing:
         # The highres pass's own sampler and schedule type (None: the first pass's; v1.10 Txt2Img processing).
         self.hr_sampler_name = None
         self.hr_scheduler = None
+        self.prompt_edit = None  # (step, cond): prompt editing switches to ``cond`` from that step on
         self.batch_cond_uncond = True  # Settings > Optimizations "Batch cond/uncond" (shared.opts.batch_cond_uncond)
         self.forge_objects_after_applying_lora = None
 
@@ -760,7 +764,7 @@ def run_job(host: Host, sd_model, args, **kwargs):
     that are not Processing's own set attributes (token_merging_ratio, on_step, ...)."""
     settable = (
         *("token_merging_ratio", "token_merging_ratio_hr", "on_step", "steps", "hr_steps", "sampler", "scheduler"),
-        *("hr_sampler_name", "hr_scheduler"),
+        *("hr_sampler_name", "hr_scheduler", "prompt_edit"),
     )
     attributes = {k: kwargs.pop(k) for k in list(kwargs) if k in (*settable, "batch_cond_uncond")}
     p = Processing(sd_model, args, **kwargs)

@@ -79,6 +79,17 @@ def denoiser_step(params) -> tuple[int, int] | None:
     return step, steps
 
 
+def _same(a, b) -> bool:
+    """Whether two conds (tensors, dicts or sequences of them, as the WebUI's models take them) are equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a is b or a == b
+
+
 def _noise_level(params) -> float | None:
     """The sigma of the denoiser call (``CFGDenoiserParams.sigma``, one per batch entry, all equal in a pass)."""
     sigma = getattr(params, "sigma", None)
@@ -101,6 +112,8 @@ class PassReuse(LayerReuse):
         self.unet_calls = 0  # UNet calls made so far within that denoiser call
         self.run: LayerReuseRun | None = None
         self.finished = False
+        self.conds = None  # the last denoiser call's prompt and negative prompt
+        self.prompt_changes = 0
 
     def on_cfg_denoiser(self, params) -> None:
         owner_p = getattr(getattr(params, "denoiser", None), "p", None)
@@ -110,6 +123,12 @@ class PassReuse(LayerReuse):
         self.step = denoiser_step(params)
         self.sigma = _noise_level(params)
         self.unet_calls = 0
+        conds = (getattr(params, "text_cond", None), getattr(params, "text_uncond", None))
+        if self.run is not None and self.conds is not None and not _same(conds, self.conds):
+            # Prompt editing or alternation changed the prompt: nothing recorded before belongs to it.
+            self.run.drop()
+            self.prompt_changes += 1
+        self.conds = conds
 
     def on_cfg_after_cfg(self, params) -> None:
         self.step = None
