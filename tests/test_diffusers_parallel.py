@@ -10,6 +10,7 @@ import torch
 from hosts import parallel_dits as P
 
 REUSE = {"dit_settings": "as set", "reuse_interval": 3}
+TODO = {**REUSE, "downsample_factor": 2, "skip_when_slower": False}
 _REUSE = {"settings": REUSE}
 SCENARIOS = [
     ("wan", {"scenario": "patched", **_REUSE}),
@@ -20,7 +21,8 @@ SCENARIOS = [
     ("flux, its default", {"scenario": "patched", "family": "flux"}),
     ("wan, ring", {"scenario": "patched", "mode": "ring", **_REUSE}),
     ("guard", {}),
-    ("todo", {"scenario": "patched", "settings": {**REUSE, "downsample_factor": 2, "skip_when_slower": False}}),
+    ("todo", {"scenario": "patched", "settings": TODO, "alone": False}),
+    ("todo, patched first", {"scenario": "patched", "order": "before", "settings": TODO, "alone": False}),
     ("failing", {}),  # last: it breaks the group
 ]
 PATCHED = [name for name, options in SCENARIOS if options.get("scenario") == "patched"]
@@ -39,7 +41,7 @@ def test_every_process_ran_every_scenario(ranks):
         assert all(name in rank for name, _ in SCENARIOS)
 
 
-@pytest.mark.parametrize("name", [n for n in PATCHED if n != "todo"])
+@pytest.mark.parametrize("name", [n for n in PATCHED if not n.startswith("todo")])
 def test_the_parallel_run_decides_and_computes_as_one_process(ranks, name):
     first, second = (rank[name] for rank in ranks)
     single = first["single"]
@@ -51,7 +53,8 @@ def test_the_parallel_run_decides_and_computes_as_one_process(ranks, name):
 
 @pytest.mark.parametrize("name", PATCHED)
 def test_each_process_keeps_its_shard_and_removal_restores_it(ranks, name):
-    ((tokens, width),) = {shape[1:] for shape in ranks[0][name]["single"]["recorded"]}
+    single = ranks[0][name].get("single") or ranks[0]["wan"]["single"]  # ToDo's runs: Wan's, without ToDo
+    ((tokens, width),) = {shape[1:] for shape in single["recorded"]}
     for rank in ranks:
         assert rank[name]["recorded"] == [(1, tokens // 2, width)]
         assert rank[name]["leftovers"] == []
@@ -70,8 +73,9 @@ def test_a_guard_that_one_shard_alone_would_fire_is_decided_together(ranks):
 
 def test_todo_is_left_out_under_parallelism_with_one_log_line(ranks):
     for rank in ranks:
-        assert torch.equal(rank["todo"]["patched"], rank["wan"]["patched"])
-        assert sum("ToDo is left out under context parallelism" in line for line in rank["todo"]["log"]) == 1
+        for name in ("todo", "todo, patched first"):
+            assert torch.equal(rank[name]["patched"], rank["wan"]["patched"])
+            assert sum("ToDo is left out under context parallelism" in line for line in rank[name]["log"]) == 1
     assert any("under context parallelism: 2 processes" in line for line in ranks[0]["wan"]["log"])
 
 

@@ -202,9 +202,9 @@ def leftovers(transformer) -> list[str]:
     return found
 
 
-def patched(rank: int, family: str = "wan", mode: str = "ulysses", order: str = "after", settings=None, **_) -> dict:
+def patched(rank, family="wan", mode="ulysses", order="after", settings=None, alone=True, **_) -> dict:
     """Unpatched, patched (``apply_patch`` before or after ``enable_parallelism``) and after ``remove_patch``,
-    on one parallel pipeline; on rank 0 also the patched single-process run."""
+    on one parallel pipeline; on rank 0 also the patched single-process run (``alone``)."""
     import tome_core
 
     settings = settings or {}
@@ -226,7 +226,7 @@ def patched(rank: int, family: str = "wan", mode: str = "ulysses", order: str = 
         tome_core.remove_patch(pipe)
         out["leftovers"] = leftovers(pipe.transformer)
         out["removed"] = _generate(pipe, family)
-    if rank == 0:
+    if rank == 0 and alone:
         out["single"] = single(family, settings)
     return out
 
