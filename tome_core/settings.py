@@ -1,9 +1,5 @@
-"""The one place that knows every setting: its default, its allowed range and its tooltip.
-
-Both host adapters build their UI controls from ``SPECS`` and turn what the user chose into a
-``PatchSettings`` through ``PatchSettings.from_values``, which raises a ``ValueError`` naming the setting and
-its allowed range before any sampling starts. A validated ``PatchSettings`` is immutable, so one object can be
-shared by every hook of a patched model without being changed behind its back.
+"""Every setting's default, allowed range and tooltip (``SPECS``), and ``PatchSettings``, the validated, immutable
+set the hosts build with ``PatchSettings.from_values`` before sampling starts.
 """
 
 from __future__ import annotations
@@ -21,9 +17,7 @@ METHOD_LABELS = {"tome": "ToMe", "todo": "ToDo"}
 DOWNSAMPLE_METHODS = ("nearest-exact", "avg_pool", "bilinear")
 # What of a transformer block ToMe runs on merged tokens (see reducer.py): only self-attention, or the whole block.
 SCOPES = ("self-attention", "block")
-# Values a saved workflow or prompt may still hold for a setting whose choice was removed: each runs as its
-# replacement, with a warning that says why. Scope "reuse" (reuse across steps token by token, ComfyUI only) did
-# less for the same picture than reuse_interval (docs/step-reuse.md).
+# Removed choices a saved workflow may still hold: each runs as its replacement, with a warning that says why.
 RETIRED_CHOICES = {
     "scope": {
         "reuse": (
@@ -74,8 +68,7 @@ _SPEC_LIST = (
     Spec(
         "method",
         "choice",
-        # The default keeps the picture: on the reference models ToDo 2 changes it least and is the faster
-        # self-attention method at every size measured (docs/benchmark.md, docs/fidelity.md).
+        # measured: docs/fidelity.md, 'Which setting to use, in full'
         "todo",
         choices=METHODS,
         tooltip="tome: merge similar tokens and copy the result back (ToMe); with scope block the fastest, with "
@@ -276,11 +269,8 @@ _SPEC_LIST += (
 
 SPECS: dict[str, Spec] = {spec.name: spec for spec in _SPEC_LIST}
 
-# What a saved ComfyUI prompt or a WebUI infotext that does not name a setting meant: its default when it was
-# saved. A setting whose default changed keeps its old value here, so what was saved gives the same picture
-# (reuse_interval was 1, off, until reuse across steps became part of the default).
-# A prompt saved before ``dit_settings`` existed ran a DiT with its inputs as set, and one saved before
-# ``reuse_plan`` existed reused one step in N.
+# A saved prompt or infotext that does not name a setting meant the default of its time: the value here keeps its
+# picture.
 IMPLIED_WHEN_ABSENT = {"reuse_interval": 1, "dit_settings": "as set", "reuse_plan": "every N"}
 
 log = logging.getLogger("tome_patch")

@@ -1,10 +1,6 @@
-"""The reuse plans as records, and the one decision a host asks for each sampling pass.
-
-A ``ReusePlan`` says, per sampler kind and schedule, what a UNet runs: the whole-step forecast (``whole_step``),
-layer reuse, or every step. A plan once shipped is never changed, so a job saved with it keeps its picture; a new
-sampler or spacing is a new record. How to add one: docs/how-it-works.md, "Adding a plan or a sampler". The figures
-behind each constant: docs/step-reuse.md ("The default", "A skipped step that runs nothing").
-"""
+"""The reuse plans as records and ``decide``, what a sampling pass runs. A shipped plan never changes, so saved jobs
+keep their picture: docs/how-it-works.md, 'Adding a plan or a sampler'. The constants are measured:
+docs/step-reuse.md, 'The default'."""
 
 from __future__ import annotations
 
@@ -14,25 +10,23 @@ from dataclasses import dataclass, field
 from .samplers import KARRAS_PART, on_karras, sampler_kind
 from .schedules import IntervalSchedule, RunLengthSchedule
 
-DEFAULT_EXTRAPOLATE = 0.5  # layer reuse moves half way along the line
+DEFAULT_EXTRAPOLATE = 0.5
 OUTER_BLOCKS = 1  # the first input block and the last output block run at every step of a UNet
 DIT_OUTER_BLOCKS = (1, 0)  # a DiT's blocks that run at every call: (at the start, at the end)
 
-# Layer reuse at ``UNET_PLANNED_INTERVAL`` from ``UNET_LONG_RUN`` steps: (full_start, full_end, extrapolate), keyed by
-# whether the UNet has attention at full resolution (SD1.x, SD2.x) or not (SDXL).
+# (full_start, full_end, extrapolate), keyed by whether the UNet has attention at full resolution (SD1.x/2.x).
 UNET_LONG_RUN = 25
 UNET_LONG_RUN_PLANS = {True: (0.12, 3, 0.75), False: (0.08, 4, 0.5)}
 UNET_PLANNED_INTERVAL = 3
 
-WHOLE_STEP_REACH = 0.75  # how far along the line a skipped step's forecast moves
+WHOLE_STEP_REACH = 0.75
 
 FORECAST, LAYERS, FULL = "forecast", "layers", "full"
 
 
 @dataclass(frozen=True)
 class Spacing:
-    """A forecast's computed steps: the first ``full_start`` share, the last ``full_end``, and one in
-    ``reuse_interval`` between (one in ``most`` at the most)."""
+    """A forecast's computed steps: the first ``full_start`` share, the last ``full_end``, one in N between."""
 
     full_start: float
     full_end: int
@@ -59,8 +53,7 @@ Rules = Mapping[tuple[str, bool], Rule]
 
 @dataclass(frozen=True)
 class ReusePlan:
-    """One value of ``reuse_plan``: its rules, whether layer reuse takes the UNet family's measured plan (else one
-    step in ``reuse_interval``), and the words of its tooltip."""
+    """One value of ``reuse_plan``: its rules, whether layer reuse takes the family's measured plan, its tooltip."""
 
     name: str
     rules: Rules
@@ -69,7 +62,6 @@ class ReusePlan:
     default: bool = field(default=False)
 
     def samplers(self) -> str:
-        """The samplers it runs with, for a log line."""
         off = sorted(kind for kind, karras in self.rules if not karras)
         on = sorted(kind for kind, karras in self.rules if karras)
         words = ", ".join(off)
@@ -82,9 +74,9 @@ class Decision:
 
     runs: str
     why: str
-    schedule: IntervalSchedule | RunLengthSchedule | None = None  # FORECAST: the computed steps
-    full_below: float = 0.0  # LAYERS: the calls below this noise level run in full
-    fallback: Decision | None = None  # FORECAST: what runs where the host cannot forecast the output
+    schedule: IntervalSchedule | RunLengthSchedule | None = None
+    full_below: float = 0.0
+    fallback: Decision | None = None
 
 
 _LAYERS = Rule(LAYERS)
@@ -141,7 +133,6 @@ _PLAN_LIST = (
 REUSE_PLANS: dict[str, ReusePlan] = {plan.name: plan for plan in _PLAN_LIST}
 DEFAULT_REUSE_PLAN = next(plan.name for plan in _PLAN_LIST if plan.default)
 
-# A DiT runs whatever ``reuse_plan`` says: its full steps come from its family record (``hosts.shared.dit_families``).
 # UniPC's corrector multiplies a miss where the details form, so its low-noise calls run in full.
 FULL_BELOW_NOISE_WITH_A_CORRECTOR = 0.5
 DIT_PLAN = ReusePlan(
@@ -161,8 +152,7 @@ def may_forecast(plan: str) -> bool:
 
 
 def unet_schedule(interval: int, attention_levels, plan: str = "auto") -> IntervalSchedule | RunLengthSchedule:
-    """The layer-reuse schedule of ``plan`` at ``reuse_interval`` ``interval`` on a UNet with attention at
-    ``attention_levels`` (downsampling factors; None where unknown)."""
+    """The layer-reuse schedule of ``plan`` at ``interval`` on a UNet with attention at ``attention_levels``."""
     general = IntervalSchedule(interval)
     if not REUSE_PLANS[plan].measured_layers or interval != UNET_PLANNED_INTERVAL or not attention_levels:
         return general
@@ -190,9 +180,8 @@ def _decision(rule: Rule, interval: int, why: str) -> Decision:
 def decide(
     plan: str, sampler: str | None, schedule: str | None, interval: int | None = None, dit: bool = False
 ) -> Decision:
-    """What a pass of ``sampler`` (a host's name) on ``schedule`` (a host's schedule name, None: its default) runs
-    under ``reuse_plan`` ``plan`` at ``reuse_interval`` ``interval`` (None: a DiT family's own), on a UNet or
-    (``dit``) a DiT."""
+    """What a pass of ``sampler`` on ``schedule`` (host names) runs under ``plan`` at ``interval`` (None: a DiT
+    family's own)."""
     record = DIT_PLAN if dit else REUSE_PLANS[plan]
     karras = on_karras(schedule)
     on = f"sampler {sampler or '(unknown)'}{' on karras sigmas' if karras else ''}"

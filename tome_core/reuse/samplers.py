@@ -1,27 +1,21 @@
-"""Which sampler a host's name stands for, and whether a run's noise levels are Karras sigmas.
-
-The plans' rules (``plans.REUSE_PLANS``) are keyed by the kinds named here, never by a host's own name.
-"""
+"""Which sampler kind a host's name stands for (the plans' rules use the kinds), and whether sigmas are Karras."""
 
 from __future__ import annotations
 
 import torch
 
-# A host's name for a sampler (lower case: ComfyUI's names, the WebUI's labels, diffusers' scheduler classes) -> its
-# kind. ComfyUI's "ddim" runs Euler, and DDIM without noise is Euler's step on other axes.
+# ComfyUI's "ddim" runs Euler, and DDIM without noise is Euler's step on other axes.
 SAMPLER_KINDS = {
     **dict.fromkeys(("euler", "ddim", "eulerdiscretescheduler", "ddimscheduler"), "euler"),
     **dict.fromkeys(("heun", "heundiscretescheduler"), "heun"),
     **dict.fromkeys(("dpmpp_sde", "dpm++ sde", "dpmsolversdescheduler"), "dpmpp_sde"),
-    # diffusers' DPMSolverMultistepScheduler counts only as DPM-Solver++ of order 2 (its host door checks).
     **dict.fromkeys(("dpmpp_2m", "dpm++ 2m", "dpmsolvermultistepscheduler"), "dpmpp_2m"),
     "flowmatcheulerdiscretescheduler": "flow_euler",
     **dict.fromkeys(("uni_pc", "unipc", "unipcmultistepscheduler"), "unipc"),
 }
 KARRAS = "karras"
-# A run over part of a Karras schedule (denoise below 1, a later pass, split sigmas): no plan is measured there.
-KARRAS_PART = "part of karras"
-KARRAS_RHO = 7.0  # the exponent of Karras et al.'s noise schedule, as every host uses it
+KARRAS_PART = "part of karras"  # denoise below 1, a later pass, split sigmas: no plan is measured there
+KARRAS_RHO = 7.0
 
 
 def _lower(name: str | None) -> str:
@@ -34,14 +28,11 @@ def sampler_kind(sampler: str | None) -> str | None:
 
 
 def on_karras(schedule: str | None) -> bool:
-    """Whether a host's schedule name (e.g. "Karras"; None: the host's default) is Karras sigmas."""
     return _lower(schedule) == KARRAS
 
 
 def karras_schedule(sigmas: torch.Tensor, sigma_min: float, sigma_max: float) -> str | None:
-    """``KARRAS`` where ``sigmas`` (a run's noise levels, the final 0 included or not) are a whole Karras schedule
-    from ``sigma_max`` to ``sigma_min``, ``KARRAS_PART`` where they are a stretch of one (evenly spaced in sigma to
-    the 1/rho inside that range), else None: for a host that hands over the levels but not the schedule's name."""
+    """``KARRAS`` if ``sigmas`` are a whole Karras schedule, ``KARRAS_PART`` if part of one, else None."""
     levels = sigmas.detach().double().cpu().flatten()
     if levels.numel() and levels[-1] == 0:
         levels = levels[:-1]

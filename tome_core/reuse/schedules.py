@@ -1,18 +1,12 @@
-"""Which steps of a sampling run run in full: the plans of reuse across steps.
-
-A *full* step runs every layer and records what the reusing steps predict from; the others *reuse*. Each schedule
-answers ``is_full(step, steps)``; ``for_run`` gives the schedule of one run (a DiT's depends on its noise levels).
-The measured settings each host runs by default are in ``plans``.
-"""
+"""Which steps of a sampling run run in full (the others reuse); the settings each host runs are in ``plans``.
+Method: docs/step-reuse.md, 'What it does'."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-# A run of fewer steps takes bigger steps, which a prediction misses more: there one step in two at most reuses
-# (docs/step-reuse.md); the schedules' and the DiT families' default.
-SHORT_RUN = 25
+SHORT_RUN = 25  # shorter runs reuse one step in two at most: docs/step-reuse.md, 'Fewer steps'
 
 
 @dataclass(frozen=True)
@@ -30,7 +24,6 @@ class FullSteps:
 
 
 def _check_run_rules(schedule) -> None:
-    """The rules both schedules share: ``interval`` from 1 up, ``short_run`` and ``min_steps`` from 0 up."""
     for name, lowest in (("interval", 1), ("short_run", 0), ("min_steps", 0)):
         if getattr(schedule, name) < lowest:
             raise ValueError(f"{name} must be an integer from {lowest} up, got {getattr(schedule, name)!r}")
@@ -40,19 +33,12 @@ def _check_run_rules(schedule) -> None:
 class IntervalSchedule:
     """Which steps run every layer: the first ones, the last ones and every ``interval``-th one in between."""
 
-    interval: int  # between the start and the end, one step in ``interval`` is full (1: every step)
-    full_start: float = 0.2  # the steps up to this share of the schedule are full (the picture's layout)
-    # The last steps are full (the finest detail): a reusing step just before the last few loses the picture
-    # (docs/step-reuse.md).
+    interval: int
+    full_start: float = 0.2
     full_end: int = 4
-    # A run of fewer steps takes bigger steps, which the prediction misses more: there one step in two at most
-    # reuses (docs/step-reuse.md). 0: no such rule.
     short_run: int = SHORT_RUN
-    # A run of fewer steps (distilled models, Lightning/LCM LoRAs, Turbo) reuses nothing: each of its steps changes
-    # the picture a lot, and there is little to gain. 0: no such rule.
-    min_steps: int = 10
-    # How far along the line this schedule's runs move (None: the owner's ``extrapolate``).
-    extrapolate: float | None = None
+    min_steps: int = 10  # shorter runs (distilled, Lightning/LCM, Turbo) reuse nothing
+    extrapolate: float | None = None  # None: the owner's ``extrapolate``
 
     def __post_init__(self):
         _check_run_rules(self)
@@ -74,7 +60,6 @@ class IntervalSchedule:
         return sum(self.is_full(step, steps) for step in range(steps))
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> IntervalSchedule:
-        """The schedule of a run of ``steps`` (the same at any noise levels)."""
         return self
 
 
@@ -91,9 +76,7 @@ class RunLengthSchedule:
         return self.short.interval
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> IntervalSchedule:
-        # A run whose low-noise calls run in full (DPM++ 2M on Karras sigmas, ``plans.decide``) keeps
-        # the general schedule: the long runs' plans were chosen with Euler, and with DPM++ 2M they lose more of the
-        # picture than it does (docs/step-reuse.md, "DPM++ 2M on Karras sigmas").
+        # Low-noise calls in full: docs/step-reuse.md, 'DPM++ 2M on Karras sigmas: the low-noise calls in full'.
         if full_below > 0:
             return self.short
         return self.long if steps >= self.long_run else self.short
@@ -107,16 +90,8 @@ class RunLengthSchedule:
 
 @dataclass(frozen=True)
 class NoiseSpacedSchedule:
-    """A DiT's full steps: one step in ``interval`` runs in full, spaced evenly in the logarithm of the noise.
-
-    The first step is full, then a step each time the noise level has fallen by the same fraction since the last
-    full one, the fraction chosen as the smallest that keeps the full steps at one in ``interval`` (the steps a
-    host runs in full, below ``full_below``, come on top). A flow model's noise falls slowly over most of a run
-    and fast over its last steps, and its output changes with it: spaced by the noise, the full steps go where the
-    output changes, all of the last ones among them, whatever the model's shift or the scale of its noise levels.
-    It kept the DiT references' picture better than fixed intervals at the same speed (docs/dit-measurements.md).
-    The plan is made when the run starts, so its speed is known. As on the UNets, a run of fewer than
-    ``short_run`` steps runs one step in two at least and a run of fewer than ``min_steps`` every step."""
+    """A DiT's full steps: one in ``interval``, spaced evenly in the logarithm of the noise, planned when the run
+    starts (docs/dit.md, 'Reuse across steps (`reuse_interval`)')."""
 
     interval: int
     short_run: int = SHORT_RUN
@@ -126,13 +101,11 @@ class NoiseSpacedSchedule:
         _check_run_rules(self)
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
-        """The full steps of a run of ``steps`` at ``noise_levels`` (one per step, falling; None or another count:
-        evenly spaced); the first step always full (a flow model's noise falls slowly at first)."""
+        """The full steps of a run at ``noise_levels`` (None: evenly spaced), the first step always full."""
         return self.plan(steps, noise_levels, full_below, first=1, end=0)
 
     def plan(self, steps: int, noise_levels, full_below: float, first: int, end: int) -> FullSteps:
-        """``for_run`` with the first ``first`` and the last ``end`` steps full whatever the noise says (the end's
-        on top of the one in ``interval``)."""
+        """``for_run`` with the first ``first`` and the last ``end`` steps full whatever the noise says."""
         if steps < self.min_steps:
             return FullSteps(steps, frozenset(range(steps)))
         if noise_levels is None or len(noise_levels) != steps:
@@ -141,13 +114,12 @@ class NoiseSpacedSchedule:
         interval = min(self.interval, 2) if steps < self.short_run else self.interval
         low_noise = {step for step, level in enumerate(noise_levels) if level < full_below}
         low_noise |= set(range(max(steps - end, 0), steps))
-        # One in ``interval`` of the steps the host lets reuse; the ones it runs in full come on top (counted
-        # against them, they left the run's high-noise stretch almost without full steps: docs/dit.md).
+        # The host's own full steps come on top, or the high-noise stretch would be left without full steps.
         budget = math.ceil((steps - len(low_noise)) / interval) + len(low_noise)
         forced = set(range(min(first, steps))) | low_noise
-        tight, loose = 0.0, max(levels[0] - min(levels), 0.0) + 1.0  # loose: no step but the forced ones
+        tight, loose = 0.0, max(levels[0] - min(levels), 0.0) + 1.0
         full = forced
-        for _ in range(48):  # bisection: the fewest-noise spacing with at most ``budget`` full steps
+        for _ in range(48):  # bisection: the smallest spacing with at most ``budget`` full steps
             middle = (tight + loose) / 2
             spaced = spaced_by_noise(levels, middle, forced)
             if len(spaced) <= budget:
@@ -159,14 +131,8 @@ class NoiseSpacedSchedule:
 
 @dataclass(frozen=True)
 class StepChangeCurve:
-    """How fast a real model's output changes from step to step, and how much of that change a run may leave to
-    prediction: the guard that keeps a schedule's reused stretches where the model moves slowly.
-
-    ``ratios``: MagCache's calibration of the model (one per step of the calibrated run, the first 1.0): the mean
-    over image tokens of the norm of the blocks' residual (the last block's output minus the first one's input)
-    divided by the last step's. ``threshold``: the error a reused stretch may accumulate, counted as MagCache counts
-    it: from the last full step, ``acc *= ratio``, ``err += |1 - acc|``. A run of another step count reads the
-    ratios at the nearest calibrated step (``round(step * (L - 1) / (steps - 1))``, as MagCache does)."""
+    """A real model's step-to-step change (MagCache's calibrated ``ratios``, the first 1.0) and the error a reused
+    stretch may accumulate (``threshold``, counted as MagCache counts it): keeps reuse where the model moves slowly."""
 
     ratios: tuple[float, ...]
     threshold: float
@@ -178,7 +144,6 @@ class StepChangeCurve:
             raise ValueError(f"threshold must be a positive number, got {self.threshold!r}")
 
     def at(self, steps: int) -> list[float]:
-        """The ratios of a run of ``steps``."""
         last = len(self.ratios) - 1
         if steps < 2:
             return [1.0] * steps
@@ -213,21 +178,13 @@ class StepChangeCurve:
 
 @dataclass(frozen=True)
 class StepCountSchedule:
-    """``NoiseSpacedSchedule`` at an interval chosen by the run's step count: ``intervals`` is ((from this many
-    steps, interval), ...), from the fewest steps up; with a ``curve``, guarded by the model's step-to-step
-    change (a DiT family's default: ``hosts.shared.dit_families``)."""
+    """``NoiseSpacedSchedule`` at an interval by step count (``intervals``: ((from steps, interval), ...)),
+    optionally guarded by the model's ``curve``."""
 
     intervals: tuple[tuple[int, int], ...]
-    # The model's published step-to-step change: the steps where a reused stretch would accumulate more error
-    # than it allows run in full too (None: the noise-spaced plan alone).
     curve: StepChangeCurve | None = None
-    # A reusing call runs in full where the first block's output moved more than this since the last full call
-    # (``LayerReuseRun.first_block_guard``; None: no such guard). Read by ``LayerReuse.new_run``.
-    first_block_guard: float | None = None
-    # A reusing call runs in full where the first block's output lies more than this off the line through the
-    # last two full calls' outputs (``LayerReuseRun.line_guard``; None: no such guard).
-    line_guard: float | None = None
-    # Runs of fewer steps reuse one step in two at most (``NoiseSpacedSchedule.short_run``; 0: no such cap).
+    first_block_guard: float | None = None  # see ``LayerReuseRun.first_block_guard``; read by ``LayerReuse.new_run``
+    line_guard: float | None = None  # see ``LayerReuseRun.line_guard``
     short_run: int = SHORT_RUN
 
     def __post_init__(self):

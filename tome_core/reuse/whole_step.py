@@ -1,17 +1,5 @@
-"""A skipped step that runs nothing: ``reuse_plan``'s forecasts on a UNet.
-
-At a computed step the whole model runs and its output, as the denoised image, is recorded per batch layout; at a
-skipped step no layer runs and the denoised image is the line through the last two computed steps' over the noise
-level, moved part of the way (``plans.WHOLE_STEP_REACH``), turned back into what the host's model call returns.
-Where layer reuse saves the inner layers, this saves the whole call: on a GPU a skipped step costs one
-multiply-add of the latent instead of the outer layers' kernels (docs/step-reuse.md, "A skipped step that runs
-nothing").
-
-The run is a ``LayerReuseRun`` with one "layer", the whole call: the same records, batch layouts, step ranges and
-drops as layer reuse. A host whose model call returns the denoised image (ComfyUI's ``apply_model``) forecasts it
-as it is; one whose call returns the UNet's prediction (the WebUI's, Forge's and diffusers' UNet) converts with
-``denoised_of`` / ``output_of`` at the call's noise level.
-"""
+"""``reuse_plan``'s forecasts on a UNet: a skipped step runs nothing, its denoised image on the line through the
+last two computed ones. docs/step-reuse.md, 'A skipped step that runs nothing: the whole output along ours' line'."""
 
 from __future__ import annotations
 
@@ -30,8 +18,7 @@ def _scales(x: torch.Tensor, sigma: float) -> tuple[torch.Tensor, float]:
 
 
 def denoised_of(output: torch.Tensor, x: torch.Tensor, sigma: float, v_prediction: bool = False) -> torch.Tensor:
-    """The denoised image of a UNet's ``output`` (its noise, or its velocity where ``v_prediction``) for its input
-    ``x`` (the noisy image as the UNet sees it: scaled to unit variance) at noise level ``sigma``."""
+    """The denoised image of a UNet's ``output`` (noise, or velocity) for its unit-variance input ``x`` at ``sigma``."""
     root, s = _scales(x, sigma)
     if v_prediction:
         return root * x - (s * root) * output
@@ -51,8 +38,7 @@ def _same(out: torch.Tensor) -> torch.Tensor:
 
 
 class WholeStepRun(LayerReuseRun):
-    """One sampling run of the whole-step forecast. A host calls ``begin_call`` (as for layer reuse, with the noise
-    level as the position), then ``run_call``, then ``end_call``."""
+    """One run of the whole-step forecast: per call ``begin_call`` (at the noise level), ``run_call``, ``end_call``."""
 
     def __init__(
         self,
@@ -72,8 +58,7 @@ class WholeStepRun(LayerReuseRun):
         denoised: Callable[[torch.Tensor], torch.Tensor] = _same,
         output: Callable[[torch.Tensor], torch.Tensor] = _same,
     ) -> torch.Tensor:
-        """The call in progress: ``compute()`` (the whole model) where it is computed, recording ``denoised(out)``;
-        where it is skipped, ``output(forecast)`` without running anything."""
+        """``compute()`` where the call is computed (recording ``denoised(out)``), else ``output(forecast)``."""
         call = self.current
         if call is None:
             return compute()

@@ -1,11 +1,6 @@
-"""ComfyUI: how a MODEL is patched. A UNet (SD1.x, SD2.x, SDXL) gets the token reduction through the ModelPatcher's
-attention hooks (``shared.model_patcher``) and reuse across steps (``layer_reuse``); a DiT gets ToDo through its
-attention (``dit``: Flux.1, Flux.2, Chroma, SD3, Wan, Qwen-Image, HunyuanVideo, LTX-Video, Lumina 2, Z-Image) and
-reuse across steps through its block replacements (``dit_reuse``); a DiT whose attention is not mapped (Chroma
-Radiance) gets reuse only; anything else is passed through unchanged with one warning.
-
-Always a clone: the input MODEL is never changed, and applying the patch again replaces the earlier one.
-"""
+"""ComfyUI: how a MODEL is patched, always as a clone: a UNet through the ModelPatcher's attention hooks and
+``layer_reuse``, a DiT through ``dit`` (ToDo) and ``dit_reuse`` (its blocks); anything else passes through with a
+warning. docs/how-it-works.md, 'ComfyUI'."""
 
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ log = logging.getLogger("tome_patch")
 
 
 def patch_model(model, settings):
-    """A patched clone of ``model`` for ``settings`` (a ``PatchSettings``), or ``model`` itself where it cannot
-    be patched (with a warning that says why)."""
+    """A patched clone of ``model`` for ``settings``, or ``model`` itself (with a warning) where it cannot be."""
     percent_to_sigma = model.get_model_object("model_sampling").percent_to_sigma
     diffusion_model = getattr(getattr(model, "model", None), "diffusion_model", None)
     if dit.token_layout_of(diffusion_model) is not None or dit_reuse.layout_of(diffusion_model) is not None:
@@ -62,8 +56,7 @@ def patched_unet(patcher, settings, percent_to_sigma):
 
 
 def _patch_dit(model, settings, percent_to_sigma):
-    """A DiT: ToDo on the image tokens' keys and values where the family's attention is known (``dit``), reuse
-    across steps where its blocks are (``dit_reuse``); with ``dit_settings`` auto, the family's measured setting."""
+    """A DiT: ToDo where its attention is known, reuse where its blocks are; ``dit_settings`` auto: its family's."""
     diffusion_model = model.model.diffusion_model
     tokens = dit.token_layout_of(diffusion_model)  # None: ToDo does not know this family's attention
     layout = dit_reuse.layout_of(diffusion_model)  # None: reuse does not know its blocks
@@ -82,7 +75,7 @@ def _patch_dit(model, settings, percent_to_sigma):
             else f"nothing to do ({record.unchanged_by_default or dit_reuse.why_not(diffusion_model)})",
         )
         settings = settings.replace(method="todo", downsample_factor=1.0)
-        if record.unchanged_by_default:  # nor the other inputs' interval
+        if record.unchanged_by_default:
             settings = settings.replace(reuse_interval=1)
     elif settings.method == "tome":
         log.warning(
@@ -106,7 +99,7 @@ def _patch_dit(model, settings, percent_to_sigma):
         if not settings.reduces_nothing:
             log.info("ToMe Patch: ToDo is not available for %s yet (its attention is not mapped); reuse only.", name)
         clone = model.clone()
-        dit.remove_patch(clone)  # an earlier patch's, on the model it was given
+        dit.remove_patch(clone)
     dit_reuse.remove(clone)  # an earlier patch's, on the model it was given
     in_range = settings.start_percent < settings.end_percent
     if in_range and (schedule is not None or settings.reuse_interval > 1):
