@@ -1,6 +1,5 @@
 """Every setting's default, allowed range and tooltip (``SPECS``), and ``PatchSettings``, the validated, immutable
-set the hosts build with ``PatchSettings.from_values`` before sampling starts.
-"""
+set the hosts build with ``PatchSettings.from_values`` before sampling starts."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The WebUI script's arguments: their fixed order, casting and range checks, infotext and paste-back.
-
-The WebUI passes an always-visible script's UI values positionally (``p.script_args[args_from:args_to]``), and
-the API passes ``alwayson_scripts["ToMe Patch"]["args"]`` into the same slots, uncoerced from JSON. So the order
-of ``ARGS`` is public API: never reorder or remove an entry; new ones are only ever appended. A shorter list is
-fine (the WebUI fills the rest with the UI defaults; missing ones here take their defaults too).
-
-Defaults, ranges and tooltips come from ``tome_core.settings.SPECS`` wherever the argument is an engine setting,
-so the WebUI, the API and the ComfyUI nodes can never disagree.
-"""
+"""The WebUI script's arguments: order, casting and range checks, infotext and paste-back. The UI and the API
+(``alwayson_scripts["ToMe Patch"]["args"]``, uncoerced JSON) fill the same positional slots, so ``ARGS`` is
+append-only; engine settings take defaults, ranges and tooltips from ``settings.SPECS``.
+docs/how-it-works.md, 'API values and generation parameters'."""
 
 from __future__ import annotations
 
@@ -32,9 +26,8 @@ class Arg:
     maximum: float | None = None
     step: float | None = None
     choices: tuple = ()
-    # When the value acts (the WebUI shows the control only then, see ``controls_shown``): only with this method
-    # (engine name; None: both), only with this ToMe scope (None: every scope), and for a highres pass value only
-    # while "same as first pass" is unticked.
+    # When the value acts (``controls_shown``): with this method and this ToMe scope (None: any), and for a highres
+    # pass value while "same as first pass" is unticked.
     method: str | None = None
     scope: str | None = None
     own_hr: bool = False
@@ -138,8 +131,7 @@ VISIBILITY_INPUTS = ("method", "hr_same", "scope")
 CONDITIONAL = tuple(arg.name for arg in ARGS if arg.method or arg.scope or arg.own_hr)
 
 
-# What acts on a DiT (Forge Neo), where the script runs the family's default (reuse across steps, no ToDo): whether
-# it runs on the highres pass only, where it stops, and the reuse interval (1: off; any other: the family's plan).
+# What acts on a DiT (Forge Neo), which runs its family's default; reuse_interval 1 turns reuse off.
 DIT_CONTROLS = ("hr_only", "end_percent", "reuse_interval")
 
 
@@ -154,9 +146,8 @@ def controls_shown_on(dit: bool, *choices: Any) -> dict[str, bool]:
 
 
 def controls_shown(*choices: Any) -> dict[str, bool]:
-    """For each control of ``CONDITIONAL``: does its value act with these choices, the values of
-    ``VISIBILITY_INPUTS`` as the UI holds them (a method label, the "same as first pass" box, a scope)? The WebUI
-    shows a control only where it acts. A value that does not read counts as that control's default."""
+    """For each control of ``CONDITIONAL``: does it act with these values of ``VISIBILITY_INPUTS`` as the UI holds
+    them? A value that does not read counts as the default."""
     method, hr_same, scope = (
         _read_or_default(name, value) for name, value in zip(VISIBILITY_INPUTS, choices, strict=True)
     )
@@ -278,11 +269,8 @@ def _cast(arg: Arg, index: int, value: Any) -> Any:
 
 
 def parse_args(args) -> ScriptArgs:
-    """Cast and range-check the positional args; raises ValueError naming the first bad one and its range.
-
-    Missing trailing args, and ``None`` (a slot the WebUI had no value for), take their defaults. Combinations
-    are checked too (a ratio above what the stride allows), for both the first and the highres pass.
-    """
+    """Cast and range-check the positional args (missing or None: the default), combinations included; raises
+    ValueError naming the first bad one and its range."""
     args = list(args or ())
     if len(args) > len(ARGS):
         raise ValueError(f"ToMe Patch takes at most {len(ARGS)} arguments ({', '.join(ARG_NAMES)}), got {len(args)}")
@@ -402,10 +390,10 @@ def infotext_params(args: ScriptArgs) -> dict[str, Any]:
         params[KEY_STOP] = args.end_percent
     if args.skip_when_slower != d.skip_when_slower:
         params[KEY_SKIP] = args.skip_when_slower
-    # Written unless it is what an infotext without it means (the value before reuse became the default).
+    # Written unless it is what an infotext without it means.
     if args.reuse_interval != IMPLIED_WHEN_ABSENT["reuse_interval"]:
         params[KEY_REUSE] = args.reuse_interval
-    # Written where it acts, unless it is what an infotext without it means (the plan before it existed).
+    # Written where it acts, unless it is what an infotext without it means.
     if args.reuse_interval > 1 and args.reuse_plan != IMPLIED_WHEN_ABSENT["reuse_plan"]:
         params[KEY_REUSE_PLAN] = args.reuse_plan
     return params
@@ -418,13 +406,8 @@ def dit_infotext_params(args: ScriptArgs, family: str) -> dict[str, Any]:
 
 
 def ui_values_from_infotext(params: dict) -> dict[str, Any]:
-    """What pasting ``params`` (parsed generation parameters, values as text) sets each control to.
-
-    Without our method key the only change is turning the patch off (the picture was made without it); with it,
-    every control is set, and a key that is absent means that setting's default (infotext omits defaults), or
-    for a setting whose default changed, the value it meant before (``IMPLIED_WHEN_ABSENT``).
-    Values that do not parse leave their control unchanged (None).
-    """
+    """What pasting ``params`` (parsed generation parameters) sets each control to (None: unchanged). Without our
+    method key the patch turns off; an absent key means ``IMPLIED_WHEN_ABSENT``'s value or the default."""
     if KEY_METHOD not in params:
         return {"enabled": False}
     d = defaults()
@@ -460,11 +443,9 @@ def ui_values_from_infotext(params: dict) -> dict[str, Any]:
     values["end_percent"] = read(KEY_STOP, "end_percent", d.end_percent)
     values["skip_when_slower"] = read(KEY_SKIP, "skip_when_slower", d.skip_when_slower)
     values["scope"] = read(KEY_SCOPE, "scope", d.scope)
-    # Absent: the value it had when infotexts left it out (off), not today's default, so a pasted infotext
-    # gives the picture it describes.
+    # Absent: what an infotext without it meant, not today's default, so it gives the picture it describes.
     values["reuse_interval"] = read(KEY_REUSE, "reuse_interval", IMPLIED_WHEN_ABSENT["reuse_interval"])
-    # Absent with reuse on: the plan of infotexts written before the key existed; with reuse off it does not
-    # act, and the control keeps today's default for the next reuse.
+    # With reuse off the plan does not act, and the control keeps today's default for the next reuse.
     plan_absent = IMPLIED_WHEN_ABSENT["reuse_plan"] if KEY_REUSE in params else d.reuse_plan
     values["reuse_plan"] = read(KEY_REUSE_PLAN, "reuse_plan", plan_absent)
     return values

@@ -1,31 +1,8 @@
-"""Forge Neo and lllyasviel's Forge: reuse across steps on DiTs.
-
-Neo's patcher is ComfyUI's interface (read in Forge Neo neo-2.26's source): the job's clone of
-``p.sd_model.forge_objects.unet`` takes ``set_model_patch_replace(fn, "dit", block_type, i)``, and Neo's Flux,
-Chroma, Qwen-Image and Wan loops hand block ``i`` to it (``backend/nn/flux.py`` ``IntegratedFluxTransformer2DModel.
-forward_orig``, ...) as ComfyUI's do (``hosts.shared.dit_block_hook``). Z-Image / Lumina 2 (``NextDiT``) and Anima
-(``MiniTrainDIT``), whose loops have no hook, get an object patch on each span block's ``forward`` (applied while
-Neo has the clone loaded, as ComfyUI's door injects them). lllyasviel's Forge (dfdcbab6) runs Flux and Chroma with
-no hook (``inner_forward`` calls each block directly): the same object patches there (``ForgeSpanForward``, which
-reads the blocks' keyword streams). Families the registry does not name for the host are left alone, with one line.
-
-What runs: the family's default, as ComfyUI's ``dit_settings`` "auto" (``hosts.shared.dit_families``): reuse across
-steps at the family's interval, guarded by the real model's published curve, without ToDo. One ``PassDitReuse`` per
-sampling pass, made in ``process_before_every_sampling`` on the pass's clone (Neo rebuilds ``forge_objects`` before
-the highres pass) and finished at the next pass, at the end of the job, after an error and when a model is loaded.
-
-Where a call begins and ends: an object patch on the diffusion model's ``forward`` (``DitCallBoundary``), set when
-the host loads the clone and undone when it unloads it, as on Forge's UNets. The step of a call comes from its noise
-level: ``transformer_options["sigmas"]`` among ``transformer_options["sampling_sigmas"]`` (set by Neo's
-``modules/sd_samplers_kdiffusion.py``), not from counting calls, so a sampler's extra calls (Heun) or a cache that
-skips calls cannot shift it. lllyasviel's Forge sets no ``sampling_sigmas``: there the step comes from the WebUI's
-``cfg_denoiser`` callbacks (as on its UNets) and the pass's sigmas from its sampler (``sampler_sigmas``), checked
-against the call's own; the batch layout from ``cond_or_uncond`` (cond and uncond batched or apart, or one
-call at CFG 1). Where Neo's refiner takes over mid-pass (Wan 2.2's two experts: the low-noise one loaded into the
-same model), the second model starts a run of its own. A call with a ControlNet, one off the schedule, and every
-call while another whole-model wrapper (``model_function_wrapper``: Neo's Spectrum, which forecasts whole steps) is
-on the clone run every block.
-"""
+"""Forge Neo and lllyasviel's Forge: the DiT family's default reuse across steps, one ``PassDitReuse`` per pass.
+Neo's loops hand block ``i`` to ``set_model_patch_replace(fn, "dit", block_type, i)``; loops without that hook (Neo's
+Z-Image and Anima, Forge's Flux and Chroma) get an object patch on each span block's ``forward``. A call's step comes
+from its noise level among Neo's ``transformer_options["sampling_sigmas"]`` (in Forge, the pass's sampler's).
+docs/webui.md, 'DiTs in Forge Neo and Forge'."""
 
 from __future__ import annotations
 
@@ -57,13 +34,13 @@ class PassDitReuse(PassReuse):
         self.extrapolate = record.extrapolate
         self.family = record.name
         self.patcher = patcher
-        self.keys = keys  # the span's blocks, in call order
+        self.keys = keys
         self.streams = streams
         self.blocks: dict = {}  # key -> SpanBlock, to tell ours from another patch's replacement
         self.full_below = full_below
         self.run_sigmas: tuple | None = None  # (steps, sigmas) the current run was made for
         self.warned: set[str] = set()
-        self.refiner = _refiner_of(p)  # the refiner the job has switched to (None: none yet)
+        self.refiner = _refiner_of(p)
         self.forge_sigmas: tuple | None = None  # lllyasviel's Forge: (steps, the pass's sigmas or None)
 
     def say_once(self, what: str) -> None:
@@ -90,7 +67,7 @@ class PassDitReuse(PassReuse):
             return
         sigma = _largest(options.get("sigmas"))
         sigmas = call_sigmas(options.get("sampling_sigmas"))
-        if sigma is None:  # a call without its noise level: not one of this pass's steps
+        if sigma is None:
             step = None
         elif sigmas:
             step, steps = step_of(sigmas, sigma), len(sigmas)
@@ -114,18 +91,15 @@ class PassDitReuse(PassReuse):
         self.begin_call(self.run, step, key, allowed=allowed, position=sigma)
 
     def _forge_step(self, sigma: float) -> tuple[int | None, int, list[float] | None]:
-        """(step, steps, the pass's sigmas or None) in lllyasviel's Forge, where the sampler hands the model no
-        list of the pass's sigmas: they come from the pass's sampler (``sampler_sigmas``), kept for the pass where
-        its first call's sigma is among them, and then the step from each call's noise level as in Neo (a second
-        order sampler's extra calls fall on the next step's sigma or off the schedule). Without them, the step
-        from the WebUI's ``cfg_denoiser`` callbacks (``PassReuse.on_cfg_denoiser``) and a plan spaced by step."""
+        """(step, steps, the pass's sigmas or None) in lllyasviel's Forge: the sigmas from ``sampler_sigmas`` where
+        they hold the call's; without them, the step from the ``cfg_denoiser`` callbacks."""
         if self.step is None:
             return None, 0, None
         step, steps = self.step
         if self.forge_sigmas is None or self.forge_sigmas[0] != steps:
             sigmas = sampler_sigmas(self.p, steps)
             if sigmas is not None and step_of(sigmas, sigma) is None:
-                sigmas = None  # not the schedule this pass samples
+                sigmas = None
             self.forge_sigmas = (steps, sigmas)
         sigmas = self.forge_sigmas[1]
         if sigmas is None:
@@ -138,11 +112,8 @@ class PassDitReuse(PassReuse):
 
 
 def sampler_sigmas(p, steps: int) -> list[float] | None:
-    """The sigmas of the model calls of a pass of ``steps`` steps, from the pass's sampler (lllyasviel's Forge:
-    ``p.sampler.get_sigmas(p, n)`` of its k-diffusion samplers, ``modules/sd_samplers_kdiffusion.py``, which
-    builds the schedule the pass samples; img2img and the highres pass sample its last ``steps``), or None where
-    the sampler gives none (its timestep samplers: DDIM, UniPC). Tried with the pass's own step count and the
-    job's; the caller checks the call's sigma against the result."""
+    """The last ``steps`` sigmas of ``p.sampler.get_sigmas`` (lllyasviel's Forge), or None where the sampler gives
+    none (DDIM, UniPC); the caller checks the call's sigma against them."""
     get_sigmas = getattr(getattr(p, "sampler", None), "get_sigmas", None)
     if get_sigmas is None:
         return None
@@ -158,16 +129,15 @@ def sampler_sigmas(p, steps: int) -> list[float] | None:
 
 
 class ForgeSpanForward(SpanForward):
-    """lllyasviel's Forge's Flux and Chroma (``backend/nn/flux.py``, ``chroma.py`` ``inner_forward``): the instance
-    ``forward`` of one span block, which the loop calls directly: a double block as ``block(img=, txt=, ...)``
-    returning ``(img, txt)``, a single block with the joined stream (text then image tokens) first, returning it."""
+    """One span block's instance ``forward`` in lllyasviel's Forge's Flux and Chroma: a double block takes
+    ``img=, txt=`` and returns ``(img, txt)``, a single block takes and returns the joined stream."""
 
     def __call__(self, *args, **kwargs):
         hooks = self.owner
         run = hooks.layer_run()
         if run is None or run.current is None:
             return self.original(*args, **kwargs)
-        if "txt" in kwargs and "img" in kwargs:  # a double block
+        if "txt" in kwargs and "img" in kwargs:
             streams = {"txt": kwargs["txt"], "img": kwargs["img"]}
 
             def streams_of(out):
@@ -176,7 +146,7 @@ class ForgeSpanForward(SpanForward):
             def pack(passed):
                 return passed["img"], passed["txt"]
 
-        elif args:  # a single block: the joined stream
+        elif args:
             streams = {"txt": None, "img": args[0]}
 
             def streams_of(out):
@@ -199,10 +169,8 @@ class ForgeSpanForward(SpanForward):
 
 
 def _refiner_of(p):
-    """The refiner the job has switched to: Neo's ``apply_refiner`` (``modules/sd_samplers_common.py``) names it in
-    ``p.extra_generation_params["Refiner"]`` before the switch. Its fast switch loads the second model's weights
-    into the same diffusion model, under the same patcher (ours): what the first model's steps recorded must not
-    predict the second's."""
+    """The refiner the job has switched to (Neo's ``apply_refiner`` names it before loading it into the same model):
+    the second model must not be predicted from the first's records."""
     return (getattr(p, "extra_generation_params", None) or {}).get("Refiner")
 
 
@@ -214,9 +182,7 @@ def _largest(values) -> float | None:
 
 
 class DitCallBoundary(CallBoundary):
-    """Forge's call boundary (an object patch on the diffusion model's ``forward``) for a DiT pass: the step from
-    the call's noise level; a call with a ControlNet runs as it is. Neo's model wrapper calls it with
-    ``transformer_options`` and ``control`` as keywords."""
+    """Forge's call boundary for a DiT pass; Neo passes ``transformer_options`` and ``control`` as keywords."""
 
     def begin(self, x, options: dict) -> None:
         self.owner.begin_dit_call(x, options)
@@ -228,14 +194,12 @@ class DitCallBoundary(CallBoundary):
 
 
 def is_lllyasviels_forge(model) -> bool:
-    """lllyasviel's Forge's DiTs (``backend/nn/flux.py``, ``chroma.py``) loop over their blocks in ``inner_forward``,
-    calling them directly; Neo's hand them to the block hook."""
+    """lllyasviel's Forge's DiTs call their blocks directly in ``inner_forward``; Neo's use the block hook."""
     return hasattr(model, "inner_forward")
 
 
 def family_of(model) -> dit_families.DitFamily | None:
-    """The family record of a Forge Neo or lllyasviel's Forge diffusion model (None: one the registry does not name
-    for that host)."""
+    """The family record of a Forge Neo or lllyasviel's Forge diffusion model (None: not one for that host)."""
     if model is None:
         return None
     return dit_families.of_model("forge" if is_lllyasviels_forge(model) else "neo", model)
@@ -258,8 +222,7 @@ def why_not(patcher, p) -> str | None:
 
 
 def install_neo(patcher, settings, p, percent_to_sigma) -> PassDitReuse | None:
-    """Give Neo's ``patcher`` (the job's clone of this pass) the DiT family's reuse across steps; None where it does
-    not run (``why_not`` says why)."""
+    """Give ``patcher`` (this pass's clone) the DiT family's reuse across steps; None where it does not run."""
     remove_neo(patcher)
     if why_not(patcher, p) is not None:
         return None
@@ -287,8 +250,7 @@ def install_neo(patcher, settings, p, percent_to_sigma) -> PassDitReuse | None:
             block = SpanBlock(owner, position, replaced.get((block_type, index)))
             owner.blocks[(block_type, index)] = block
             patcher.set_model_patch_replace(block, PATCH_NAME, block_type, index)
-    else:  # no hook reaches the blocks (Neo's Z-Image and Anima; Forge's loops call them directly): each span
-        # block's forward, an object patch of this clone
+    else:  # no hook reaches the blocks: an object patch on each span block's forward
         forward = ForgeSpanForward if forge else SpanForward
         lists = dict(layout.lists)
         for position, (block_type, index) in enumerate(span):
@@ -301,8 +263,7 @@ def install_neo(patcher, settings, p, percent_to_sigma) -> PassDitReuse | None:
 
 
 def remove_neo(patcher) -> None:
-    """Drop what ``install_neo`` put on ``patcher`` (a clone): our block replacements (another patch's that ours
-    wrapped comes back) and the forward patch."""
+    """Drop what ``install_neo`` put on ``patcher``; another patch's replacement that ours wrapped comes back."""
     replaced = replacements(patcher)
     for key, value in list(replaced.items()):
         if isinstance(value, SpanBlock) and isinstance(value.hooks, PassDitReuse):

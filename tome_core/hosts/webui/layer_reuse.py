@@ -1,35 +1,7 @@
-"""WebUI and Forge wiring of layer reuse (setting ``reuse_interval``; the engine is ``tome_core.reuse``).
-
-One ``PassReuse`` per sampling pass (the first pass, the highres pass, each batch of a batch count), made by the
-script right before the pass and finished at the next pass, at the end of the job, at the next job's start (an
-exception while sampling skips the end) and when a model is loaded. Its ``LayerReuseRun`` is made at the pass's
-first model call, when the pass's step count is known, and dropped when the pass is finished or a call fails.
-
-The step of each model call: the WebUI calls the ``cfg_denoiser`` callbacks once per denoiser call, right before the
-UNet call(s) of that call (modules/sd_samplers_cfg_denoiser.py, the WebUI's and Forge's alike), with
-``CFGDenoiserParams``. Its ``sampling_step`` is ``shared.state.sampling_step``, which the sampler's ``callback_state``
-sets to ``d['i']`` *after* step i's model calls (modules/sd_samplers_common.py ``callback_state``, called by
-k-diffusion's samplers after the step's model calls; ``launch_sampling`` resets it to 0): it reads 0 at steps 0 and 1
-and i - 1 at step i after that. Its ``total_sampling_steps`` is the step count that ``launch_sampling`` got: ``p.steps``
-for txt2img, ``t_enc + 1`` for img2img and the highres pass (the steps that pass really runs). The step itself comes
-from the denoiser the params carry (``params.denoiser``): ``step`` counts its calls in this pass (reset by the sampler's
-``initialize``, the index the WebUI's own prompt editing uses) and ``total_steps`` is the number of calls the sampler is
-expected to make (twice the steps for second-order samplers, ``SamplerData.total_steps``). The call's step is ``step *
-steps // total_steps``; it must agree with the lagging ``sampling_step`` (equal to it or one above), else the step is
-unknown and the call runs in full (a sampler that makes more calls than expected, such as DPM adaptive). A
-``cfg_after_cfg`` callback at the end of the denoiser call (before its ``self.step += 1``) ends it.
-
-Where the layers get their forwards and where a UNet call begins and ends:
-- WebUI (ldm, sgm): every inner layer gets an instance attribute ``forward`` (a ``SkippableLayer``), the UNet a
-  forward pre-hook and an always-called forward hook; removal deletes them all, so the UNet then computes exactly
-  as before. The batch layout of a call is its position within the denoiser call (the WebUI runs cond and uncond
-  in one call, or one after the other when ``batch_cond_uncond`` is off) and the input's shape and dtype.
-- Forge: object patches (``add_object_patch``), set when Forge loads the clone and undone when it unloads it:
-  one per inner layer (Forge's ``TimestepEmbedSequential`` calls each layer through ``nn.Module.__call__``,
-  backend/nn/unet.py, so an instance ``forward`` is used) and one on the UNet's ``forward`` (called by
-  backend/modules/k_model.py with ``transformer_options``, whose ``cond_or_uncond`` names the conds of the
-  call and ``sigmas`` its noise level, backend/sampling/sampling_function.py).
-"""
+"""WebUI and Forge wiring of layer reuse (``reuse_interval``): one ``PassReuse`` per sampling pass. A call's step is
+the denoiser's ``step * steps // total_steps`` from the ``cfg_denoiser`` callbacks, checked against the lagging
+``sampling_step`` (else it runs in full). The WebUI (ldm, sgm) gets instance ``forward``s and UNet hooks; Forge gets
+object patches, set when it loads the clone. docs/how-it-works.md, 'AUTOMATIC1111 WebUI'."""
 
 from __future__ import annotations
 
@@ -80,7 +52,6 @@ def denoiser_step(params) -> tuple[int, int] | None:
 
 
 def _same(a, b) -> bool:
-    """Whether two conds (tensors, dicts or sequences of them, as the WebUI's models take them) are equal."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
@@ -106,13 +77,13 @@ class PassReuse(LayerReuse):
         super().__init__(schedule, layers)
         self.p = p
         self.noise_range = noise_range
-        self.full_below = full_below  # the sigma below which every call runs in full (``low_noise_in_full``)
+        self.full_below = full_below
         self.step: tuple[int, int] | None = None  # (step, steps) of the denoiser call in progress
         self.sigma: float | None = None  # its noise level, where the prediction draws its line (None: the step)
-        self.unet_calls = 0  # UNet calls made so far within that denoiser call
+        self.unet_calls = 0
         self.run: LayerReuseRun | None = None
         self.finished = False
-        self.conds = None  # the last denoiser call's prompt and negative prompt
+        self.conds = None
         self.prompt_changes = 0
 
     def on_cfg_denoiser(self, params) -> None:
@@ -134,13 +105,12 @@ class PassReuse(LayerReuse):
         self.step = None
 
     def begin_unet_call(self, x, noise_level: float | None, layout=None) -> None:
-        """A UNet call starts: ``noise_level`` (None: inside the range) decides the step range, ``layout`` names
-        the conds of the call (None: its position within the denoiser call)."""
+        """A UNet call starts (``noise_level`` None: inside the range; ``layout`` None: its position in the call)."""
         position = self.unet_calls
         self.unet_calls += 1
         if self.finished or x is None:
             return
-        if self.step is None:  # not a call of a known step: it runs in full, and the cache goes
+        if self.step is None:
             if self.run is not None:
                 self.run.begin_call(None, None)
             return
@@ -154,7 +124,7 @@ class PassReuse(LayerReuse):
 
     def end_call(self, failed: bool = False) -> LayerReuseRun | None:
         run = super().end_call(failed)
-        if run is not None and failed:  # start again from full steps, with a new run
+        if run is not None and failed:
             self.run = None
         return run
 
@@ -169,25 +139,20 @@ class PassReuse(LayerReuse):
         return run
 
 
-# The schedule type "Automatic" gives a sampler whose own is not the model's (v1.10.1
-# modules/sd_samplers_kdiffusion.py ``samplers_k_diffusion``, the options' "scheduler"; Forge's and Neo's the same
-# file): only those the samplers' rule tells apart are named.
+# The schedule "Automatic" gives these samplers their own (``samplers_k_diffusion``), as the samplers' rule names it.
 AUTOMATIC_SCHEDULES = {"dpm++ 2m": "karras", "dpm++ sde": "karras"}
-KARRAS_LABEL = " karras"  # before v1.9 the label named the schedule: "DPM++ 2M Karras"
+KARRAS_LABEL = " karras"  # a WebUI without ``p.scheduler`` names the schedule in the label: "DPM++ 2M Karras"
 
 
 def sampler_and_schedule(p) -> tuple[str | None, str | None]:
-    """The pass's sampler and noise schedule, as the samplers' rule names them. The sampler is the WebUI's label
-    (``p.sampler_name``, or in the highres pass ``p.hr_sampler_name`` where one is set; "DPM++ 2M Karras" before
-    v1.9); the schedule ``p.scheduler`` (``p.hr_scheduler`` in the highres pass), where None (an API request that
-    names none) and "Automatic" are the sampler's own. A pass over part of a Karras schedule (img2img below denoise 1,
-    the highres pass) is ``KARRAS_PART``."""
+    """The pass's sampler label and noise schedule (None and "Automatic": the sampler's own; ``KARRAS_PART`` for
+    img2img below denoise 1 and the highres pass)."""
     hires = bool(getattr(p, "is_hr_pass", False))
     sampler = (_chosen(getattr(p, "hr_sampler_name", None)) if hires else None) or getattr(p, "sampler_name", None)
     label = (sampler or "").strip()
     if label.lower().endswith(KARRAS_LABEL):
         sampler, scheduler = label[: -len(KARRAS_LABEL)], KARRAS
-    elif hasattr(p, "scheduler"):  # v1.9 on
+    elif hasattr(p, "scheduler"):
         scheduler = (_chosen(getattr(p, "hr_scheduler", None)) if hires else None) or p.scheduler or "Automatic"
         if scheduler.strip().lower() == "automatic":
             scheduler = AUTOMATIC_SCHEDULES.get(label.lower())
@@ -248,12 +213,8 @@ def on_cfg_after_cfg(params) -> None:
         _active.on_cfg_after_cfg(params)
 
 
-# --- WebUI (ldm, sgm) -----------------------------------------------------------------------------------------------
-
-
 def install_ldm(unet, settings, p, schedule, full_below: float = 0.0, num_timesteps: int = 1000) -> PassReuse | None:
-    """Give the WebUI's ``unet`` layer reuse on ``schedule`` (``schedule_for``) for one pass of job ``p``, every call
-    below ``full_below`` in full; None where there is nothing to do."""
+    """Give the WebUI's ``unet`` layer reuse on ``schedule`` for one pass of job ``p``; None where nothing to do."""
     remove_ldm(unet)
     layers = [layer for _, layer in inner_layers(unet, OUTER_BLOCKS)]
     if schedule is None or not layers:
@@ -299,8 +260,7 @@ def is_installed_ldm(unet) -> bool:
 
 
 def remove_ldm(unet) -> None:
-    """Undo ``install_ldm`` (or ``whole_step.install_ldm``) on ``unet``: hooks, layer forwards and the UNet's own
-    forward go, the pass is finished."""
+    """Undo ``install_ldm`` (or ``whole_step.install_ldm``) on ``unet`` and finish the pass."""
     state = unet.__dict__.pop(_STATE, None)
     _reusing_unets.discard(unet)
     forward = _ldm_forward(unet)
@@ -328,9 +288,6 @@ def remove_all_ldm() -> None:
         remove_ldm(unet)
 
 
-# --- Forge ----------------------------------------------------------------------------------------------------------
-
-
 class CallBoundary:
     """Forge: the UNet's ``forward`` (an object patch) that tells the pass where each UNet call begins and ends."""
 
@@ -347,13 +304,11 @@ class CallBoundary:
     def stand_down_for_a_wrapper(self) -> None:
         """Finish the pass where another whole-model wrapper decides the steps, with one console line."""
         if not self.owner.finished and whole_model_wrapped(self.owner.p):
-            # Forge Neo's Spectrum (``model_function_wrapper``) forecasts whole steps: it decides them alone.
             print("[ToMe Patch] reuse across steps: another whole-model wrapper (Neo's Spectrum) decides the steps; "
                   "every step runs in full.")  # fmt: skip
             self.owner.finish()
 
     def begin(self, x, options: dict) -> None:
-        """Tell the pass a call starts, with its ``transformer_options``."""
         self.stand_down_for_a_wrapper()
         sigmas = options.get("sigmas")
         level = None
@@ -363,7 +318,6 @@ class CallBoundary:
         self.owner.begin_unet_call(x, level, None if layout is None else tuple(layout))
 
     def forward(self, *args, **kwargs):
-        """The forward this patch stands in front of: one patched before ours, else the class's."""
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         return type(self.unet).forward(self.unet, *args, **kwargs)
@@ -393,8 +347,7 @@ def forge_noise_range(settings, percent_to_sigma) -> NoiseRange:
 
 
 def install_forge(patcher, settings, p, percent_to_sigma, schedule, full_below: float = 0.0) -> PassReuse | None:
-    """Give Forge's ``patcher`` (a clone of this pass) layer reuse on ``schedule`` (``schedule_for``) for one pass
-    of job ``p``, every call below ``full_below`` in full."""
+    """Give Forge's ``patcher`` (this pass's clone) layer reuse on ``schedule`` for one pass of job ``p``."""
     remove_forge(patcher)
     unet = patcher.model.diffusion_model
     layers = inner_layers(unet, OUTER_BLOCKS)

@@ -1,16 +1,7 @@
-"""The WebUI's and Forge's front door: what each sampling pass gets (a UNet's token reduction and reuse across steps,
-a DiT's family default in Forge Neo and Forge, or nothing, with one console line saying why), resolved once per
-pass from the script's arguments; and the removal that leaves no patch behind.
-
-The script (``scripts/tome_patch.py``) calls it from the WebUI's hooks: ``start_job`` at ``before_process``,
-``patch_for_pass`` at ``process_before_every_sampling`` (every pass, the highres pass included, re-reading
-``p.sd_model``: the pass may use another checkpoint), ``end_reuse_pass`` and ``remove_everywhere`` at
-``postprocess``, at the next job's start (an exception while sampling skips ``postprocess``), when a model is
-loaded and when the scripts are reloaded. Reuse across steps belongs to one sampling pass: set up with the patch,
-finished at the next pass or the job's end; the step of each model call comes from the ``cfg_denoiser`` callbacks
-(``layer_reuse``). Under ``reuse_plan``'s forecasts, with a sampler it has a plan for, a skipped step runs no layer
-(``whole_step``); otherwise the inner layers are reused (``layer_reuse``).
-"""
+"""The WebUI's and Forge's front door: what each sampling pass gets (a UNet's token reduction and reuse, a DiT's
+family default, or nothing, with one console line), and the removal that leaves no patch behind. The script calls
+``start_job`` at ``before_process``, ``patch_for_pass`` at ``process_before_every_sampling`` (every pass) and
+``end_reuse_pass`` / ``remove_everywhere`` at ``postprocess``. docs/how-it-works.md, 'AUTOMATIC1111 WebUI'."""
 
 from __future__ import annotations
 
@@ -38,7 +29,7 @@ class Job:
         self.args = args
         self.warned: set[str] = set()
         self.infotext_written = False
-        self.reuse_runs: list = []  # the LayerReuseRun of each pass that reused across steps (log, tests)
+        self.reuse_runs: list = []
         self.dit_family: str | None = None  # the DiT family whose default a pass ran (Forge Neo), for the infotext
 
     def warn_once(self, message: str) -> None:
@@ -62,8 +53,7 @@ def remove_everywhere(sd_model=None) -> None:
 
 def _builtin_ratio(p, is_hr_pass: bool) -> float:
     """The built-in token merging ratio in force for this pass (0 when off)."""
-    # modules/sd_models.py records what apply_token_merging applied; Forge has no such attribute but the same
-    # p.get_token_merging_ratio (modules/processing.py).
+    # The WebUI records what apply_token_merging applied; Forge has only p.get_token_merging_ratio.
     ratios = [getattr(p.sd_model, "applied_token_merged_ratio", 0) or 0]
     try:
         ratios.append(p.get_token_merging_ratio(for_hr=is_hr_pass) or 0)
@@ -199,8 +189,7 @@ def _patch_forge(p, forge_objects, settings, job: Job) -> bool:
         clone = patched_clone(unet, settings, percent_to_sigma)
     except NotAUNetError as err:
         return _patch_dit(p, forge_objects, settings, percent_to_sigma, job, str(err))
-    # The step of each call comes from the WebUI's callbacks here, not from a ComfyUI-style sampler wrapper (which
-    # a reForge patcher may take but the WebUI's samplers never run).
+    # The step comes from the WebUI's callbacks: its samplers never run a ComfyUI-style sampler wrapper.
     decision = _decision(p, settings, job)
     v_prediction = webui_whole_step.forge_v_prediction(clone)
     if decision.runs == FORECAST and v_prediction is not None:
@@ -214,8 +203,7 @@ def _patch_forge(p, forge_objects, settings, job: Job) -> bool:
 
 
 def _patch_dit(p, forge_objects, settings, percent_to_sigma, job: Job, model_name: str) -> bool:
-    """A DiT in Forge Neo or lllyasviel's Forge: the family's default (as ComfyUI's ``dit_settings`` auto), or one
-    line saying why not."""
+    """A DiT in Forge Neo or lllyasviel's Forge: the family's default, or one line saying why not."""
     unet = forge_objects.unet
     why = webui_dit_reuse.why_not(unet, p)
     if why is None and settings.reuse_interval <= 1:

@@ -1,20 +1,7 @@
-"""WebUI and Forge wiring of ``reuse_plan``'s forecasts (the engine is ``tome_core.reuse.whole_step``).
-
-With a sampler that has a forecast plan (``plans.decide``), a skipped step runs no layer of the UNet: the UNet's
-whole call returns the forecast of its denoised image, turned back into what the UNet returns (its noise, or its
-velocity on a v-prediction model), at the call's noise level. Everything else is layer reuse's (``layer_reuse``):
-one ``PassReuse`` per sampling pass, the step of each call from the ``cfg_denoiser`` callbacks, the user's step
-range, the pass's end, the removal, and Neo's Spectrum standing it down.
-
-Where the UNet call is taken over:
-- WebUI (ldm, sgm): the UNet gets an instance attribute ``forward`` (a ``WholeStepCall``) in front of the one it
-  had; removal (``layer_reuse.remove_ldm``) puts that one back, so the UNet then computes exactly as before. The
-  UNet receives the noisy latent scaled to unit variance (k-diffusion's ``c_in``; DDIM's latent is that already)
-  and the DDPM timestep; the noise level comes from the denoiser call's ``sigma`` (a DDPM timestep with the
-  WebUI's timestep samplers, whose denoiser holds the model's ``alphas``).
-- Forge: an object patch on ``diffusion_model.forward``, as ``layer_reuse.CallBoundary``; the call's noise level
-  and conds come from its ``transformer_options`` (``sigmas``, ``cond_or_uncond``).
-"""
+"""WebUI and Forge wiring of ``reuse_plan``'s forecasts: a skipped step runs no layer, the UNet's call returning the
+forecast as its noise or velocity; the rest is ``layer_reuse``'s. The WebUI's UNet gets an instance ``forward`` (a
+``WholeStepCall``), Forge's an object patch. docs/step-reuse.md, 'A skipped step that runs nothing: the whole output
+along ours' line'."""
 
 from __future__ import annotations
 
@@ -29,20 +16,18 @@ from .layer_reuse import CallBoundary, PassReuse, _activate, _noise_level
 
 
 def ldm_v_prediction(sd_model) -> bool | None:
-    """Whether the WebUI's model predicts the velocity (``parameterization`` "v": SD2.x 768-v, v-prediction SDXL)
-    rather than the noise ("eps"); None for anything else (the forecast stays off)."""
+    """Whether the WebUI's model predicts the velocity rather than the noise; None for anything else (no forecast)."""
     return {"eps": False, "v": True}.get(getattr(sd_model, "parameterization", "eps"))
 
 
-# Forge's ``predictor.prediction_type`` (backend/modules/k_prediction.py); its others (edm, const) are not forecast.
+# Forge's ``predictor.prediction_type``; its others (edm, const) are not forecast.
 _FORGE_PREDICTIONS = {"epsilon": False, "v_prediction": True}
 # ComfyUI-style model sampling (reForge, Forge Neo): the class that computes the denoised image names the kind.
 _COMFY_PREDICTIONS = {"EPS": False, "V_PREDICTION": True}
 
 
 def forge_v_prediction(patcher) -> bool | None:
-    """Whether Forge's model (``patcher``) predicts the velocity rather than the noise, on k-diffusion sigmas with
-    unit data scale; None where it is neither or unknown (the forecast stays off)."""
+    """As ``ldm_v_prediction`` for Forge's ``patcher`` (k-diffusion sigmas, unit data scale only)."""
     predictor = getattr(getattr(patcher, "model", None), "predictor", None)
     if getattr(predictor, "prediction_type", None) is not None:
         if getattr(predictor, "sigma_data", 1.0) != 1.0:
@@ -50,7 +35,7 @@ def forge_v_prediction(patcher) -> bool | None:
         return _FORGE_PREDICTIONS.get(predictor.prediction_type)
     try:
         sampling = patcher.get_model_object("model_sampling")
-    except Exception:  # no such object: not a model whose prediction is known
+    except Exception:
         return None
     if getattr(sampling, "sigma_data", 1.0) != 1.0:
         return None
@@ -61,8 +46,7 @@ def forge_v_prediction(patcher) -> bool | None:
 
 
 def _call_sigma(params) -> float | None:
-    """The k-diffusion sigma of the denoiser call ``params`` announces (``_noise_level``); a timestep sampler's
-    denoiser (the WebUI's DDIM) passes the DDPM timestep and holds the model's ``alphas``: its timestep's sigma."""
+    """The k-diffusion sigma of the denoiser call, converted from the DDPM timestep a timestep sampler (DDIM) passes."""
     level = _noise_level(params)
     alphas = getattr(getattr(params, "denoiser", None), "alphas", None)
     if level is None or not isinstance(alphas, torch.Tensor):
@@ -89,13 +73,11 @@ class WholeStepPass(PassReuse):
             self.sigma = _call_sigma(params)
 
     def run_unet_call(self, x, level, layout, sigma: float | None, compute: Callable[[], torch.Tensor]):
-        """One UNet call on input ``x``: ``compute()`` runs the UNet; a skipped call returns the forecast instead.
-        ``level`` and ``layout`` as ``begin_unet_call``; ``sigma``: the call's own noise level (None: the denoiser
-        call's)."""
+        """One UNet call: ``compute()`` where it is computed, else the forecast (``sigma`` None: the denoiser's)."""
         if sigma is not None:
             self.sigma = sigma
         if self.sigma is None or not self.sigma > 0:
-            self.step = None  # no noise level to convert at: the call runs in full and the cache goes
+            self.step = None  # no noise level to convert at
         self.begin_unet_call(x, level, layout)
         run = self.layer_run()
         if run is None:
@@ -110,7 +92,7 @@ class WholeStepPass(PassReuse):
             return denoised_of(out.float(), latent(out), sigma, v_prediction)
 
         def output(forecast: torch.Tensor) -> torch.Tensor:
-            dtype = run.current.entry.shapes[0][1]  # what the UNet returned at the computed calls
+            dtype = run.current.entry.shapes[0][1]
             return output_of(forecast, latent(forecast), sigma, v_prediction).to(dtype)
 
         try:
@@ -123,12 +105,11 @@ class WholeStepPass(PassReuse):
 
 
 def _max_of(value) -> float | None:
-    return None if value is None else float(torch.as_tensor(value).max())  # one host sync
+    return None if value is None else float(torch.as_tensor(value).max())
 
 
 class WholeStepCall(CallBoundary):
-    """The UNet's ``forward`` under the forecast: on the WebUI an instance attribute, on Forge (``forge``) an object
-    patch. A computed call runs the forward it stands in front of; a skipped one runs nothing."""
+    """The UNet's ``forward`` under the forecast (WebUI: an instance attribute; Forge: an object patch)."""
 
     def __init__(self, owner: WholeStepPass, unet, inner=None, forge: bool = False):
         super().__init__(owner, unet, inner)
@@ -155,8 +136,7 @@ class WholeStepCall(CallBoundary):
 
 
 def install_ldm(unet, settings, p, schedule, v_prediction: bool, num_timesteps: int = 1000) -> WholeStepPass | None:
-    """Give the WebUI's ``unet`` the forecast on ``schedule`` (a forecast decision's) for one pass of job ``p``;
-    None where there is nothing to do. ``layer_reuse.remove_ldm`` undoes it."""
+    """Give the WebUI's ``unet`` the forecast on ``schedule`` for one pass; ``layer_reuse.remove_ldm`` undoes it."""
     webui_layer_reuse.remove_ldm(unet)
     if schedule is None:
         return None
@@ -171,8 +151,7 @@ def install_ldm(unet, settings, p, schedule, v_prediction: bool, num_timesteps: 
 
 
 def install_forge(patcher, settings, p, percent_to_sigma, schedule, v_prediction: bool) -> WholeStepPass | None:
-    """Give Forge's ``patcher`` (a clone of this pass) the forecast on ``schedule`` for one pass of job ``p``;
-    ``layer_reuse.remove_forge`` (or Forge unloading the clone) undoes it."""
+    """Give Forge's ``patcher`` the forecast on ``schedule`` for one pass; ``layer_reuse.remove_forge`` undoes it."""
     webui_layer_reuse.remove_forge(patcher)
     if schedule is None or not hasattr(patcher, "add_object_patch"):
         return None
