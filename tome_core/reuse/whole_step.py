@@ -1,5 +1,5 @@
 """``reuse_plan``'s forecasts on a UNet: a skipped step runs nothing, its denoised image on the line through the
-last two computed ones. docs/step-reuse.md, 'A skipped step that runs nothing: the whole output along ours' line'."""
+last two computed ones. docs/step-reuse.md, "A skipped step that runs nothing: the whole output along ours' line"."""
 
 from __future__ import annotations
 

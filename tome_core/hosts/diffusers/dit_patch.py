@@ -1,15 +1,6 @@
-"""The patch for diffusers' DiT pipelines: Flux (``FluxPipeline`` and its image-to-image, inpainting, Kontext and
-ControlNet variants), SD3 / SD3.5 (``StableDiffusion3Pipeline`` and variants) and Wan 2.x (``WanPipeline``,
-``WanImageToVideoPipeline``; Wan 2.2's second transformer too); reuse only (no ToDo yet) on Flux.2
-(``Flux2Pipeline``, the Klein pipelines), Qwen-Image (``QwenImagePipeline``, ``QwenImageEditPipeline`` and
-variants), Z-Image (``ZImagePipeline`` and variants), HunyuanVideo 1.5 (``HunyuanVideo15Pipeline``, its
-image-to-video pipeline), LTX-Video (``LTXPipeline`` and variants) and LTX-2 (``LTX2Pipeline`` and variants).
-
-What it does: ToDo on the attention of the image (video) tokens (``dit_attention``) and reuse across steps
-(``dit_reuse``), through the engine objects that ComfyUI's DiT doors use. ToMe is not offered on DiTs (as in ComfyUI).
-The front door (``patch.apply_patch`` / ``remove_patch``) calls this module for a pipeline whose denoiser is one of
-these transformers, or for such a transformer itself (ToDo only: reuse needs the pipeline's scheduler).
-"""
+"""The patch for diffusers' DiT pipelines (``SUPPORTED``): ToDo on the image tokens' attention (``dit_attention``,
+Flux.1, SD3 and Wan) and reuse across steps (``dit_reuse``), for ``patch.apply_patch`` / ``remove_patch``.
+docs/dit.md, 'diffusers: Flux, SD3 and Wan pipelines'."""
 
 from __future__ import annotations
 
@@ -54,11 +45,8 @@ def find_transformers(pipe_or_transformer) -> tuple[list, object | None] | None:
 def family_settings(
     family: str, validated: PatchSettings, asked: dict, label: str | None = None
 ) -> tuple[PatchSettings, object]:
-    """(settings, schedule or None) for ``family`` under ``dit_settings``: with "auto" (the default) the settings
-    the user did not name take the family's measured ones: no ToDo unless ``method`` or ``downsample_factor`` is
-    named, and reuse across steps at the family's interval (``dit_families``) unless
-    ``reuse_interval`` is named. With "as set", the settings as they are (their defaults where not named).
-    ``label``: the family in the log line, where it is not ``family`` (Flux.2)."""
+    """(settings, schedule or None) for ``family``: with ``dit_settings`` "auto" the settings the user did not name
+    take the family's (no ToDo, reuse at its interval); ``label``: the family's name in the log line."""
     if not validated.dit_family_default:
         return validated, None
     if not {"method", "downsample_factor"} & set(asked):

@@ -1,26 +1,7 @@
-"""diffusers wiring of layer reuse (setting ``reuse_interval``; the engine is ``tome_core.reuse``).
-
-Which layers: the split of ComfyUI's ldm UNet with one outer block on each side (``unet_layout.inner_layers``).
-``UNet2DConditionModel.forward`` runs ``conv_in``, every down block, the mid block, every up block, then
-``conv_norm_out``/``conv_out``; the last up block pairs its resnets with its attentions (CrossAttnUpBlock2D) or
-has resnets only (UpBlock2D), its last resnet reading ``conv_in``'s output through the skip connection. Kept,
-run at every step: ``conv_in``, that last resnet (and its attention) and what follows it. Inner: the down blocks,
-the mid block and the up blocks before the last one, each whole (the UNet calls each as a module), then the last
-up block's earlier resnets and attentions, one by one; the last of them is the boundary. Skip tensors of inner
-layers feed only inner layers, so their stand-in zeros are never seen by a kept layer; ControlNet's residuals are
-added to the down blocks' skip tensors and to the mid block's output: to zeros (of the recorded shapes) at a
-reusing step, where nothing kept reads them, except the residual on ``conv_in``'s output, which still counts.
-
-Which step: diffusers has no sampling-run hook, so a run is found from the pipeline's scheduler. Pipelines call
-``scheduler.set_timesteps`` (a new ``timesteps`` tensor) before their loop and give the UNet one of those
-timesteps per call. A forward pre-hook on the UNet finds the call's step in ``pipe.scheduler.timesteps``; a new
-schedule, or a step that goes back, starts a new run, whose first step is the first one called (image-to-image
-starts part way); the run's cache is dropped after its last step. A call whose step is not on the schedule runs
-in full. A bare UNet has no scheduler to follow: ``apply_patch`` refuses reuse_interval > 1 there.
-
-Every inner layer gets an instance attribute ``forward`` (a ``SkippableLayer``); removal deletes them and the
-hooks, so the UNet then computes bit-identically to one never patched.
-"""
+"""diffusers wiring of layer reuse (``reuse_interval``) on a ``UNet2DConditionModel``: its inner layers (all but
+``conv_in``, the last up block's last resnet and what follows) get a ``SkippableLayer`` ``forward``. A pre-hook finds
+the call's step in ``pipe.scheduler.timesteps``; a new schedule or a step that goes back starts a run.
+docs/how-it-works.md, 'diffusers'."""
 
 from __future__ import annotations
 
@@ -54,8 +35,7 @@ PAIRED_UP_BLOCKS = ("CrossAttnUpBlock2D", "UpBlock2D")
 
 
 def inner_layers(unet) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of the layers that reuse skips, in the order a UNet call runs them; empty for a layout
-    this split does not know (see the module docstring)."""
+    """(name, module) of the layers that reuse skips, in call order; empty for a layout this split does not know."""
     downs = list(getattr(unet, "down_blocks", None) or ())
     ups = list(getattr(unet, "up_blocks", None) or ())
     if not downs or not ups or not any(c.__name__ in PAIRED_UP_BLOCKS for c in type(ups[-1]).__mro__):
@@ -89,8 +69,7 @@ class _Schedule:
         return timesteps is self.tensor and _version(timesteps) == self.version
 
     def step_of(self, timestep: float, step_index) -> int | None:
-        """Index of the call's timestep; the scheduler's own step index where it agrees (second-order schedulers
-        such as Heun list each timestep twice), else the first equal value."""
+        """Index of the call's timestep, the scheduler's own step index where it agrees (Heun lists each twice)."""
         if isinstance(step_index, int) and 0 <= step_index < len(self.values):
             if _same(self.values[step_index], timestep):
                 return step_index
@@ -113,15 +92,11 @@ def _same(a: float, b: float) -> bool:
 
 
 class PipelineReuse(LayerReuse):
-    """The owner of the UNet's ``SkippableLayer``s: follows the pipeline's runs and holds the current one.
-
-    The DiT door (``dit_reuse``) subclasses it: the names of the model's input, the scale of its timestep and the
-    calls that must run every layer are what differ."""
+    """The owner of the UNet's ``SkippableLayer``s: follows the pipeline's runs (the DiT door subclasses it)."""
 
     SAMPLE = "sample"  # the keyword of the model's noisy input (also its first positional argument)
     DIT = False  # a DiT's door: its scheduler rules (``plans.DIT_PLAN``), no forecast
     TIMESTEP_SCALE = 1.0  # the pipeline passes the scheduler's timestep divided by this (Flux: 1000)
-    # How a UNet pipeline whose scheduler has no plan (SD1.5 ships PNDM) gets the default's speed.
     HINT = " For the default's plan: pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)."
 
     def __init__(
@@ -137,13 +112,13 @@ class PipelineReuse(LayerReuse):
         self.layer_modules = layers
         self.allowed = allowed
         self._timesteps: _Schedule | None = None
-        self.run: LayerReuseRun | None = None  # the run in progress (kept after its end for its counts)
-        self._first_step = 0  # the run's first step in the scheduler's timesteps
+        self.run: LayerReuseRun | None = None
+        self._first_step = 0
         self._last_step = -1
         self._call_in_step = 0  # calls at the same step with the same layout (cond, then uncond) keep apart
-        self._calls_per_step = 1  # the most calls one step of this run has made (the last step's end is its last)
-        self._logged: LayerReuseRun | None = None  # the run whose summary was logged (once per run)
-        self._refused: type | None = None  # the scheduler class last refused (logged once)
+        self._calls_per_step = 1
+        self._logged: LayerReuseRun | None = None
+        self._refused: type | None = None
 
     def _scheduler_timesteps(self):
         pipeline = self._pipeline()
@@ -169,7 +144,7 @@ class PipelineReuse(LayerReuse):
             return None
         starts = self.run is None or step < self._last_step
         decision = self.decision(scheduler, step if starts else self._first_step)
-        if decision.runs == FULL:  # every step in full
+        if decision.runs == FULL:
             if self._refused is not type(scheduler):
                 self._refused = type(scheduler)
                 hint = "" if self.DIT else self.HINT
@@ -197,9 +172,7 @@ class PipelineReuse(LayerReuse):
         """Also called when the UNet call raised (``always_call``): the next call starts clean."""
         if self.end_call() is None:
             return None
-        # The run is over after the last step's last call, as many calls as the run's steps have made (a prompt
-        # and a negative prompt as two calls: the second). Where the last step makes fewer, what the cache holds
-        # stays until the next run starts or the patch is removed, and is never read by a call of another run.
+        # The run ends at its last step's last call; a cache left by a shorter last step is never read by another run.
         last_step = self._last_step >= len(self._timesteps.values) - 1
         if last_step and self._call_in_step + 1 >= self._calls_per_step:
             self._finish()
@@ -218,8 +191,7 @@ class PipelineReuse(LayerReuse):
             self.run = self.run_for(scheduler, steps, levels)
 
     def decision(self, scheduler, first_step: int = 0) -> Decision:
-        """What a run that ``scheduler`` steps from its step ``first_step`` runs (``plans.decide``): a run that starts
-        later (img2img below strength 1) samples part of the scheduler's sigmas."""
+        """What a run from the scheduler's step ``first_step`` runs (later: part of its sigmas, e.g. img2img)."""
         interval = None if self.DIT else self.schedule.interval
         schedule = karras_or_none(scheduler)
         if schedule == KARRAS and first_step > 0:
@@ -227,7 +199,6 @@ class PipelineReuse(LayerReuse):
         return decide(self.plan, scheduler_name(scheduler), schedule, interval, dit=self.DIT)
 
     def run_for(self, scheduler, steps: int, levels: list[float] | None) -> LayerReuseRun:
-        """The run of ``steps`` at noise ``levels`` (None: unknown) that ``scheduler`` starts."""
         decision = self.decision(scheduler, self._first_step)
         return self.new_run(steps, levels, (decision.fallback or decision).full_below)
 
@@ -248,8 +219,7 @@ class PipelineReuse(LayerReuse):
 
 
 def scheduler_name(scheduler) -> str:
-    """The scheduler's class name, the samplers' rule's name for it; a ``DPMSolverMultistepScheduler`` counts as
-    DPM++ 2M only as DPM-Solver++ of order 2 (its default), else its name says which it is."""
+    """The scheduler's class name; a ``DPMSolverMultistepScheduler`` counts as DPM++ 2M only at its defaults."""
     name = type(scheduler).__name__
     config = getattr(scheduler, "config", None)
     if name == "DPMSolverMultistepScheduler":
@@ -265,9 +235,7 @@ def karras_or_none(scheduler) -> str | None:
 
 
 def _sigma_of(scheduler, step: int, timestep: float) -> float | None:
-    """The noise level of a call, where the prediction draws its line (as in the other hosts): the scheduler's own
-    sigma of the step (Euler-like schedulers), or the one its timestep stands for (DDIM-like: from the cumulative
-    alphas); None (the step index) where neither is known."""
+    """The noise level of a call: the scheduler's sigma of the step, or its timestep's (DDIM-like); None: unknown."""
     sigmas = getattr(scheduler, "sigmas", None)
     timesteps = getattr(scheduler, "timesteps", None)
     if isinstance(sigmas, torch.Tensor) and isinstance(timesteps, torch.Tensor) and len(sigmas) > len(timesteps) - 1:
@@ -283,9 +251,7 @@ def _sigma_of(scheduler, step: int, timestep: float) -> float | None:
 def install(
     unet, pipeline, settings, allowed: Callable[[float], bool], schedule, owner_class: type = PipelineReuse
 ) -> bool:
-    """Give ``unet`` layer reuse on ``schedule`` (the front door's: ``unet_schedule`` of the settings), following
-    ``pipeline``'s scheduler, owned by an ``owner_class`` (a ``PipelineReuse``); False where the layout is not one
-    this split knows (the UNet is then left as it is)."""
+    """Give ``unet`` layer reuse on ``schedule``, following ``pipeline``'s scheduler; False for an unknown layout."""
     layers = inner_layers(unet)
     if not layers:
         return False

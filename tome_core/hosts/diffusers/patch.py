@@ -1,12 +1,6 @@
-"""diffusers' front door: ``apply_patch(pipe_or_unet, **settings)`` and ``remove_patch(pipe_or_unet)``.
-
-It validates the settings once and decides what the model gets: a pipeline whose denoiser is a DiT of the family
-registry goes to ``dit_patch`` (reuse across steps, and ToDo where the family's attention is mapped); a
-``UNet2DConditionModel`` (SD1.x, SD2.x, SDXL and their fine-tunes), on its own or as ``.unet`` of a pipeline, to
-``unet_patch`` (the token reduction) and ``layer_reuse`` (reuse across steps, which needs the pipeline's
-scheduler; under ``reuse_plan``'s forecasts ``whole_step`` skips whole steps where the scheduler has a plan);
-anything else is refused with a ``TypeError`` naming what is supported, the model left as it was.
-"""
+"""diffusers' front door, ``apply_patch`` and ``remove_patch``: a pipeline whose denoiser is a known DiT goes to
+``dit_patch``, a ``UNet2DConditionModel`` (alone or a pipeline's ``.unet``) to ``unet_patch``; anything else raises a
+``TypeError``, the model left as it was. docs/diffusers.md, 'Use'."""
 
 from __future__ import annotations
 
@@ -58,27 +52,15 @@ def remove_patch(pipe_or_unet):
 
 
 def apply_patch(pipe_or_unet, **settings):
-    """Patch a diffusers pipeline or its denoiser in place; returns what it was given.
-
-    ``settings`` are those of the engine's settings table (``tome_core.SPECS``: method, ratio,
-    downsample_factor, max_downsample, start_percent, end_percent, ...), validated by
-    ``PatchSettings.from_values``: a bad value raises ValueError naming the setting and its range, an
-    unsupported model UnsupportedModelError (a TypeError) naming what is supported; in both cases, and for a
-    conflicting patch (PatchConflictError, a ValueError), the model is left as it was. Applying again replaces
-    the earlier patch; settings that can never change the output leave the UNet unpatched.
-
-    ``reuse_interval`` above 1 (reuse across steps) needs a pipeline: on a bare UNet, or a UNet layout it does not
-    know, it raises when asked for by name; the default (3) is then left out with a log line, and the token
-    reduction alone applies.
-
-    A ``ratio`` without a ``method`` means ToMe, as in tomesd's ``apply_patch`` (code written for tomesd keeps
-    its meaning); with neither, the default method (ToDo) applies.
-    """
+    """Patch a diffusers pipeline or its denoiser in place with ``settings`` (``tome_core.SPECS``); returns it.
+    Raises ValueError (a bad value, a conflicting patch) or UnsupportedModelError, the model left as it was.
+    ``reuse_interval`` above 1 needs a pipeline (by default it is then left out); a ``ratio`` without a ``method``
+    means ToMe, as in tomesd."""
     if "ratio" in settings and "method" not in settings:
         settings = {"method": "tome", **settings}
     validated = PatchSettings.from_values(**settings)
     dits = dit_patch.find_transformers(pipe_or_unet)
-    if dits is not None:  # a DiT: the family's reuse across steps, and ToDo where its attention is mapped
+    if dits is not None:
         dit_patch.apply_patch(dits, validated, settings)
         return pipe_or_unet
     unet, pipeline = _unet(pipe_or_unet)

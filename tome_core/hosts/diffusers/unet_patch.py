@@ -1,33 +1,7 @@
-"""The token reduction on diffusers' UNets (``install`` / ``remove``), for the front door ``patch``.
-
-Supported: a ``UNet2DConditionModel`` (SD1.x, SD2.x, SDXL and their fine-tunes) on its own or as ``.unet`` of a
-pipeline (text-to-image, image-to-image, inpainting, ControlNet, SDXL, ...). Checked against diffusers 0.39.0 and
-0.42.1, whose ``BasicTransformerBlock``, ``Attention``, ``Transformer2DModel`` and ``UNet2DConditionModel`` are the
-same code apart from type annotations.
-
-How: each ``BasicTransformerBlock`` of the UNet gets its class swapped for a subclass whose ``forward`` calls the
-block's own sub-layers (``norm1``, ``attn1``, ``norm2``, ``attn2``, ``norm3``, ``ff``) the way diffusers' forward
-does (diffusers/models/attention.py, ``BasicTransformerBlock.forward``, layer-norm path), with the engine's
-``BlockReduction`` calls around each of them; a forward pre-hook on the UNet records the latent size and the step
-decision of each call. The attention modules are called as diffusers calls them, so whichever processor is set
-(SDPA ``AttnProcessor2_0``, xformers, attention slicing, IP-Adapter, PAG, ...) runs, only on fewer query tokens
-(ToMe) or with fewer key/value tokens passed as ``encoder_hidden_states`` (ToDo).
-
-Why a class swap rather than hooks on ``attn1``/``ff``: torch.compile does not guard on module hooks
-(``torch._dynamo.config.skip_nnmodule_hook_guards``), so sub-layer hooks added or removed after the UNet was
-compiled would be silently ignored or kept; a changed class is guarded and recompiled. Removal restores each
-block's class and removes the hook and every attribute added here, so the UNet then computes bit-identically to
-one never patched.
-
-Reuse across steps (``reuse_interval``) is wired separately, in ``layer_reuse`` (and, under ``reuse_plan``
-"forecast", ``whole_step``): it needs the pipeline, whose scheduler tells each UNet call's step, and it composes
-with the token reduction here.
-
-Blocks that this path cannot reduce run diffusers' own forward unchanged: norm types other than the layer norm of
-SD's UNets (ada-norm and others), positional embeddings, an ``attention_mask`` on self-attention, token counts
-that are not the latent's grid at some level. Nothing from diffusers is imported: classes are recognised by name,
-so this module imports anywhere.
-"""
+"""The token reduction on diffusers' UNets (``install`` / ``remove``): each ``BasicTransformerBlock``'s class is
+swapped for a subclass whose ``forward`` calls the block's sub-layers as diffusers does, with the engine's reductions
+around each (a class swap, since torch.compile guards on a class but not on module hooks). Blocks it cannot reduce
+run diffusers' forward unchanged; classes are recognised by name. docs/how-it-works.md, 'diffusers'."""
 
 from __future__ import annotations
 
@@ -48,9 +22,7 @@ UNET_CLASS_NAME = "UNet2DConditionModel"
 _STATE = "_tome_patch_diffusers_state"  # on each patched block and on the UNet
 _HOOK = "_tome_patch_diffusers_hook"  # the UNet's forward pre-hook handle
 _PARENT = "_tome_patch_diffusers_parent"  # on our block subclasses: the class they replace
-# On our block subclasses: the replaced class's forward as a plain function. diffusers marks BasicTransformerBlock
-# "allowed in graph" for torch.compile, so Dynamo cannot trace ``BasicTransformerBlock.forward`` looked up through
-# the class; the function itself traces like any other.
+# The replaced forward as a plain function: Dynamo cannot trace it through the "allowed in graph" class.
 _PARENT_FORWARD = "_tome_patch_diffusers_parent_forward"
 
 _subclasses: dict[type, type] = {}
@@ -59,16 +31,11 @@ log = logging.getLogger("tome_patch")
 
 
 class UnsupportedModelError(TypeError):
-    """Not something this patch can reduce (a transformer other than Flux's, SD3's or Wan's, a pixel-space UNet,
-    an unknown object)."""
+    """Not something this patch can reduce."""
 
 
 class PatchConflictError(ValueError):
     """Another patch on the UNet's blocks would make ours wrong or be bypassed by it."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Finding the UNet and its layout
 
 
 def _unwrap(module):
@@ -99,10 +66,6 @@ def describe(pipe_or_unet) -> str:
     return what
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The patched block
-
-
 class _UNetState:
     """Shared by the UNet's pre-hook and all of its patched blocks: what the current UNet call looks like."""
 
@@ -128,8 +91,7 @@ class _UNetState:
 
 @torch.compiler.disable
 def _in_step_range(step_range: StepRange, timestep) -> bool:
-    """One host read per UNet call, not per block; no timestep means "inside the range". Kept out of
-    torch.compile's graph: the read is the one graph break a step range costs, before any block runs."""
+    """One host read per UNet call, out of torch.compile's graph (no timestep: inside the range)."""
     return timestep is None or step_range.contains(float(torch.as_tensor(timestep).max()))
 
 
@@ -190,7 +152,6 @@ def _reduced_forward(
     gligen = kwargs.pop("gligen", None)
     x = hidden_states
 
-    # Self-attention: fewer queries (ToMe) or fewer keys/values (ToDo), whichever processor attn1 has.
     query, keys_values = reduction.self_attn_inputs(self.norm1(x))
     if self.only_cross_attention:  # attn1 attends to the prompt: only its queries can be reduced
         context = encoder_hidden_states
@@ -235,10 +196,6 @@ def _original_class(module) -> type:
     return getattr(cls, _PARENT) if _PARENT in cls.__dict__ else cls
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Install and remove
-
-
 def find_conflict(unet) -> str | None:
     """Name another patch on the blocks that would make ours wrong or bypass it, or None."""
     if any(type(block).__name__ == "ToMeBlock" for _, block in transformer_blocks(unet)):
@@ -250,7 +207,6 @@ def find_conflict(unet) -> str | None:
 
 
 def installed(unet) -> bool:
-    """Whether ``unet`` carries anything of ours (the token reduction or reuse across steps)."""
     return (
         _STATE in unet.__dict__
         or diffusers_layer_reuse.installed(unet) is not None
@@ -284,8 +240,7 @@ def check_layer_reuse(unet, pipeline) -> None:
 
 
 def install(unet, pipeline, validated: PatchSettings, schedule) -> None:
-    """Replace any earlier patch of ``unet`` by the token reduction of ``validated`` and, on ``schedule`` (None:
-    off), reuse across steps (the pipeline's scheduler tells each call's step)."""
+    """Replace any earlier patch of ``unet`` by the token reduction of ``validated`` and reuse on ``schedule``."""
     remove(unet)
     step_range = StepRange(validated, pipeline, unet_timestep_of_percent)
     if schedule is not None:

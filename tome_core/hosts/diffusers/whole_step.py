@@ -1,21 +1,6 @@
-"""diffusers wiring of ``reuse_plan``'s forecasts on a UNet: a skipped step runs no layer (the engine is
-``tome_core.reuse.whole_step``).
-
-The owner is layer reuse's (``layer_reuse.PipelineReuse``: runs, steps, batch layouts and the step range found from
-the pipeline's scheduler), and the UNet gets an instance ``forward`` of its own as well. Each run takes its plan
-from the scheduler it starts with: Euler, DDIM and DPM++ 2M on Karras sigmas (``plans.decide``), predicting the
-noise or the velocity, make a ``WholeStepRun``, whose skipped calls return the forecast without calling the UNet's
-own forward; any other run is layer reuse's, as under "auto", and the UNet's forward then runs as it is.
-
-What is forecast is the denoised image. The UNet's input is the noisy latent in the variance-preserving form with
-these schedulers (Euler's ``scale_model_input`` divides by sqrt(sigma^2 + 1), DDIM and DPM-Solver step on it as it
-is), so ``denoised_of`` / ``output_of`` convert at the scheduler's sigma of the step. A UNet whose input carries
-more channels than its output (inpainting, instruct-pix2pix) reads the latent from its first channels; one that
-returns more than it reads (a learned variance) keeps layer reuse.
-
-Removal deletes the forward with the layers' ones (``layer_reuse.remove``): the UNet then computes bit-identically
-to one never patched.
-"""
+"""diffusers wiring of ``reuse_plan``'s forecasts on a UNet: a run whose scheduler has a forecast plan is a
+``WholeStepRun``, its skipped calls returning the forecast without running the UNet; other runs are layer reuse's.
+docs/step-reuse.md, "A skipped step that runs nothing: the whole output along ours' line"."""
 
 from __future__ import annotations
 
@@ -28,13 +13,11 @@ from ...reuse import FORECAST, LayerReuseRun, SkippableLayer, WholeStepRun, atta
 from . import layer_reuse
 from .layer_reuse import PipelineReuse
 
-# The scheduler's ``prediction_type`` -> whether the UNet predicts the velocity; others are not forecast.
 PREDICTIONS = {"epsilon": False, "v_prediction": True}
 
 
 def v_prediction(scheduler) -> bool | None:
-    """Whether the UNet the scheduler steps with predicts the velocity (True) or the noise (False); None for any
-    other prediction (the sample itself, a flow), which the forecast does not convert."""
+    """Whether the scheduler's UNet predicts the velocity (True) or the noise (False); None: not forecast."""
     config = getattr(scheduler, "config", None)
     return PREDICTIONS.get(getattr(config, "prediction_type", "epsilon"))
 
@@ -47,7 +30,6 @@ def forecasts(unet) -> bool:
 
 
 def _sample_of(out) -> torch.Tensor:
-    """The predicted tensor of a UNet call's output: ``UNet2DConditionOutput.sample`` or a tuple's first item."""
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, tuple):
@@ -61,14 +43,12 @@ def _latent(x: torch.Tensor, channels: int) -> torch.Tensor:
 
 
 class WholeStepReuse(PipelineReuse):
-    """``PipelineReuse`` whose runs are ``WholeStepRun``s where the scheduler has a forecast plan; the UNet's
-    ``WholeStepForward`` asks it, around the UNet's own forward, for a skipped call's output and records a
-    computed one."""
+    """``PipelineReuse`` whose runs are ``WholeStepRun``s where the scheduler has a forecast plan."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.v_prediction = False  # of the run in progress
-        self._output_class: Callable | None = None  # what the UNet returns with ``return_dict`` (its output class)
+        self.v_prediction = False
+        self._output_class: Callable | None = None
 
     def run_for(self, scheduler, steps: int, levels: list[float] | None) -> LayerReuseRun:
         planned, predicts_v = None, v_prediction(scheduler)
@@ -90,8 +70,7 @@ class WholeStepReuse(PipelineReuse):
         run = self._current
         return run if isinstance(run, WholeStepRun) and run.current is not None else None
 
-    # Both kept out of a compiled graph: they read the run's state and the call's sigma, which a graph would take
-    # as constants; the UNet's own forward between them compiles as it would unpatched.
+    # Kept out of a compiled graph, which would take the run's state and the call's sigma as constants.
     @torch.compiler.disable
     def forecast(self, args: tuple, kwargs: dict):
         """A skipped call's output, as the UNet would return it; None where the UNet is to run."""
@@ -108,7 +87,6 @@ class WholeStepReuse(PipelineReuse):
 
     @torch.compiler.disable
     def record(self, args: tuple, kwargs: dict, out) -> None:
-        """A computed call's output: its denoised image recorded for the forecasts."""
         run = self._whole_step()
         if run is None:
             return
@@ -130,8 +108,7 @@ def _never() -> torch.Tensor:
 
 
 class WholeStepForward(SkippableLayer):
-    """The UNet's ``forward`` (an instance attribute) under a forecast plan: a skipped call's output without running
-    the UNet, else the UNet's own forward (and its output recorded)."""
+    """The UNet's ``forward`` under a forecast plan: the forecast at a skipped call, else the UNet's own forward."""
 
     def __call__(self, *args, **kwargs):
         skipped = self.owner.forecast(args, kwargs)
@@ -143,9 +120,8 @@ class WholeStepForward(SkippableLayer):
 
 
 def install(unet, pipeline, settings, allowed: Callable[[float], bool], schedule) -> bool:
-    """Reuse across steps on ``unet`` under ``reuse_plan``'s forecasts: layer reuse on ``schedule`` (the runs whose
-    scheduler has no forecast plan), and the whole-step forecast on the runs whose scheduler has one. A UNet with
-    nothing to forecast (``forecasts``) gets layer reuse alone. False where ``layer_reuse.install`` is."""
+    """The forecast on ``unet`` where a run's scheduler has a plan, else layer reuse on ``schedule``; False as
+    ``layer_reuse.install``."""
     if not forecasts(unet):
         return layer_reuse.install(unet, pipeline, settings, allowed, schedule)
     if not layer_reuse.install(unet, pipeline, settings, allowed, schedule, owner_class=WholeStepReuse):

@@ -1,7 +1,7 @@
 """WebUI and Forge wiring of ``reuse_plan``'s forecasts: a skipped step runs no layer, the UNet's call returning the
 forecast as its noise or velocity; the rest is ``layer_reuse``'s. The WebUI's UNet gets an instance ``forward`` (a
-``WholeStepCall``), Forge's an object patch. docs/step-reuse.md, 'A skipped step that runs nothing: the whole output
-along ours' line'."""
+``WholeStepCall``), Forge's an object patch. docs/step-reuse.md, "A skipped step that runs nothing: the whole output
+along ours' line"."""
 
 from __future__ import annotations
 
