@@ -733,3 +733,52 @@ def recorded_plans(monkeypatch) -> list:
 
         monkeypatch.setattr(engine.LayerReuseRun, "__init__", record)
     return plans
+
+
+# The workflows of the workflow matrix (tests/test_workflow_matrix*.py), as (name, CFG): a KSampler on an empty latent
+# ("txt2img"), at denoise 0.6 on a start latent ("img2img"), two KSamplerAdvanced nodes ("advanced": the first steps
+# returning their leftover noise, the rest adding none), and PerturbedAttentionGuidance (scale 3) or
+# SelfAttentionGuidance (its defaults) before a KSampler ("pag", "sag").
+WORKFLOWS = (
+    ("txt2img", 4.0),
+    ("img2img", 4.0),
+    ("advanced", 4.0),
+    ("pag", 1.0),
+    ("pag", 4.0),
+    ("sag", 1.0),
+    ("sag", 4.0),
+)
+IMG2IMG_DENOISE = 0.6
+ADVANCED_SWITCH = 12  # of 25 steps: the step the second KSamplerAdvanced starts at
+
+
+def guided(model, name: str):
+    """``model`` behind ComfyUI's PAG or SAG node where ``name`` asks for one."""
+    if name == "pag":
+        from comfy_extras.nodes_pag import PerturbedAttentionGuidance
+
+        return PerturbedAttentionGuidance.execute(model, 3.0).result[0]
+    if name == "sag":
+        from comfy_extras.nodes_sag import SelfAttentionGuidance
+
+        return SelfAttentionGuidance.execute(model, 0.5, 2.0).result[0]
+    return model
+
+
+def run_workflow(model, workflow, sampler, scheduler, positive, negative, empty, start=None, steps=25, seed=0):
+    """Sample ``workflow`` (one of ``WORKFLOWS``) with ComfyUI's own nodes' path (``common_ksampler``); ``empty``: the
+    empty latent, ``start``: img2img's start latent. Returns the samples."""
+    name, cfg = workflow
+    common = (guided(model, name), seed, steps, cfg, sampler, scheduler, positive, negative)
+    with torch.no_grad():
+        if name == "img2img":
+            (out,) = comfy_nodes.common_ksampler(*common, {"samples": start.clone()}, denoise=IMG2IMG_DENOISE)
+        elif name == "advanced":
+            switch = steps * ADVANCED_SWITCH // 25
+            first = {"start_step": 0, "last_step": switch, "force_full_denoise": False}
+            (part,) = comfy_nodes.common_ksampler(*common, {"samples": empty.clone()}, **first)
+            last = {"disable_noise": True, "start_step": switch, "last_step": 10000, "force_full_denoise": True}
+            (out,) = comfy_nodes.common_ksampler(*common, part, **last)
+        else:
+            (out,) = comfy_nodes.common_ksampler(*common, {"samples": empty.clone()})
+    return out["samples"]
