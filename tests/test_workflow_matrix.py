@@ -76,7 +76,7 @@ def expected_schedule(sampler: str, scheduler: str, part: str) -> str | None:
     return "karras" if part == "whole" else "part of karras"
 
 
-# PAG's and SAG's nodes add a post-CFG function: such a pass runs in full (PAG's, SAG's pictures: docs/step-reuse.md).
+# PAG's and SAG's nodes add a post-CFG function: such a pass runs in full.
 POST_CFG = Decision(
     FULL, "a post-CFG function calls the model again at each step (PAG, SAG, ...): no plan is measured with one"
 )
@@ -229,10 +229,11 @@ def assert_runs_what_the_log_names(node_classes, model, inputs, caplog, monkeypa
 
 
 # Each workflow beside txt2img (each scheduler: test_workflow_matrix_schedulers.py) with each sampler that reuses, on
-# the schedule it reuses on; PAG and SAG with Euler; a sampler without a plan.
+# the schedule it reuses on; PAG and SAG (at CFG 1 SAG turns ComfyUI's CFG 1 shortcut off); a sampler without a plan.
 CASES = [
     *[(w, s, "karras" if s == "dpmpp_2m" else "normal") for w in host.WORKFLOWS[1:3] for s in REUSING],
-    *[(w, "euler", "normal") for w in host.WORKFLOWS[3:]],
+    (("pag", 4.0), "euler", "normal"),
+    (("sag", 1.0), "euler", "normal"),
     (host.WORKFLOWS[0], "euler_ancestral", "normal"),
 ]
 

@@ -1,0 +1,89 @@
+"""The workflow matrix's pictures (ComfyUI, the trained reference ``ref-sd1``): where the default reuses, the same
+workflow's picture patched against unpatched, same seed, keeps a mean SSIM of 0.97 over two prompts (25 steps, the
+reference's 32x32 latents, no ToDo: reuse alone). The passes that run every step in full give the unpatched picture
+bit for bit (test_workflow_matrix*.py); so do DPM++ SDE's (it reuses nothing) and ddim's are Euler's.
+
+Two prompts are a thin sample: one image can move the mean by 0.05 (over 16 prompts the Euler default keeps 0.983 with
+one image at 0.82). The combinations chosen: each workflow with Euler's forecast on ComfyUI's default scheduler, DPM++
+2M's on Karras sigmas, Heun's layer reuse, and the schedules where the default was measured to lose the picture (marked
+as known failures, strict: fixed, they fail until unmarked).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+
+from tools.fidelity.reference import models
+
+pytestmark = pytest.mark.skipif(
+    not (models.WEIGHTS / "ref-sd1.safetensors").exists(), reason="reference weights missing from the checkout"
+)
+
+NAME, PROMPTS, SIZE = "ref-sd1", 2, 32
+KEEPS = 0.97  # the issue's bound; the default's own figure over 16 prompts is 0.983 (normal), 0.975 (exponential)
+TXT2IMG, IMG2IMG, ADVANCED = host.WORKFLOWS[:3]
+
+
+def lost(why):
+    return pytest.mark.xfail(strict=True, reason=f"the default loses the picture here: {why}")
+
+
+# (workflow, sampler, scheduler), with the mean SSIM over these two prompts (16 prompts) measured on a 2-core CPU.
+CASES = [
+    pytest.param(TXT2IMG, "euler", "normal", id="txt2img-euler-normal"),  # 0.993 (0.983)
+    pytest.param(IMG2IMG, "euler", "normal", id="img2img-euler-normal"),  # 0.999
+    pytest.param(ADVANCED, "euler", "normal", id="advanced-euler-normal"),  # 0.998
+    pytest.param(TXT2IMG, "dpmpp_2m", "karras", id="txt2img-dpmpp_2m-karras"),  # 0.989
+    pytest.param(TXT2IMG, "heun", "normal", id="txt2img-heun-normal"),  # 0.998 (0.973)
+    # One of the two at 0.916 (0.993 on normal); over 16 prompts 0.975.
+    pytest.param(TXT2IMG, "euler", "exponential", id="txt2img-euler-exponential", marks=lost("0.948 (0.975)")),
+    pytest.param(TXT2IMG, "heun", "exponential", id="txt2img-heun-exponential", marks=lost("0.945 (0.933)")),
+    pytest.param(TXT2IMG, "heun", "kl_optimal", id="txt2img-heun-kl_optimal", marks=lost("0.924 (0.941)")),
+    pytest.param(TXT2IMG, "heun", "ddim_uniform", id="txt2img-heun-ddim_uniform", marks=lost("0.967 (0.966)")),
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """(the reference's patcher, its inputs for ``run_workflow``)."""
+    import comfy.model_patcher
+    import comfy.utils
+
+    from tools.fidelity.run import benchmark_prompts, conditioning
+
+    comfy.utils.PROGRESS_BAR_ENABLED = False
+    base, encoder = models.load_reference(NAME)
+    patcher = comfy.model_patcher.ModelPatcher(base, load_device=host.CPU, offload_device=host.CPU)
+    positive = conditioning(NAME, base, encoder, benchmark_prompts(0, PROMPTS), SIZE)
+    negative = conditioning(NAME, base, encoder, models.PromptEncoder.empty(1), SIZE)
+    scenes, _ = models.samples(NAME, PROMPTS, SIZE, torch.Generator().manual_seed(5))  # img2img's start: real scenes
+    start = base.process_latent_out(scenes)
+    return patcher, (positive, negative, torch.zeros(models.latent_shape(NAME, PROMPTS, SIZE)), start)
+
+
+def sampled(patcher, workflow, sampler, scheduler, inputs):
+    """(the scenes, UNet calls) of ``workflow``."""
+    calls = []
+    handle = patcher.model.diffusion_model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        out = host.run_workflow(patcher, workflow, sampler, scheduler, *inputs)
+    finally:
+        handle.remove()
+    return patcher.model.process_latent_in(out), len(calls)
+
+
+@pytest.mark.parametrize(("workflow", "sampler", "scheduler"), CASES)
+def test_where_the_default_reuses_it_keeps_the_picture(reference, monkeypatch, workflow, sampler, scheduler):
+    from tools.fidelity.run import image_metrics
+
+    patcher, inputs = reference
+    plain, plain_calls = sampled(patcher, workflow, sampler, scheduler, inputs)
+    patched = host.patch_with_node(host.load_our_package(), patcher, downsample_factor=1.0)
+    runs = host.recorded_runs(monkeypatch)
+    out, calls = sampled(patched, workflow, sampler, scheduler, inputs)
+    assert runs and all(run.reused_calls > 0 for run in runs)  # the default reuses in every pass here
+    skipped = sum(run.reused_calls for run in runs if type(run).__name__ == "WholeStepRun")  # a forecast's
+    assert calls == plain_calls - skipped
+    assert image_metrics(out, plain)["ssim"] >= KEEPS
