@@ -171,7 +171,7 @@ def test_only_karras_sigmas_are_taken_for_karras(model):
     only Karras's are Karras, the stretches "part of karras"."""
     import comfy.samplers
 
-    from tome_core.reuse import KARRAS, KARRAS_PART, karras_schedule
+    from tome_core.reuse import EXPONENTIAL, KARRAS, KARRAS_PART, KL_OPTIMAL, karras_schedule, schedule_of
 
     sampling = model.get_model_object("model_sampling")
     low, high = float(sampling.sigma_min), float(sampling.sigma_max)
@@ -185,3 +185,9 @@ def test_only_karras_sigmas_are_taken_for_karras(model):
             if name != "karras" and float(part[0]) < 2 * float(part[part > 0][-1]):
                 continue
             assert karras_schedule(part, low, high) == (KARRAS_PART if name == "karras" else None), name
+        # Exponential and KL-optimal sigmas are read from the levels too, whole or a stretch (the plans lose the
+        # picture there); every other schedule is none of these.
+        named = {"karras": KARRAS, "exponential": EXPONENTIAL, "kl_optimal": KL_OPTIMAL}.get(name)
+        assert schedule_of(sigmas, low, high) == named, name
+        if name in ("exponential", "kl_optimal"):
+            assert schedule_of(whole[5:20], low, high) == named, name

@@ -8,7 +8,6 @@ step calls nothing of the model, which samplers keep "auto"'s layer reuse, and t
 from __future__ import annotations
 
 import logging
-import sys
 
 import pytest
 import torch
@@ -185,24 +184,27 @@ def test_part_of_a_karras_schedule_runs_every_step_and_says_why(node_classes, mo
 
 
 @pytest.mark.parametrize("cfg", [1.0, 4.0])
-def test_pags_second_model_call_at_a_step_keeps_records_of_its_own(node_classes, model, cfg, monkeypatch):
-    """ComfyUI's PerturbedAttentionGuidance calls the model a second time at each step with the prompt's cond (the
-    same batch layout as the sampler's own call at CFG 1): that call is a model call of its own, with its own
-    records, so a skipped step forecasts each from its own line, and the two stay apart."""
+def test_a_pass_with_pag_runs_every_step_and_says_why(node_classes, model, caplog, cfg):
+    """PerturbedAttentionGuidance adds a post-CFG function that calls the model again at each step: no plan is
+    measured with one, so the pass computes every call (the sampler's and PAG's) and the log says why."""
     from comfy_extras.nodes_pag import PerturbedAttentionGuidance
 
-    kept = []  # each batch layout's last record when the run ends
-    for cache in [m for name, m in sys.modules.items() if name.endswith("tome_core.reuse.cache")]:
-
-        def drop(self, _drop=cache.LayerReuseRun.drop):
-            kept.extend(entry.outputs[-1][1] for entry in self.entries.values() if entry.outputs)
-            _drop(self)
-
-        monkeypatch.setattr(cache.LayerReuseRun, "drop", drop)
     patched = host.patch_with_node(node_classes, model, downsample_factor=1.0)
     pag = PerturbedAttentionGuidance.execute(patched, 3.0).result[0]
-    _, unet_calls = sample_counting(pag, cfg=cfg)
-    run = hooks_of(pag).last_run
-    assert kind_of(run) == "WholeStepRun" and unet_calls == 2 * 13 == run.calls - run.reused_calls
-    ours, pags = kept  # the sampler's call and PAG's, each with its own records
-    assert not torch.equal(ours, pags)
+    with caplog.at_level(logging.INFO, logger="tome_patch"):
+        _, unet_calls = sample_counting(pag, cfg=cfg)
+    assert unet_calls == 2 * 25 and "a post-CFG function calls the model again" in caplog.text
+
+
+def test_a_second_call_of_a_layout_in_one_sampler_call_keeps_records_of_its_own():
+    """Within one sampler call (PREDICT_NOISE), each call of a batch layout is a model call of its own (context
+    windows, a node's extra call): its own key, so its own records; the next sampler call counts afresh, and so does
+    a call at another noise level where no PREDICT_NOISE wrapper said so."""
+    from tome_core.hosts.comfyui.layer_reuse import _RunState
+
+    state, x = _RunState(None, None), torch.zeros(2, 4, 8, 8)
+    first, second = state.key(["c", "u"], x, 5.0), state.key(["c", "u"], x, 5.0)
+    assert first != second and state.key(["c"], x, 5.0) != first
+    state.calls.clear()  # what the PREDICT_NOISE wrapper does at each sampler call
+    assert state.key(["c", "u"], x, 5.0) == first
+    assert state.key(["c", "u"], x, 4.0) == first  # a new noise level: a new sampler call

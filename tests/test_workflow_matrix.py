@@ -69,6 +69,8 @@ def expected_schedule(sampler: str, scheduler: str, part: str) -> str | None:
         # Its first 12 levels lie near a line, as a short stretch of a Karras schedule does (within the detection's
         # 1e-3): read as part of one, the pass runs every step, the safe way.
         return "part of karras"
+    if scheduler in ("exponential", "kl_optimal"):  # read from the levels: the plans lose the picture there
+        return scheduler
     if scheduler != "karras":
         return None
     if sampler in DISCARD:  # without the lowest level: a stretch of a Karras schedule, whatever the pass

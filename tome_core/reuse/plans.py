@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .samplers import KARRAS_PART, on_karras, sampler_kind
+from .samplers import KARRAS_PART, loses_the_picture_on, on_karras, sampler_kind
 from .schedules import IntervalSchedule, RunLengthSchedule
 
 DEFAULT_EXTRAPOLATE = 0.5
@@ -193,6 +193,8 @@ def decide(
             f"sampler {sampler or '(unknown)'} on part of a Karras schedule (denoise below 1, a "
             "later pass or split sigmas): no plan is measured there",
         )
+    if not dit and loses_the_picture_on(schedule):
+        return Decision(FULL, f"sampler {sampler or '(unknown)'} on {schedule} sigmas: the plans lose the picture")
     rule = record.rules.get((sampler_kind(sampler), karras))
     if rule is None:
         return Decision(FULL, f"{on} is not one it keeps the picture with ({_with(record, dit)})")

@@ -16,6 +16,9 @@ SAMPLER_KINDS = {
 KARRAS = "karras"
 KARRAS_PART = "part of karras"  # denoise below 1, a later pass, split sigmas: no plan is measured there
 KARRAS_RHO = 7.0
+EXPONENTIAL, KL_OPTIMAL = "exponential", "kl_optimal"
+# Schedules on which the UNet plans lose the picture: docs/step-reuse.md, 'The workflows around the sampler'.
+LOSING_SCHEDULES = frozenset({EXPONENTIAL, KL_OPTIMAL, "kl optimal"})
 
 
 def _lower(name: str | None) -> str:
@@ -29,6 +32,27 @@ def sampler_kind(sampler: str | None) -> str | None:
 
 def on_karras(schedule: str | None) -> bool:
     return _lower(schedule) == KARRAS
+
+
+def loses_the_picture_on(schedule: str | None) -> bool:
+    return _lower(schedule) in LOSING_SCHEDULES
+
+
+def schedule_of(sigmas: torch.Tensor, sigma_min: float, sigma_max: float) -> str | None:
+    """The schedule a run's levels are (for a host that hands over the levels, not the name): ``karras_schedule``'s
+    answer, or ``EXPONENTIAL`` / ``KL_OPTIMAL`` where they lie evenly spaced in log sigma / arctan sigma (whole or a
+    stretch over more than a factor 2 of noise), else None."""
+    karras = karras_schedule(sigmas, sigma_min, sigma_max)
+    levels = sigmas.detach().double().cpu().flatten()
+    levels = levels[levels > 0]
+    if karras is not None or levels.numel() < 3 or float(levels[0]) < 2 * float(levels[-1]):
+        return karras
+    ramp = torch.linspace(0.0, 1.0, levels.numel(), dtype=torch.float64)
+    for name, warp in ((EXPONENTIAL, torch.log), (KL_OPTIMAL, torch.atan)):
+        warped = warp(levels)
+        if torch.allclose(warped, warped[0] + ramp * (warped[-1] - warped[0]), rtol=0.0, atol=1e-4):
+            return name
+    return None
 
 
 def karras_schedule(sigmas: torch.Tensor, sigma_min: float, sigma_max: float) -> str | None:

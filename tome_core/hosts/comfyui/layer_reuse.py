@@ -33,7 +33,7 @@ from ...reuse import (
     attach_forwards,
     decide,
     detach_forwards,
-    karras_schedule,
+    schedule_of,
 )
 from ...schedule import call_sigmas, step_of
 from ..shared.unet_layout import inner_layers
@@ -201,7 +201,7 @@ def schedule_name(guider, sigmas) -> str | None:
         return None
     if not isinstance(sigmas, torch.Tensor):
         return None
-    return karras_schedule(sigmas, low, high)
+    return schedule_of(sigmas, low, high)
 
 
 class LayerInjection:

@@ -14,6 +14,7 @@ import torch
 
 from ...reuse import (
     DEFAULT_EXTRAPOLATE,
+    EXPONENTIAL,
     FULL,
     KARRAS,
     KARRAS_PART,
@@ -230,8 +231,11 @@ def scheduler_name(scheduler) -> str:
 
 
 def karras_or_none(scheduler) -> str | None:
-    """ "karras" where the scheduler's sigmas are Karras sigmas (``use_karras_sigmas``), else None."""
-    return KARRAS if getattr(getattr(scheduler, "config", None), "use_karras_sigmas", False) else None
+    """The scheduler's sigmas where its config names them (``use_karras_sigmas``, ``use_exponential_sigmas``)."""
+    config = getattr(scheduler, "config", None)
+    if getattr(config, "use_karras_sigmas", False):
+        return KARRAS
+    return EXPONENTIAL if getattr(config, "use_exponential_sigmas", False) else None
 
 
 def _sigma_of(scheduler, step: int, timestep: float) -> float | None:
