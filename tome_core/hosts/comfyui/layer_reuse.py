@@ -1,19 +1,6 @@
-"""ComfyUI wiring of layer reuse (setting ``reuse_interval``; the engine is ``tome_core.reuse``).
-
-Like scope block, it changes no module: every inner layer gets an instance attribute ``forward`` (a
-``SkippableLayer``) through a patcher injection, set when the patcher loads the model and deleted when it
-unloads it, so weights keep their keys (LoRA and other weight patches apply as before) and the host's UNet loop,
-skip connections, ControlNet residuals and block patches run as they are. Per sampling run, none on the model:
-- an OUTER_SAMPLE wrapper (comfy/patcher_extension.py ``WrappersMP.OUTER_SAMPLE``, where ComfyUI's EasyCache keeps
-  its state) makes the run's ``LayerReuseRun`` from the sigma schedule, puts it into a copy of the guider's model
-  options for the run, logs what it did and drops it when the run ends, however it ends;
-- an APPLY_MODEL wrapper finds each call's step from its sigma and its batch layout from ``uuids`` (which conds,
-  in which order) and the input's shape, and makes the run the current one of the hooks for that call only.
-
-With ``reuse_plan``'s forecasts and a sampler it has a plan for, the run is a ``WholeStepRun``: the APPLY_MODEL
-wrapper itself returns a skipped call's forecast (``apply_model`` returns the denoised image, what it forecasts)
-without calling the model, and the layers' forwards run as they are.
-"""
+"""ComfyUI wiring of reuse across steps: an OUTER_SAMPLE wrapper asks ``plans.decide`` once per sampling run and
+keeps the run in a copy of the guider's options; an APPLY_MODEL wrapper finds each call's step and batch layout, and
+under a forecast returns a skipped call's output itself. docs/how-it-works.md, 'ComfyUI'."""
 
 from __future__ import annotations
 
@@ -51,8 +38,7 @@ STEP_CACHE_KEY = "easycache"  # transformer_options: ComfyUI's EasyCache and Laz
 
 
 class LayerReuseHooks(LayerReuse):
-    """Shared by every clone of one patch (like functions). The call in progress (``layer_run``) is set and cleared
-    around each call by the APPLY_MODEL wrapper; the run itself lives in the sampling run's options."""
+    """Shared by every clone of one patch; the run lives in the sampling run's options."""
 
     DIT = False  # a DiT's door: its sampler rules (``plans.DIT_PLAN``), no forecast
 
@@ -64,25 +50,20 @@ class LayerReuseHooks(LayerReuse):
     def outer_sample_wrapper(self, executor, *args, **kwargs):
         guider = executor.class_obj
         if STEP_CACHE_KEY in guider.model_options.get("transformer_options", {}):
-            # ComfyUI's EasyCache or LazyCache skips steps on this model too. Both reuse at once: each takes the
-            # other's predicted output for a real change, and the picture is lost (docs/step-reuse.md). So the step
-            # cache decides the steps alone; ToDo/ToMe still apply.
+            # EasyCache or LazyCache decides the steps: two step caches take each other's forecasts for the model's.
             log.warning(
                 "ToMe reuse across steps is off for this run: ComfyUI's EasyCache/LazyCache already skips steps on "
                 "this model (the two together change the picture). ToDo/ToMe still apply."
             )
             return executor(*args, **kwargs)
         if guider.model_options.get("model_function_wrapper") is not None:
-            # Another node wraps the whole model call (a step cache that forecasts whole steps, as the Spectrum
-            # ports do): its forecasts would be drawn from our predicted steps. It decides the steps alone.
             log.warning(
                 "ToMe reuse across steps is off for this run: another node wraps the whole model call "
                 "(model_function_wrapper: a step cache such as Spectrum decides the steps). ToDo/ToMe still apply."
             )
             return executor(*args, **kwargs)
         if not self.DIT and guider.model_options.get("sampler_post_cfg_function"):
-            # PAG, SAG, ...: most call the model again; SAG reads attention a skipped step never records. ref-sd1 at
-            # CFG 4 keeps a same-seed SSIM of 0.968 with PAG, 0.949 with SAG.
+            # PAG, SAG, ...: not measured with a plan (docs/step-reuse.md, 'The workflows around the sampler').
             log.info(
                 "ToMe reuse across steps is off for this run: a post-CFG function calls the model again at each step "
                 "(PAG, SAG, ...): no plan is measured with one; every step runs in full. ToDo/ToMe still apply."
@@ -153,9 +134,7 @@ class LayerReuseHooks(LayerReuse):
 
 
 class _RunState:
-    """One sampling run's state in the run's transformer options: the run, its sigmas, and how many model calls of
-    each batch layout the sampler call in progress has made. A second call of a layout within one sampler call (PAG's
-    and SAG's guidance, context windows) is a model call of its own, with its own records."""
+    """One run's state in its options; a second call of a layout in one sampler call has records of its own."""
 
     __slots__ = ("run", "sigmas", "calls", "sigma", "control_said")
 
@@ -180,8 +159,7 @@ _FUNCTION_TO_SAMPLER = {"unipc": "uni_pc", "unipc_bh2": "uni_pc_bh2"}
 
 
 def sampler_name(sampler) -> str | None:
-    """ComfyUI's name of a sampler object (``comfy.samplers.KSAMPLER``: its k-diffusion function ``sample_<name>``;
-    "ddim" is Euler there), or None where it cannot tell."""
+    """ComfyUI's name of a ``KSAMPLER`` (from its function ``sample_<name>``), or None."""
     function = getattr(sampler, "sampler_function", None)
     name = getattr(function, "__name__", "")
     if not name.startswith("sample_"):
@@ -191,8 +169,7 @@ def sampler_name(sampler) -> str | None:
 
 
 def schedule_name(guider, sigmas) -> str | None:
-    """ "karras" when the run's sigmas are a whole Karras schedule of the model's range, "part of karras" when they
-    are a stretch of one (ComfyUI hands the sampler the levels, not the scheduler's name), else None."""
+    """The schedule the run's sigmas are (``samplers.schedule_of``): ComfyUI hands over levels, not a name."""
     patcher = getattr(guider, "model_patcher", None)
     try:
         model_sampling = patcher.get_model_object("model_sampling")
@@ -205,8 +182,7 @@ def schedule_name(guider, sigmas) -> str | None:
 
 
 class LayerInjection:
-    """ComfyUI's PatcherInjection: ``inject`` gives every inner layer our ``forward`` (a ``SkippableLayer``, or
-    ``forward_class``: a DiT's span blocks), ``eject`` removes it; the layers then compute exactly as before."""
+    """ComfyUI's PatcherInjection: ``inject`` gives the inner layers our forwards, ``eject`` removes them."""
 
     def __init__(self, hooks: LayerReuseHooks, layers: list, forward_class=None):
         self.hooks = hooks
@@ -224,8 +200,7 @@ class LayerInjection:
 
 
 def install(clone, settings, noise_range, schedule) -> bool:
-    """Give ``clone`` layer reuse on ``schedule`` (the front door's: ``unet_schedule`` of the settings), with the
-    samplers ``settings.reuse_plan`` allows; False where it cannot (left as it is)."""
+    """Give ``clone`` reuse across steps on ``schedule`` (``unet_schedule``); False where it cannot."""
     layers = [layer for _, layer in inner_layers(clone.model.diffusion_model, OUTER_BLOCKS)]
     if not layers:
         return False
