@@ -114,22 +114,13 @@ def _parallel(pipe, mode: str) -> None:
 
 @contextmanager
 def ring_on_cpu():
-    """diffusers' ``native`` backend with a plain attention that returns the log-sum-exp, which ring attention
-    merges its chunks by (the backend's own refuses to)."""
+    """diffusers' ``native`` backend with an attention that returns the log-sum-exp (``lse_attention``)."""
     from diffusers.models import attention_dispatch
 
-    def attention(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                  enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):  # fmt: skip
-        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-        scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-        if attn_mask is not None:
-            scores = scores + attn_mask
-        lse = scores.logsumexp(-1)
-        out = ((scores - lse[..., None]).exp() @ v).permute(0, 2, 1, 3)
-        return (out, lse.permute(0, 2, 1)) if return_lse else out
+    from tools.fidelity.diffusers.parallel import lse_attention
 
     original = attention_dispatch._native_attention_forward_op
-    attention_dispatch._native_attention_forward_op = attention
+    attention_dispatch._native_attention_forward_op = lse_attention
     try:
         yield
     finally:

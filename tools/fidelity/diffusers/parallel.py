@@ -147,22 +147,23 @@ def _process(rank: int, world: int, folder: str, args) -> None:
         dist.destroy_process_group()
 
 
+def lse_attention(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):  # fmt: skip
+    """A plain attention for diffusers' ``native`` backend that also returns the log-sum-exp, which ring attention
+    merges its chunks by and the backend's own CPU attention does not return."""
+    q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    lse = scores.logsumexp(-1)
+    out = ((scores - lse[..., None]).exp() @ v).permute(0, 2, 1, 3)
+    return (out, lse.permute(0, 2, 1)) if return_lse else out
+
+
 def _ring_on_cpu() -> None:
-    """Ring attention merges its chunks by the attention's log-sum-exp, which diffusers' CPU backend (``native``)
-    does not return: a plain attention that does stands in for it."""
     from diffusers.models import attention_dispatch
 
-    def attention(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                  enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):  # fmt: skip
-        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-        scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-        if attn_mask is not None:
-            scores = scores + attn_mask
-        lse = scores.logsumexp(-1)
-        out = ((scores - lse[..., None]).exp() @ v).permute(0, 2, 1, 3)
-        return (out, lse.permute(0, 2, 1)) if return_lse else out
-
-    attention_dispatch._native_attention_forward_op = attention
+    attention_dispatch._native_attention_forward_op = lse_attention
 
 
 def main(argv=None) -> dict:
