@@ -11,7 +11,7 @@ import torch
 from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
 from tome_core.hosts.comfyui import dit_reuse
-from tome_core.hosts.comfyui.layer_reuse import RUN_KEY, _RunState
+from tome_core.hosts.comfyui.layer_reuse import RUN_KEY, RunState
 from tome_core.hosts.shared import dit_families
 from tome_core.reuse import IntervalSchedule, NoiseSpacedSchedule, decide
 
@@ -343,7 +343,7 @@ def test_a_controlnet_call_computes_every_block():
         return torch.zeros(1)
 
     run = hooks.new_run(STEPS)
-    options = {RUN_KEY: _RunState(run, torch.linspace(1, 0, STEPS + 1))}
+    options = {RUN_KEY: RunState(run, torch.linspace(1, 0, STEPS + 1))}
     hooks.apply_model_wrapper(executor, torch.zeros(1, 16, 4, 4), torch.tensor([0.5]), control={"input": []},
                               transformer_options=options)  # fmt: skip
     assert seen == [None] and run.calls == 0

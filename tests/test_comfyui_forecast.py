@@ -200,9 +200,9 @@ def test_a_second_call_of_a_layout_in_one_sampler_call_keeps_records_of_its_own(
     """Within one sampler call (PREDICT_NOISE), each call of a batch layout is a model call of its own (context
     windows, a node's extra call): its own key, so its own records; the next sampler call counts afresh, and so does
     a call at another noise level where no PREDICT_NOISE wrapper said so."""
-    from tome_core.hosts.comfyui.layer_reuse import _RunState
+    from tome_core.hosts.comfyui.layer_reuse import RunState
 
-    state, x = _RunState(None, None), torch.zeros(2, 4, 8, 8)
+    state, x = RunState(None, None), torch.zeros(2, 4, 8, 8)
     first, second = state.key(["c", "u"], x, 5.0), state.key(["c", "u"], x, 5.0)
     assert first != second and state.key(["c"], x, 5.0) != first
     state.calls.clear()  # what the PREDICT_NOISE wrapper does at each sampler call

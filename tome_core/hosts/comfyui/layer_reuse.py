@@ -28,7 +28,7 @@ from .sampling_run import sample_with_run
 
 log = logging.getLogger("tome_patch")
 
-RUN_KEY = "tome_patch_layer_reuse_run"  # transformer_options: the current run's ``_RunState``
+RUN_KEY = "tome_patch_layer_reuse_run"  # transformer_options: the current run's ``RunState``
 WRAPPER_KEY = "tome_patch_layer_reuse"
 INJECTION_KEY = "tome_patch_layer_reuse"
 OUTER_SAMPLE = "outer_sample"  # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE
@@ -84,7 +84,7 @@ class LayerReuseHooks(LayerReuse):
             run = WholeStepRun(decision.schedule, len(sigmas))
         else:
             run = self.new_run(len(sigmas), sigmas, decision.full_below)
-        return sample_with_run(executor, args, kwargs, RUN_KEY, _RunState(run, sigmas), run, self._ended)
+        return sample_with_run(executor, args, kwargs, RUN_KEY, RunState(run, sigmas), run, self._ended)
 
     def _ended(self, run) -> None:
         self.last_run = run
@@ -94,10 +94,10 @@ class LayerReuseHooks(LayerReuse):
         return sigma
 
     def predict_noise_wrapper(self, executor, *args, **kwargs):
-        """Each sampler call starts counting its model calls afresh (``_RunState.key``)."""
+        """Each sampler call starts counting its model calls afresh (``RunState.key``)."""
         options = args[2] if len(args) > 2 else kwargs.get("model_options")
         state = ((options or {}).get("transformer_options") or {}).get(RUN_KEY)
-        if isinstance(state, _RunState):
+        if isinstance(state, RunState):
             state.calls.clear()
         return executor(*args, **kwargs)
 
@@ -133,7 +133,7 @@ class LayerReuseHooks(LayerReuse):
             self.end_call()
 
 
-class _RunState:
+class RunState:
     """One run's state in its options; a second call of a layout in one sampler call has records of its own."""
 
     __slots__ = ("run", "sigmas", "calls", "sigma", "control_said")

@@ -72,7 +72,7 @@ def calls_of(patcher, name: str, steps: int):
     """``call(step)``: one model evaluation of a sampling run of ``steps`` steps (its own run object)."""
     import comfy.patcher_extension
 
-    from tome_core.hosts.comfyui.layer_reuse import RUN_KEY
+    from tome_core.hosts.comfyui.layer_reuse import RUN_KEY, RunState
 
     hooks = patcher.wrappers["apply_model"]["tome_patch_layer_reuse"][0].__self__
     run = hooks.new_run(steps)
@@ -92,7 +92,7 @@ def calls_of(patcher, name: str, steps: int):
         options["wrappers"] = comfy.patcher_extension.merge_nested_dicts(
             options.get("wrappers", {}), patcher.wrappers, copy_dict1=True
         )
-        options[RUN_KEY] = (run, sigmas)
+        options[RUN_KEY] = RunState(run, sigmas)
         sigma = sigmas[step : step + 1]
         with torch.inference_mode():
             return patcher.model.apply_model(latent, sigma, c_crossattn=context, transformer_options=options, **kwargs)

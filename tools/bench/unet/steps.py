@@ -129,7 +129,7 @@ class CallTimer:
     def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kw):
         from tome_core.hosts.comfyui.layer_reuse import RUN_KEY
 
-        run = (transformer_options or {}).get(RUN_KEY, (None,))[0]
+        run = getattr((transformer_options or {}).get(RUN_KEY), "run", None)
         before = run.reused_calls if run is not None else 0
         inside = run is not None and run.current is not None
         self.batches.append(int(x.shape[0]))
