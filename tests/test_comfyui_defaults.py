@@ -68,11 +68,11 @@ def test_a_workflow_saved_before_reuse_plan_existed_keeps_one_step_in_n(node_cla
     """reuse_plan came after reuse every 3 was the default: a workflow saved then stores values up to
     dit_settings, and a prompt saved then leaves reuse_plan out; both run 14 full steps of 25 (every N) as they
     did; one saved with "auto" keeps the SD1.x plan (12 of 25), and a node added anew forecasts whole steps
-    ("forecast v2", 13 of 25 computed). The pictures differ, and each saved one is bit-identical to its plan set by
+    ("forecast v3", 13 of 25 computed). The pictures differ, and each saved one is bit-identical to its plan set by
     hand."""
     node = node_classes["ToMePatch"]
     names = [spec.id for spec in node.GET_SCHEMA().inputs[1:]]
-    assert names[-1] == "reuse_plan" and SPECS["reuse_plan"].default == "forecast v2"
+    assert names[-1] == "reuse_plan" and SPECS["reuse_plan"].default == "forecast v3"
     saved = dict(zip(names[:-1], [*SAVED_WIDGETS[:-1], 3, "auto"], strict=True))
     older = host.run_node(node, model=model, **saved)
     saved_auto = host.run_node(node, model=model, **saved, reuse_plan="auto")
@@ -111,7 +111,8 @@ def test_the_default_reuses_from_10_steps_and_leaves_shorter_runs_to_todo_alone(
     ("sampler", "scheduler", "said"),
     [
         ("euler_ancestral", "normal", "sampler euler_ancestral is not one"),
-        ("dpmpp_2m", "normal", "sampler dpmpp_2m is not one"),
+        ("lms", "normal", "sampler lms is not one"),
+        ("dpmpp_2m", "exponential", "sampler dpmpp_2m on exponential sigmas"),
         ("uni_pc", "normal", "sampler uni_pc is not one"),  # measured on DiTs only (tests/test_comfyui_dit_reuse.py)
         ("euler", "karras", "sampler euler on karras sigmas is not one"),  # found from the sigmas themselves
     ],

@@ -89,8 +89,8 @@ def test_a_skipped_step_returns_the_line_through_the_last_two_computed_denoised_
 
 
 def test_dpmpp_2m_on_karras_sigmas_computes_16_of_25_and_a_job_saved_with_forecast_19(node_classes, model):
-    """The default ("forecast v2") computes the first 4 steps, one in 2 and the last 3; a workflow saved with
-    "forecast" (the plan before) keeps its first 10 in full (19 of 25), and a picture that is not the default's."""
+    """The default ("forecast v3", as "forecast v2") computes the first 4 steps, one in 2 and the last 3; a workflow
+    saved with "forecast" (the plan before) keeps its first 10 in full (19 of 25), and a picture not the default's."""
     options = {"sampler": "dpmpp_2m", "scheduler": "karras"}
     patched = host.patch_with_node(node_classes, model)
     out, unet_calls = sample_counting(patched, **options)
@@ -101,6 +101,19 @@ def test_dpmpp_2m_on_karras_sigmas_computes_16_of_25_and_a_job_saved_with_foreca
     before, before_calls = sample_counting(saved, **options)
     assert before_calls == 19 == hooks_of(saved).last_run.calls - hooks_of(saved).last_run.reused_calls
     assert not torch.equal(before, out)
+
+
+def test_dpmpp_2m_off_karras_sigmas_computes_20_of_25_and_a_job_saved_with_forecast_v2_every_step(node_classes, model):
+    """The default ("forecast v3") forecasts DPM++ 2M on ComfyUI's normal sigmas at its high-noise steps (20 of 25);
+    a workflow saved with "forecast v2" computes every step, its picture that of reuse off."""
+    options = {"sampler": "dpmpp_2m", "scheduler": "normal"}
+    patched = host.patch_with_node(node_classes, model)
+    out, unet_calls = sample_counting(patched, **options)
+    run = hooks_of(patched).last_run
+    assert kind_of(run) == "WholeStepRun" and unet_calls == 20 == run.calls - run.reused_calls
+    saved, saved_calls = sample_counting(host.patch_with_node(node_classes, model, reuse_plan="forecast v2"), **options)
+    off, _ = sample_counting(host.patch_with_node(node_classes, model, reuse_interval=1), **options)
+    assert saved_calls == 25 and torch.equal(saved, off) and not torch.equal(out, off)
 
 
 def test_samplers_without_a_forecast_plan_keep_autos_layer_reuse_bit_for_bit(node_classes, model):

@@ -139,11 +139,11 @@ def test_other_pipelines_forecast_the_planned_steps(pipes, kind):
     ("scheduler", "options"),
     [
         ("EulerAncestralDiscreteScheduler", {}),  # "auto": every step in full
-        ("DPMSolverMultistepScheduler", {}),  # no Karras sigmas: every step in full
+        ("DEISMultistepScheduler", {}),  # no plan knows it: every step in full
         ("HeunDiscreteScheduler", {}),  # "auto": layer reuse
         ("EulerDiscreteScheduler", {"prediction_type": "sample"}),  # nothing to convert: layer reuse
     ],
-    ids=("euler-ancestral", "dpmpp-2m-normal", "heun", "euler-sample"),
+    ids=("euler-ancestral", "deis", "heun", "euler-sample"),
 )
 def test_a_scheduler_without_a_forecast_keeps_autos_behaviour(pipes, scheduler_of, scheduler, options):
     """12 steps: "auto" reuses layers with Heun and Euler (one step in two at most), none with the others."""

@@ -180,7 +180,7 @@ def test_an_infotext_without_a_reuse_plan_pastes_back_one_step_in_n(host):
     index = webui_args.ARG_NAMES.index("reuse_plan")
     older = _parse("Steps: 25, ToMe method: ToDo, ToMe downsample: 2.0, ToMe reuse interval: 3")
     assert _paste(components, script.infotext_fields, older)[index] == "every N"
-    for plan in ("forecast v2", "forecast", "auto", "every N"):
+    for plan in ("forecast v3", "forecast v2", "forecast", "auto", "every N"):
         args = webui_args.parse_args(script_args(reuse_interval=3, reuse_plan=plan))
         params = webui_args.infotext_params(args)
         assert params.get(webui_args.KEY_REUSE_PLAN) == (None if plan == "every N" else plan)
@@ -189,7 +189,7 @@ def test_an_infotext_without_a_reuse_plan_pastes_back_one_step_in_n(host):
         assert webui_args.parse_args(pasted).settings_for_pass(False, 0).reuse_plan == plan
     off = webui_args.infotext_params(webui_args.parse_args(script_args(reuse_interval=1)))
     assert webui_args.KEY_REUSE_PLAN not in off
-    assert _paste(components, script.infotext_fields, _parse(_infotext(off)))[index] == "forecast v2"  # the default
+    assert _paste(components, script.infotext_fields, _parse(_infotext(off)))[index] == "forecast v3"  # the default
 
 
 def test_api_args_left_out_take_the_new_defaults_and_saved_ones_keep_theirs():
@@ -221,7 +221,7 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
         "[ToMe Patch] Reuse plan",
     ]
     method_axis, ratio_axis, _, scope_axis, reuse_axis, plan_axis = host.xyz.axis_options
-    assert plan_axis.choices() == ["forecast v2", "forecast", "auto", "every N"]
+    assert plan_axis.choices() == ["forecast v3", "forecast v2", "forecast", "auto", "every N"]
     assert method_axis.choices() == ["ToMe", "ToDo"]
     assert scope_axis.choices() == ["self-attention", "block"]
     from hosts.webui_host import Processing, process_images
@@ -245,10 +245,16 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
         process_images(host, p)
     assert p.extra_generation_params["ToMe reuse interval"] == 3
     # every N is what an infotext without it means
-    plans = (("forecast v2", "forecast v2"), ("forecast", "forecast"), ("auto", "auto"), ("every N", None))
+    plans = (
+        ("forecast v3", "forecast v3"),
+        ("forecast v2", "forecast v2"),
+        ("forecast", "forecast"),
+        ("auto", "auto"),
+        ("every N", None),
+    )
     for plan, written in plans:
         p = Processing(sd1, script_args(enabled=False, reuse_interval=3))
-        plan_axis.apply(p, plan, ["forecast v2", "forecast", "auto", "every N"])
+        plan_axis.apply(p, plan, ["forecast v3", "forecast v2", "forecast", "auto", "every N"])
         with torch.no_grad():
             process_images(host, p)
         assert p.extra_generation_params.get("ToMe reuse plan") == written

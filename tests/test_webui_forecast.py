@@ -163,12 +163,24 @@ def test_cond_and_uncond_apart_each_take_the_plan(host):
         ({"sampler": "DPM++ 2M", "scheduler": "Karras"}, "forecast", 19),  # an infotext saved with the plan before
         ({"sampler": "DDIM"}, "forecast v2", 13),
         ({"sampler": "DDIM"}, "forecast", 13),
+        ({"sampler": "DPM++ 2M", "scheduler": "Uniform"}, "forecast v3", 20),
+        ({"sampler": "DPM++ 2M", "scheduler": "SGM Uniform"}, "forecast v3", 20),
     ],
-    ids=("dpmpp-2m-karras", "dpmpp-2m-automatic", "dpmpp-2m-karras-label", "dpmpp-2m-before", "ddim", "ddim-before"),
+    ids=(
+        "dpmpp-2m-karras",
+        "dpmpp-2m-automatic",
+        "dpmpp-2m-karras-label",
+        "dpmpp-2m-before",
+        "ddim",
+        "ddim-before",
+        "dpmpp-2m-uniform",
+        "dpmpp-2m-sgm-uniform",
+    ),
 )
 def test_each_sampler_with_a_forecast_plan_takes_it(host, job_of, plan, computed):
     """DPM++ 2M on Karras sigmas: the first 4 steps, one in 2, the last 3 (16 of 25; under "forecast", the plan
-    before, the first 10: 19 of 25); DDIM: Euler's plan. (This host's loop steps as Euler whatever the label: the
+    before, the first 10: 19 of 25); DDIM: Euler's plan; DPM++ 2M off Karras sigmas under "forecast v3" the first 4,
+    one in 2 and the last 12 (20 of 25). (This host's loop steps as Euler whatever the label: the
     door's choice of plan is what is checked.)"""
     sd_model = SDModel(make_unet("sd1"))
     seen = UNetCalls(unet_of(sd_model))

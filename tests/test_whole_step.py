@@ -20,7 +20,13 @@ from tome_core.reuse import (
 )
 
 # The sampler each forecast kind of these tests stands for.
-KINDS = {"euler": ("euler", None), "dpmpp_2m_karras": ("dpmpp_2m", "karras"), None: ("euler_ancestral", None)}
+KINDS = {
+    "euler": ("euler", None),
+    "dpmpp_2m_karras": ("dpmpp_2m", "karras"),
+    "dpmpp_2m": ("dpmpp_2m", "normal"),
+    None: ("euler_ancestral", None),
+}
+COMPUTED_AT_25 = {13: "euler", 16: "dpmpp_2m_karras", 20: "dpmpp_2m"}
 
 
 def computed(schedule, steps):
@@ -38,7 +44,7 @@ def whole_step_kind(sampler, schedule):
     decision = decide(DEFAULT_REUSE_PLAN, sampler, schedule, 3)
     if decision.runs != FORECAST:
         return None
-    return "euler" if len(computed(decision.schedule, 25)) == 13 else "dpmpp_2m_karras"
+    return COMPUTED_AT_25[len(computed(decision.schedule, 25))]
 
 
 def keeps_the_picture_with(sampler, schedule, plan):
@@ -46,12 +52,14 @@ def keeps_the_picture_with(sampler, schedule, plan):
 
 
 def test_the_plans_at_25_steps_are_the_measured_ones():
-    """docs/step-reuse.md, "The default": Euler 13 of 25 under both forecasts; DPM++ 2M on Karras sigmas 16 of 25
-    under "forecast v2" (the default) and 19 of 25 under "forecast" (the plan before, for the jobs saved with it)."""
+    """docs/step-reuse.md, "The default": Euler 13 of 25 under every forecast; DPM++ 2M on Karras sigmas 16 of 25
+    under "forecast v3" (the default) and "forecast v2", 19 of 25 under "forecast" (for the jobs saved with it)."""
     euler = [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 22, 23, 24]
     assert computed(whole_step_schedule(3, "euler"), 25) == euler
     assert computed(whole_step_schedule(3, "euler", "forecast"), 25) == euler
+    assert computed(whole_step_schedule(3, "euler", "forecast v2"), 25) == euler
     karras = computed(whole_step_schedule(3, "dpmpp_2m_karras"), 25)
+    assert computed(whole_step_schedule(3, "dpmpp_2m_karras", "forecast v2"), 25) == karras
     assert karras == [0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 22, 23, 24]
     before = computed(whole_step_schedule(3, "dpmpp_2m_karras", "forecast"), 25)
     assert before == [*range(10), 11, 13, 15, 17, 19, 21, 22, 23, 24]
@@ -60,10 +68,24 @@ def test_the_plans_at_25_steps_are_the_measured_ones():
         v2, forecast = (whole_step_schedule(3, "dpmpp_2m_karras", plan) for plan in ("forecast v2", "forecast"))
         assert computed(v2, steps) == computed(forecast, steps)
     assert len(computed(whole_step_schedule(3, "dpmpp_2m_karras"), 30)) == 19  # forecast: 22
-    assert PatchSettings().reuse_plan == DEFAULT_REUSE_PLAN == "forecast v2"
+    assert PatchSettings().reuse_plan == DEFAULT_REUSE_PLAN == "forecast v3"
     assert whole_step_schedule(3, "euler").extrapolate == WHOLE_STEP_REACH == 0.75
     assert whole_step_schedule(3, None) is None and whole_step_schedule(1, "euler") is None
     assert computed(whole_step_schedule(3, "euler"), 9) == list(range(9))  # under 10 steps: every step
+
+
+def test_dpmpp_2m_off_karras_sigmas_forecasts_its_high_noise_steps_only_under_forecast_v3():
+    """docs/step-reuse.md, "DPM++ 2M off Karras sigmas": the first 4 steps of 25, one in 2 up to step 12 and every
+    step from 13 (20 of 25); the last 12 steps always run, so a shorter run computes a larger share and under 15
+    steps every step. A job saved with "forecast v2" runs every step, as it did."""
+    assert computed(whole_step_schedule(3, "dpmpp_2m"), 25) == [0, 1, 2, 3, 5, 7, 9, 11, *range(13, 25)]
+    assert computed(whole_step_schedule(3, "dpmpp_2m"), 20) == [0, 1, 2, 4, 6, *range(8, 20)]
+    assert len(computed(whole_step_schedule(3, "dpmpp_2m"), 30)) == 23
+    assert computed(whole_step_schedule(3, "dpmpp_2m"), 14) == list(range(14))
+    assert computed(whole_step_schedule(2, "dpmpp_2m"), 25) == computed(whole_step_schedule(4, "dpmpp_2m"), 25)
+    for plan in ("forecast v2", "forecast", "auto", "every N"):
+        assert decide(plan, "dpmpp_2m", None, 3).runs == FULL
+    assert decide("forecast v3", "dpmpp_2m", None, 3).fallback.runs == FULL  # a host that cannot forecast
 
 
 @pytest.mark.parametrize(
@@ -78,7 +100,10 @@ def test_the_plans_at_25_steps_are_the_measured_ones():
         ("dpmpp_2m", "karras", "dpmpp_2m_karras"),
         ("DPM++ 2M", "Karras", "dpmpp_2m_karras"),
         ("DPMSolverMultistepScheduler", "karras", "dpmpp_2m_karras"),
-        ("dpmpp_2m", None, None),
+        ("dpmpp_2m", None, "dpmpp_2m"),  # ComfyUI's normal, simple, sgm_uniform ...: no name, not Karras
+        ("DPM++ 2M", "SGM Uniform", "dpmpp_2m"),
+        ("DPMSolverMultistepScheduler", None, "dpmpp_2m"),
+        ("dpmpp_2m", "exponential", None),  # the UNet plans lose the picture on it
         ("euler_ancestral", None, None),
         ("heun", None, None),
         (None, None, None),
@@ -91,7 +116,7 @@ def test_which_samplers_forecast(sampler, schedule, kind):
 def test_forecast_keeps_autos_rules_for_the_other_samplers():
     """Under either forecast a sampler without a plan runs as under "auto": the same samplers, the same UNet
     plans."""
-    for plan in ("forecast v2", "forecast"):
+    for plan in ("forecast v3", "forecast v2", "forecast"):
         for sampler, schedule in (("heun", None), ("dpmpp_2m", "karras"), ("euler_ancestral", None), ("euler", None)):
             assert keeps_the_picture_with(sampler, schedule, plan=plan) == keeps_the_picture_with(
                 sampler, schedule, plan="auto"

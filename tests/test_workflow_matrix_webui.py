@@ -134,10 +134,12 @@ def test_each_pass_reuses_with_the_plan_decide_names_or_says_why_not(host, sd_mo
             assert f"reuse across steps is off: {decision.why}; every step runs in full" in said
             continue
         run = next(runs)
-        assert run.calls == calls and run.reused_calls > 0 and computed == run.calls - run.reused_calls
+        assert run.calls == calls and computed == run.calls - run.reused_calls
         assert f"reuse across steps: {run.summary()}" in said
-        if decision.runs == FORECAST:
+        if decision.runs == FORECAST:  # a short run may compute every step (DPM++ 2M off Karras under 15 steps)
             steps = run.steps
             assert computed == sum(decision.schedule.is_full(step, steps) for step in range(steps))
+        else:
+            assert run.reused_calls > 0
     assert ("reuse across steps is off" in said) == (len(reusing) < len(decisions))
     assert_clean(sd_model)

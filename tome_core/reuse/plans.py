@@ -84,6 +84,7 @@ _DPMPP_2M_LOW_NOISE = Rule(LAYERS, full_below=1.0)  # its two-step update carrie
 _EULER = Spacing(0.15, 3)
 _DPMPP_2M_FIRST_10 = Spacing(0.39, 3, 2)
 _DPMPP_2M_FIRST_4 = Spacing(0.15, 3, 2)
+_DPMPP_2M_HIGH_NOISE = Spacing(0.15, 12, 2)  # off Karras its low-noise steps carry a miss on: they all run
 _EULER_FORECAST = Rule(FORECAST, ((0, _EULER),), fallback=_LAYERS)
 _OFF_KARRAS_LAYERS: Rules = {(kind, False): _LAYERS for kind in ("euler", "heun", "dpmpp_sde", "flow_euler")}
 _AUTO_RULES: Rules = {**_OFF_KARRAS_LAYERS, ("dpmpp_2m", True): _DPMPP_2M_LOW_NOISE}
@@ -97,16 +98,25 @@ def _forecast_rules(*dpmpp_2m: tuple[int, Spacing]) -> Rules:
     }
 
 
+_FORECAST_V2_RULES = _forecast_rules((0, _DPMPP_2M_FIRST_10), (UNET_LONG_RUN, _DPMPP_2M_FIRST_4))
+
 _PLAN_LIST = (
     ReusePlan(
-        "forecast v2",
-        _forecast_rules((0, _DPMPP_2M_FIRST_10), (UNET_LONG_RUN, _DPMPP_2M_FIRST_4)),
+        "forecast v3",
+        {**_FORECAST_V2_RULES, ("dpmpp_2m", False): Rule(FORECAST, ((0, _DPMPP_2M_HIGH_NOISE),))},
         measured_layers=True,
         default=True,
-        tooltip="forecast v2 (the default): with Euler or DDIM the first 4 steps of 25, one in reuse_interval after "
+        tooltip="forecast v3 (the default): with Euler or DDIM the first 4 steps of 25, one in reuse_interval after "
         "and the last 3 run the model (13 of 25 at 3), with DPM++ 2M on Karras sigmas the first 4, one in 2 and the "
-        "last 3 (16 of 25; under 25 steps as forecast); the other steps run nothing, their output drawn along the "
-        "line through the last two computed steps; other samplers as auto.",
+        "last 3 (16 of 25; under 25 steps as forecast), with DPM++ 2M on other sigmas the first 4, one in 2 and the "
+        "last 12 (20 of 25); the other steps run nothing, their output drawn along the line through the last two "
+        "computed steps; other samplers as auto.",
+    ),
+    ReusePlan(
+        "forecast v2",
+        _FORECAST_V2_RULES,
+        measured_layers=True,
+        tooltip="forecast v2: the same, but DPM++ 2M off Karras sigmas runs every step.",
     ),
     ReusePlan(
         "forecast",
@@ -171,7 +181,7 @@ def _forecast_schedule(spacings, interval: int) -> IntervalSchedule | RunLengthS
 def _decision(rule: Rule, interval: int, why: str) -> Decision:
     if rule.runs == LAYERS:
         return Decision(LAYERS, why, full_below=rule.full_below)
-    fallback = _decision(rule.fallback, interval, why) if rule.fallback is not None else None
+    fallback = _decision(rule.fallback, interval, why) if rule.fallback is not None else Decision(FULL, why)
     if interval is None:  # a DiT's full steps are its family's: no forecast plan applies
         return fallback or Decision(FULL, why)
     return Decision(FORECAST, why, _forecast_schedule(rule.spacings, interval), fallback=fallback)
