@@ -498,3 +498,49 @@ def test_prompt_editing_drops_what_was_recorded_for_the_prompt_before(host):
     assert len(counted) == computed + 1  # step 10, skipped on the plan, computes after the switch
     assert not torch.equal(plain, edited)
     assert_clean(sd_model)
+
+
+@pytest.mark.parametrize(
+    ("sampler", "request_values", "setting", "said"),
+    [
+        ("DDIM", {"eta": 0.3}, {}, "sampler DDIM with eta 0.3"),  # the request's eta
+        ("DDIM", {}, {"eta_ddim": 0.5}, "sampler DDIM with eta 0.5"),  # Settings > Sampler parameters
+        ("Euler", {"s_churn": 0.4}, {}, "sampler Euler with s_churn 0.4"),
+        ("Euler", {}, {"s_churn": 0.2}, "sampler Euler with s_churn 0.2"),
+        ("DDIM", {"eta": 0.0}, {"eta_ddim": 0.5}, None),  # the request's 0 wins over the setting
+        ("Euler", {}, {"eta_ddim": 0.5}, None),  # DDIM's eta is not Euler's
+    ],
+)
+def test_a_sampler_that_adds_noise_runs_every_step(host, capsys, sampler, request_values, setting, said):
+    """DDIM with eta above 0 and Euler with s_churn above 0 add noise at each step (A1111's and Forge's
+    ``Sampler.initialize``): the forecast of the deterministic sampler would draw a line through noise, so the pass
+    runs every step with one line naming the option; at 0 the forecast runs."""
+    sd_model = SDModel(make_unet("sd1"))
+    saved = vars(host.opts).copy()
+    vars(host.opts).update(setting)
+    capsys.readouterr()
+    try:
+        _, p = job(host, sd_model, script_args(**FORECAST), sampler=sampler, **request_values)
+    finally:
+        vars(host.opts).update(saved)
+    out = capsys.readouterr().out
+    if said is None:
+        (run,) = runs_of(p)
+        assert isinstance(run, WholeStepRun) and run.reused_calls == 25 - len(EULER_COMPUTED)
+        assert "adds noise" not in out
+    else:
+        assert runs_of(p) == []
+        assert out.count("adds noise at each step") == 1 and said in out
+    assert_clean(sd_model)
+
+
+@pytest.mark.parametrize("scheduler", ["Polyexponential", "polyexponential", "KL Optimal", "kl_optimal", "Exponential"])
+def test_schedules_that_lose_the_picture_run_every_step_by_label_or_name(host, capsys, scheduler):
+    """The UI sends the schedule's label, an API request its label or name (sd_schedulers.py ``schedulers_map``):
+    either way the pass runs every step. Polyexponential at its default rho 1 is the exponential schedule."""
+    sd_model = SDModel(make_unet("sd1"))
+    capsys.readouterr()
+    _, p = job(host, sd_model, script_args(**FORECAST), scheduler=scheduler)
+    assert runs_of(p) == []
+    assert f"sampler Euler on {scheduler} sigmas: the plans lose the picture" in capsys.readouterr().out
+    assert_clean(sd_model)

@@ -204,10 +204,16 @@ class Host:
         callbacks_mod = _module("modules.script_callbacks")
         self.callbacks.install(callbacks_mod)
         self.sd_unet = _module("modules.sd_unet", current_unet=None)
+        # modules/shared_options.py: the sampler parameters a sampler reads when the request leaves them unset.
+        self.opts = types.SimpleNamespace(eta_ddim=0.0, eta_ancestral=1.0, s_churn=0.0, s_tmin=0.0, s_noise=1.0)
+        shared = _module("modules.shared", opts=self.opts)
         gradio = fake_gradio()
         ui_components = _module("modules.ui_components", InputAccordion=type("InputAccordion", (gradio.Checkbox,), {}))
         self.modules = {
-            "modules": _module("modules", scripts=scripts_mod, script_callbacks=callbacks_mod, sd_unet=self.sd_unet),
+            "modules": _module(
+                "modules", scripts=scripts_mod, script_callbacks=callbacks_mod, sd_unet=self.sd_unet, shared=shared
+            ),
+            "modules.shared": shared,
             "modules.scripts": scripts_mod,
             "modules.script_callbacks": callbacks_mod,
             "modules.sd_unet": self.sd_unet,
@@ -464,6 +470,9 @@ class Processing:
         self.prompt_edit = None  # (step, cond): prompt editing switches to ``cond`` from that step on
         self.batch_cond_uncond = True  # Settings > Optimizations "Batch cond/uncond" (shared.opts.batch_cond_uncond)
         self.forge_objects_after_applying_lora = None
+        # The request's sampler parameters (None: the settings'); this host's loop adds no noise whatever they are.
+        self.eta = None
+        self.s_churn = None
 
     def comment(self, text):
         self.comments[text] = 1
@@ -764,7 +773,7 @@ def run_job(host: Host, sd_model, args, **kwargs):
     that are not Processing's own set attributes (token_merging_ratio, on_step, ...)."""
     settable = (
         *("token_merging_ratio", "token_merging_ratio_hr", "on_step", "steps", "hr_steps", "sampler", "scheduler"),
-        *("hr_sampler_name", "hr_scheduler", "prompt_edit"),
+        *("hr_sampler_name", "hr_scheduler", "prompt_edit", "eta", "s_churn"),
     )
     attributes = {k: kwargs.pop(k) for k in list(kwargs) if k in (*settable, "batch_cond_uncond")}
     p = Processing(sd_model, args, **kwargs)

@@ -18,7 +18,10 @@ KARRAS_PART = "part of karras"  # denoise below 1, a later pass, split sigmas: n
 KARRAS_RHO = 7.0
 EXPONENTIAL, KL_OPTIMAL = "exponential", "kl_optimal"
 # Schedules on which the UNet plans lose the picture: docs/step-reuse.md, 'The workflows around the sampler'.
-LOSING_SCHEDULES = frozenset({EXPONENTIAL, KL_OPTIMAL, "kl optimal"})
+# The WebUI's "Polyexponential" is the exponential schedule at its default rho 1 (and unmeasured at any other).
+LOSING_SCHEDULES = frozenset({EXPONENTIAL, KL_OPTIMAL, "kl optimal", "polyexponential"})
+# The options with which the deterministic kinds add noise at each step (k-diffusion's churn, DDIM's eta).
+NOISE_OPTIONS = ("s_churn", "eta")
 
 
 def _lower(name: str | None) -> str:
@@ -28,6 +31,21 @@ def _lower(name: str | None) -> str:
 def sampler_kind(sampler: str | None) -> str | None:
     """The kind of the sampler a host calls ``sampler``; None for one no plan knows."""
     return SAMPLER_KINDS.get(_lower(sampler))
+
+
+def noise_added(sampler: str | None, options) -> str | None:
+    """The option (as "s_churn 0.5") with which ``sampler``, a kind the plans take for deterministic, adds noise at
+    each step: no plan is measured with it; None where it adds none."""
+    if sampler_kind(sampler) not in ("euler", "heun"):
+        return None
+    for name in NOISE_OPTIONS:
+        try:
+            value = float(options.get(name) or 0.0)
+        except (TypeError, ValueError):
+            return f"{name} {options.get(name)!r}"
+        if value != 0.0:
+            return f"{name} {value:g}"
+    return None
 
 
 def on_karras(schedule: str | None) -> bool:

@@ -11,6 +11,7 @@ import weakref
 import torch
 
 from ...reuse import (
+    FULL,
     KARRAS,
     KARRAS_PART,
     LAYERS,
@@ -26,6 +27,7 @@ from ...reuse import (
     on_karras,
     unet_schedule,
 )
+from ...reuse.samplers import noise_added
 from ...schedule import NoiseRange, timestep_of_percent
 from ..shared.unet_layout import attention_levels, inner_layers
 
@@ -168,9 +170,36 @@ def _chosen(label):
 
 
 def decision_for(settings, p, dit: bool = False) -> Decision:
-    """What a pass of job ``p`` runs under ``settings`` (``plans.decide`` on its sampler and schedule)."""
+    """What a pass of job ``p`` runs under ``settings`` (``plans.decide`` on its sampler and schedule; every step
+    where the sampler adds noise, ``sampler_noise``)."""
     interval = None if dit else settings.reuse_interval
-    return decide(settings.reuse_plan, *sampler_and_schedule(p), interval, dit=dit)
+    sampler, schedule = sampler_and_schedule(p)
+    decision = decide(settings.reuse_plan, sampler, schedule, interval, dit=dit)
+    noise = noise_added(sampler, sampler_noise(p, sampler))
+    if noise is None or decision.runs == FULL:
+        return decision
+    return Decision(FULL, f"sampler {sampler} with {noise} (Settings > Sampler parameters or the request) adds noise "
+                    "at each step: no plan is measured there")  # fmt: skip
+
+
+def sampler_noise(p, sampler: str | None) -> dict:
+    """The noise options the WebUI hands ``sampler`` (sd_samplers_common.py ``Sampler.initialize``): DDIM's eta is
+    the request's, else ``eta_ddim``; Euler's and Heun's s_churn is the request's or the setting's, whichever is set."""
+    opts = _webui_opts()
+    label = (sampler or "").strip().lower()
+    if label == "ddim":
+        eta = getattr(p, "eta", None)
+        return {"eta": getattr(opts, "eta_ddim", 0.0) if eta is None else eta}
+    churns = [getattr(p, "s_churn", None), getattr(opts, "s_churn", None)]
+    return {"s_churn": next((churn for churn in churns if churn), 0.0)}
+
+
+def _webui_opts():
+    try:
+        from modules import shared
+    except ImportError:  # not inside a WebUI (tests, tools): the request's values alone
+        return None
+    return getattr(shared, "opts", None)
 
 
 def schedule_for(settings, unet, decision: Decision):
