@@ -351,3 +351,55 @@ def test_image_to_image_on_karras_sigmas_runs_every_step(pipes, scheduler_of, ca
         image = H.run(pipe, "img2img", steps=15)
     assert np.array_equal(image, plain) and last_run(pipe) is None
     assert "on part of a Karras schedule" in caplog.text
+
+
+def test_ddim_with_eta_above_0_runs_every_step_and_says_so_once(pipes, caplog):
+    """``pipe(..., eta=0.3)`` hands DDIMScheduler.step its eta: DDIM then adds noise at each step, which no plan is
+    measured with, so the call runs every step (the unpatched picture) with one WARNING naming eta; the next call
+    at eta 0 forecasts."""
+    import logging
+
+    pipe = pipeline(pipes, "txt2img")  # DDIMScheduler
+    plain = H.run(pipe, "txt2img", steps=25, eta=0.3)
+    tome_core.apply_patch(pipe, **REUSE)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tome_patch"):
+            image, computed = computed_steps(pipe, "txt2img", eta=0.3)
+            computed_steps(pipe, "txt2img", eta=0.3)
+        assert computed == list(range(25)) and np.array_equal(image, plain)
+        said = [r.getMessage() for r in caplog.records if "reuse across steps is off" in r.getMessage()]
+        assert len(said) == 1 and "DDIMScheduler with eta 0.3 adds noise" in said[0] and "eta=0" in said[0]
+        _, computed = computed_steps(pipe, "txt2img", eta=0.0)
+        assert computed == EULER_COMPUTED
+    finally:
+        tome_core.remove_patch(pipe)
+
+
+def test_a_unet_shared_by_two_pipelines_follows_each_ones_scheduler(pipes, scheduler_of, caplog):
+    """``from_pipe`` shares the UNet (and our hooks) but not a scheduler passed to it: each call decides with the
+    scheduler of the pipeline that runs it, not the patched one's. Euler a, with the timesteps of the patched
+    pipeline's Euler, runs every step (its unpatched picture) with a line that says why; the patched pipeline then
+    forecasts as before, and an image-to-image pipeline sharing its scheduler plans its own part of the schedule."""
+    import logging
+
+    from diffusers import EulerAncestralDiscreteScheduler, StableDiffusionImg2ImgPipeline, StableDiffusionPipeline
+
+    pipe = scheduler_of(pipeline(pipes, "txt2img"), "EulerDiscreteScheduler")
+    other = StableDiffusionPipeline.from_pipe(
+        pipe, scheduler=EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config)
+    )
+    image_to_image = StableDiffusionImg2ImgPipeline.from_pipe(pipe)
+    assert other.unet is pipe.unet and image_to_image.scheduler is pipe.scheduler
+    plain_other = H.run(other, "txt2img", steps=25)
+    tome_core.apply_patch(pipe, **REUSE)
+    _, computed = computed_steps(pipe, "txt2img")
+    assert computed == EULER_COMPUTED
+    with caplog.at_level(logging.WARNING, logger="tome_patch"):
+        image, computed = computed_steps(other, "txt2img")
+    assert computed == list(range(25)) and np.array_equal(image, plain_other)
+    assert "sampler EulerAncestralDiscreteScheduler is not one" in caplog.text
+    _, computed = computed_steps(image_to_image, "img2img")  # strength 0.8: the last 20 of 25 steps
+    run = last_run(pipe)
+    assert isinstance(run, WholeStepRun) and run.steps == 20 and computed[:3] == [0, 1, 2] and len(computed) < 20
+    _, computed = computed_steps(pipe, "txt2img")
+    assert computed == EULER_COMPUTED

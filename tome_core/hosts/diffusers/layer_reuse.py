@@ -5,8 +5,10 @@ docs/how-it-works.md, 'diffusers'."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -26,6 +28,7 @@ from ...reuse import (
     decide,
     detach_forwards,
 )
+from ...reuse.samplers import noise_added
 
 log = logging.getLogger("tome_patch")
 
@@ -119,10 +122,11 @@ class PipelineReuse(LayerReuse):
         self._call_in_step = 0  # calls at the same step with the same layout (cond, then uncond) keep apart
         self._calls_per_step = 1
         self._logged: LayerReuseRun | None = None
-        self._refused: type | None = None
+        self._refused: str | None = None  # the reason last said for running every step
+        self._noise: str | None = None  # the option with which the run's scheduler adds noise ("eta 0.3")
 
-    def _scheduler_timesteps(self):
-        pipeline = self._pipeline()
+    def _scheduler_timesteps(self, pipeline=None):
+        pipeline = pipeline if pipeline is not None else self._pipeline()
         scheduler = getattr(pipeline, "scheduler", None)
         timesteps = getattr(scheduler, "timesteps", None)
         if not isinstance(timesteps, torch.Tensor) or timesteps.numel() == 0:
@@ -133,7 +137,10 @@ class PipelineReuse(LayerReuse):
         self._current = None
         sample = args[0] if args else kwargs.get(self.SAMPLE)
         timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
-        scheduler, timesteps = self._scheduler_timesteps()
+        # The pipeline calling now, not only the one patched: a UNet shared by pipelines (``from_pipe``) follows
+        # each one's scheduler and its call's eta.
+        caller, eta = calling_pipeline(module)
+        scheduler, timesteps = self._scheduler_timesteps(caller)
         if timesteps is None or timestep is None or not isinstance(sample, torch.Tensor):
             return None
         if self._timesteps is None or not self._timesteps.is_current(timesteps):
@@ -144,11 +151,13 @@ class PipelineReuse(LayerReuse):
         if step is None:  # not on the schedule (a call of the user's own): run in full, leave the run as it is
             return None
         starts = self.run is None or step < self._last_step
+        if starts:
+            self._noise = noise_added(scheduler_name(scheduler), {"eta": eta} if takes_eta(scheduler) else {})
         decision = self.decision(scheduler, step if starts else self._first_step)
         if decision.runs == FULL:
-            if self._refused is not type(scheduler):
-                self._refused = type(scheduler)
-                hint = "" if self.DIT else self.HINT
+            if self._refused != decision.why:
+                self._refused = decision.why
+                hint = "" if self.DIT else " For the default's plan: eta=0." if self._noise else self.HINT
                 log.warning("ToMe reuse across steps is off: %s; every step runs in full.%s", decision.why, hint)
             return None
         if starts:
@@ -197,7 +206,11 @@ class PipelineReuse(LayerReuse):
         schedule = karras_or_none(scheduler)
         if schedule == KARRAS and first_step > 0:
             schedule = KARRAS_PART
-        return decide(self.plan, scheduler_name(scheduler), schedule, interval, dit=self.DIT)
+        name = scheduler_name(scheduler)
+        decision = decide(self.plan, name, schedule, interval, dit=self.DIT)
+        if self._noise is None or decision.runs == FULL:
+            return decision
+        return Decision(FULL, f"{name} with {self._noise} adds noise at each step: no plan is measured there")
 
     def run_for(self, scheduler, steps: int, levels: list[float] | None) -> LayerReuseRun:
         decision = self.decision(scheduler, self._first_step)
@@ -217,6 +230,40 @@ class PipelineReuse(LayerReuse):
         self.run = None
         self._timesteps = None
         self._current = None
+
+
+DENOISERS = ("unet", "transformer", "transformer_2")  # a pipeline's attributes that hold its denoiser
+
+
+def calling_pipeline(module) -> tuple[object | None, object]:
+    """(the pipeline whose ``__call__`` is running ``module``, that call's ``eta``), found in the call stack;
+    (None, None) where no pipeline runs it (a loop of the user's own)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__call__":
+            local = frame.f_locals
+            owner = local.get("self")
+            if hasattr(owner, "scheduler") and any(
+                getattr(getattr(owner, name, None), "_orig_mod", getattr(owner, name, None)) is module
+                for name in DENOISERS
+            ):
+                return owner, local.get("eta")
+        frame = frame.f_back
+    return None, None
+
+
+_TAKES_ETA: dict[type, bool] = {}
+
+
+def takes_eta(scheduler) -> bool:
+    """Whether the pipelines hand ``scheduler.step`` their ``eta`` (diffusers' ``prepare_extra_step_kwargs``)."""
+    kind = type(scheduler)
+    if kind not in _TAKES_ETA:
+        try:
+            _TAKES_ETA[kind] = "eta" in inspect.signature(scheduler.step).parameters
+        except (TypeError, ValueError, AttributeError):
+            _TAKES_ETA[kind] = False
+    return _TAKES_ETA[kind]
 
 
 def scheduler_name(scheduler) -> str:
