@@ -247,3 +247,36 @@ def test_each_workflow_runs_what_the_log_names(
     node_classes, model, inputs, caplog, monkeypatch, workflow, sampler, scheduler
 ):
     assert_runs_what_the_log_names(node_classes, model, inputs, caplog, monkeypatch, workflow, sampler, scheduler)
+
+
+@pytest.mark.parametrize(("sampler", "options"), [("euler", {"s_churn": 0.5}), ("heun", {"s_churn": 1.0})])
+def test_a_sampler_given_churn_runs_every_step_with_a_line(node_classes, model, inputs, caplog, sampler, options):
+    """No built-in node sets s_churn for Euler or Heun (SamplerEulerAncestral is another sampler), but a custom
+    node's ``comfy.samplers.ksampler(name, extra_options)`` can: with noise added at each step the pass runs every
+    step, the unpatched picture, with one line naming the option."""
+    import comfy.sample
+    import comfy.samplers
+
+    positive, negative, empty, _ = inputs
+    churned = comfy.samplers.ksampler(sampler, options)
+    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "normal", STEPS)
+
+    def run(patcher):
+        calls = []
+        handle = patcher.model.diffusion_model.register_forward_pre_hook(lambda *_: calls.append(1))
+        try:
+            noise = comfy.sample.prepare_noise(empty, 0)
+            with torch.no_grad():
+                out = comfy.sample.sample_custom(
+                    patcher, noise, 4.0, churned, sigmas, positive, negative, empty, seed=0
+                )
+        finally:
+            handle.remove()
+        return out, len(calls)
+
+    plain, plain_calls = run(model)
+    with caplog.at_level(logging.INFO, logger="tome_patch"):
+        out, calls = run(host.patch_with_node(node_classes, model, downsample_factor=1.0))
+    assert calls == plain_calls and torch.equal(out, plain)
+    name, value = next(iter(options.items()))
+    assert caplog.text.count(f"sampler {sampler} with {name} {value:g} adds noise at each step") == 1

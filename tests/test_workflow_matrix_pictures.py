@@ -97,3 +97,39 @@ def test_where_the_plans_lose_the_picture_every_step_runs(reference, sampler, sc
     patched = host.patch_with_node(host.load_our_package(), patcher, downsample_factor=1.0)
     out, calls = sampled(patched, TXT2IMG, sampler, scheduler, inputs)
     assert calls == plain_calls and torch.equal(out, plain)
+
+
+def custom_sampled(patcher, sigmas, inputs, sampler="euler"):
+    """(the scenes, UNet calls) of SamplerCustom with ``sampler`` on ``sigmas`` (CFG 4, seed 0)."""
+    import comfy.sample
+    import comfy.samplers
+
+    positive, negative, empty, _ = inputs
+    calls = []
+    handle = patcher.model.diffusion_model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        noise = comfy.sample.prepare_noise(empty, 0)
+        with torch.no_grad():
+            out = comfy.sample.sample_custom(
+                patcher, noise, 4.0, comfy.samplers.sampler_object(sampler), sigmas, positive, negative, empty, seed=0
+            )
+    finally:
+        handle.remove()
+    return patcher.model.process_latent_in(out), len(calls)
+
+
+# Align Your Steps' levels are no schedule the door names: Euler forecasts there (7 of 10 calls, 13 of 25) and keeps
+# the picture (mean over 16 prompts 0.990 at 10 steps, 0.994 at 25; Euler on normal sigmas 0.981 / 0.983).
+@pytest.mark.parametrize("steps", [10, 25])
+def test_align_your_steps_sigmas_keep_the_picture(reference, steps):
+    from comfy_extras.nodes_align_your_steps import AlignYourStepsScheduler
+
+    from tools.fidelity.run import image_metrics
+
+    patcher, inputs = reference
+    sigmas = AlignYourStepsScheduler.execute("SD1", steps, 1.0).result[0]
+    plain, plain_calls = custom_sampled(patcher, sigmas, inputs)
+    patched = host.patch_with_node(host.load_our_package(), patcher, downsample_factor=1.0)
+    out, calls = custom_sampled(patched, sigmas, inputs)
+    assert (plain_calls, calls) == (steps, {10: 7, 25: 13}[steps])
+    assert image_metrics(out, plain)["ssim"] >= KEEPS

@@ -22,6 +22,8 @@ from ...reuse import (
     detach_forwards,
     schedule_of,
 )
+from ...reuse.plans import Decision
+from ...reuse.samplers import noise_added
 from ...schedule import call_sigmas, step_of
 from ..shared.unet_layout import inner_layers
 from .sampling_run import sample_with_run
@@ -69,10 +71,15 @@ class LayerReuseHooks(LayerReuse):
                 "(PAG, SAG, ...): no plan is measured with one; every step runs in full. ToDo/ToMe still apply."
             )
             return executor(*args, **kwargs)
-        name = sampler_name(args[2] if len(args) > 2 else kwargs.get("sampler"))
+        sampler = args[2] if len(args) > 2 else kwargs.get("sampler")
+        name = sampler_name(sampler)
         raw_sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
         interval = None if self.DIT else self.schedule.interval
         decision = decide(self.plan, name, schedule_name(guider, raw_sigmas), interval, dit=self.DIT)
+        noise = noise_added(name, getattr(sampler, "extra_options", None) or {})
+        if noise is not None and decision.runs != FULL:
+            # No built-in node sets these for Euler or Heun; a custom node's ``ksampler(name, extra_options)`` can.
+            decision = Decision(FULL, f"sampler {name} with {noise} adds noise at each step: no plan is measured there")
         if decision.runs == FULL:
             log.info(
                 "ToMe reuse across steps is off for this run: %s; every step runs in full. ToDo/ToMe still apply.",
