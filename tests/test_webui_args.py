@@ -221,7 +221,7 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
         "[ToMe Patch] Reuse plan",
     ]
     method_axis, ratio_axis, _, scope_axis, reuse_axis, plan_axis = host.xyz.axis_options
-    assert plan_axis.choices() == ["forecast v3", "forecast v2", "forecast", "auto", "every N"]
+    assert plan_axis.choices() == ["forecast v3", "forecast v2", "forecast", "auto", "every N", "calibrated"]
     assert method_axis.choices() == ["ToMe", "ToDo"]
     assert scope_axis.choices() == ["self-attention", "block"]
     from hosts.webui_host import Processing, process_images
@@ -254,7 +254,7 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
     )
     for plan, written in plans:
         p = Processing(sd1, script_args(enabled=False, reuse_interval=3))
-        plan_axis.apply(p, plan, ["forecast v3", "forecast v2", "forecast", "auto", "every N"])
+        plan_axis.apply(p, plan, ["forecast v3", "forecast v2", "forecast", "auto", "every N", "calibrated"])
         with torch.no_grad():
             process_images(host, p)
         assert p.extra_generation_params.get("ToMe reuse plan") == written

@@ -8,6 +8,7 @@ skippable forwards), ``whole_step`` (the whole-step forecast). Method: docs/step
 from .cache import COMPACT_SLOPE_BYTES, LayerReuseRun, join_streams, split_streams
 from .hooks import LayerReuse, SkippableLayer, attach_forwards, detach_forwards
 from .plans import (
+    CALIBRATED,
     DEFAULT_EXTRAPOLATE,
     DEFAULT_REUSE_PLAN,
     DIT_OUTER_BLOCKS,
@@ -27,6 +28,7 @@ from .plans import (
     Rule,
     Spacing,
     decide,
+    kept_plan,
     may_forecast,
     unet_schedule,
 )
@@ -55,6 +57,7 @@ from .schedules import (
 from .whole_step import WholeStepRun, denoised_of, output_of
 
 __all__ = [
+    "CALIBRATED",
     "COMPACT_SLOPE_BYTES",
     "DEFAULT_EXTRAPOLATE",
     "DEFAULT_REUSE_PLAN",
@@ -93,6 +96,7 @@ __all__ = [
     "WholeStepRun",
     "attach_forwards",
     "decide",
+    "kept_plan",
     "denoised_of",
     "detach_forwards",
     "join_streams",

@@ -31,8 +31,12 @@ class Spacing:
     full_start: float
     full_end: int
     most: int | None = None
+    every: int | None = None  # a calibrated spacing: one in ``every`` at any run length, whatever the interval
 
     def schedule(self, interval: int) -> IntervalSchedule:
+        if self.every is not None:
+            return IntervalSchedule(self.every, self.full_start, self.full_end, short_run=0,
+                                    extrapolate=WHOLE_STEP_REACH)  # fmt: skip
         spacing = interval if self.most is None else min(interval, self.most)
         return IntervalSchedule(spacing, self.full_start, self.full_end, extrapolate=WHOLE_STEP_REACH)
 
@@ -60,6 +64,7 @@ class ReusePlan:
     measured_layers: bool
     tooltip: str
     default: bool = field(default=False)
+    calibrates: bool = field(default=False)  # a host calibrates its forecasts per job (``tome_core.calibration``)
 
     def samplers(self) -> str:
         off = sorted(kind for kind, karras in self.rules if not karras)
@@ -99,11 +104,13 @@ def _forecast_rules(*dpmpp_2m: tuple[int, Spacing]) -> Rules:
 
 
 _FORECAST_V2_RULES = _forecast_rules((0, _DPMPP_2M_FIRST_10), (UNET_LONG_RUN, _DPMPP_2M_FIRST_4))
+_FORECAST_V3_RULES = {**_FORECAST_V2_RULES, ("dpmpp_2m", False): Rule(FORECAST, ((0, _DPMPP_2M_HIGH_NOISE),))}
+CALIBRATED = "calibrated"
 
 _PLAN_LIST = (
     ReusePlan(
         "forecast v3",
-        {**_FORECAST_V2_RULES, ("dpmpp_2m", False): Rule(FORECAST, ((0, _DPMPP_2M_HIGH_NOISE),))},
+        _FORECAST_V3_RULES,
         measured_layers=True,
         default=True,
         tooltip="forecast v3 (the default): with Euler or DDIM the first 4 steps of 25, one in reuse_interval after "
@@ -139,6 +146,15 @@ _PLAN_LIST = (
         tooltip="every N: the first fifth of the steps, the last four and one in N in between (14 of 25 at 3), and "
         "DPM++ 2M on Karras sigmas every step in full, as workflows saved before this input existed run.",
     ),
+    ReusePlan(
+        CALIBRATED,
+        _FORECAST_V3_RULES,
+        measured_layers=True,
+        calibrates=True,
+        tooltip="calibrated (ComfyUI): the first job with a model, its LoRAs, sampler, noise levels, CFG and size runs "
+        "unpatched, then a few forecasts on the same noise, and keeps the fewest computed steps whose latent stays at "
+        "SSIM 0.98 or more; later jobs with all of these the same run that plan; other samplers as forecast v3.",
+    ),
 )
 REUSE_PLANS: dict[str, ReusePlan] = {plan.name: plan for plan in _PLAN_LIST}
 DEFAULT_REUSE_PLAN = next(plan.name for plan in _PLAN_LIST if plan.default)
@@ -154,6 +170,18 @@ DIT_PLAN = ReusePlan(
     measured_layers=False,
     tooltip="",
 )
+
+
+def kept_plan(plan: str, sampler: str | None, schedule: str | None, spacing: Spacing | None) -> ReusePlan:
+    """``plan``'s record with a calibration's ``spacing`` for this sampler (None: every step in full)."""
+    record = REUSE_PLANS[plan]
+    rules = dict(record.rules)
+    key = (sampler_kind(sampler), on_karras(schedule))
+    if spacing is None:
+        rules.pop(key, None)
+    else:
+        rules[key] = Rule(FORECAST, ((0, spacing),))
+    return ReusePlan(f"{plan} (kept)", rules, record.measured_layers, tooltip="")
 
 
 def may_forecast(plan: str) -> bool:
@@ -188,11 +216,11 @@ def _decision(rule: Rule, interval: int, why: str) -> Decision:
 
 
 def decide(
-    plan: str, sampler: str | None, schedule: str | None, interval: int | None = None, dit: bool = False
+    plan: str | ReusePlan, sampler: str | None, schedule: str | None, interval: int | None = None, dit: bool = False
 ) -> Decision:
-    """What a pass of ``sampler`` on ``schedule`` (host names) runs under ``plan`` at ``interval`` (None: a DiT
-    family's own)."""
-    record = DIT_PLAN if dit else REUSE_PLANS[plan]
+    """What a pass of ``sampler`` on ``schedule`` (host names) runs under ``plan`` (a name or a kept record) at
+    ``interval`` (None: a DiT family's own)."""
+    record = DIT_PLAN if dit else plan if isinstance(plan, ReusePlan) else REUSE_PLANS[plan]
     karras = on_karras(schedule)
     on = f"sampler {sampler or '(unknown)'}{' on karras sigmas' if karras else ''}"
     if interval is not None and interval <= 1:

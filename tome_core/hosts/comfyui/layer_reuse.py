@@ -13,6 +13,7 @@ from ...reuse import (
     FORECAST,
     FULL,
     OUTER_BLOCKS,
+    REUSE_PLANS,
     IntervalSchedule,
     LayerReuse,
     LayerReuseRun,
@@ -26,6 +27,7 @@ from ...reuse.plans import Decision
 from ...reuse.samplers import noise_added
 from ...schedule import call_sigmas, step_of
 from ..shared.unet_layout import inner_layers
+from .calibrate import sample_calibrated
 from .sampling_run import sample_with_run
 
 log = logging.getLogger("tome_patch")
@@ -75,7 +77,8 @@ class LayerReuseHooks(LayerReuse):
         name = sampler_name(sampler)
         raw_sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
         interval = None if self.DIT else self.schedule.interval
-        decision = decide(self.plan, name, schedule_name(guider, raw_sigmas), interval, dit=self.DIT)
+        schedule = schedule_name(guider, raw_sigmas)
+        decision = decide(self.plan, name, schedule, interval, dit=self.DIT)
         noise = noise_added(name, getattr(sampler, "extra_options", None) or {})
         if noise is not None and decision.runs != FULL:
             # No built-in node sets these for Euler or Heun; a custom node's ``ksampler(name, extra_options)`` can.
@@ -87,6 +90,16 @@ class LayerReuseHooks(LayerReuse):
             )
             return executor(*args, **kwargs)
         sigmas = call_sigmas(raw_sigmas)
+        if decision.runs == FORECAST and REUSE_PLANS[self.plan].calibrates:
+
+            def run_with(schedule, run_args=args, run_kwargs=kwargs):
+                if schedule is None:
+                    return executor(*run_args, **run_kwargs)
+                run = WholeStepRun(schedule, len(sigmas))
+                state = RunState(run, sigmas)
+                return sample_with_run(executor, run_args, run_kwargs, RUN_KEY, state, run, self._ended)
+
+            return sample_calibrated(self, executor, args, kwargs, name, schedule, run_with)
         if decision.runs == FORECAST:
             run = WholeStepRun(decision.schedule, len(sigmas))
         else:

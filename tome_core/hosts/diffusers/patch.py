@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from ...reuse import unet_schedule
+from ...reuse import REUSE_PLANS, unet_schedule
 from ...settings import PatchSettings
 from . import dit_patch, unet_patch
 from .unet_blocks import attention_levels, transformer_blocks
@@ -59,6 +59,8 @@ def apply_patch(pipe_or_unet, **settings):
     if "ratio" in settings and "method" not in settings:
         settings = {"method": "tome", **settings}
     validated = PatchSettings.from_values(**settings)
+    if REUSE_PLANS[validated.reuse_plan].calibrates:
+        raise ValueError(f"reuse_plan {validated.reuse_plan!r} calibrates in ComfyUI only so far; choose another plan")
     dits = dit_patch.find_transformers(pipe_or_unet)
     if dits is not None:
         dit_patch.apply_patch(dits, validated, settings)

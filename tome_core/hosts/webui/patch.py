@@ -5,7 +5,7 @@ family default, or nothing, with one console line), and the removal that leaves 
 
 from __future__ import annotations
 
-from ...reuse import FORECAST, FULL
+from ...reuse import FORECAST, FULL, REUSE_PLANS
 from ..shared.model_patcher import NotAUNetError, patched_clone
 from . import args as webui_args
 from . import dit_reuse as webui_dit_reuse
@@ -171,6 +171,9 @@ def _patch_ldm(p, sd_model, settings, job: Job) -> bool:
 def _decision(p, settings, job: Job):
     """The pass's decision (``plans.decide``), with one warning where it runs every step though reuse is asked."""
     decision = webui_layer_reuse.decision_for(settings, p)
+    if settings.reuse_interval > 1 and REUSE_PLANS[settings.reuse_plan].calibrates:
+        job.warn_once(f"reuse_plan {settings.reuse_plan!r} calibrates in ComfyUI only so far; this job runs its "
+                      "plan uncalibrated (forecast v3's).")  # fmt: skip
     if settings.reuse_interval > 1 and decision.runs == FULL:
         job.warn_once(
             f"reuse across steps is off: {decision.why}; every step runs in full, the token reduction still applies."

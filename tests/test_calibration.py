@@ -1,0 +1,145 @@
+"""The calibration's engine (``tome_core.calibration``): the target's range, the latent score, the bounded search,
+the key by content and the kept file (atomic, two writers, files it cannot read set aside). No host."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+
+import pytest
+import torch
+
+from tome_core.calibration import (
+    MAX_RUNS,
+    Calibration,
+    CalibrationResult,
+    KeptCalibrations,
+    calibration_key,
+    check_target,
+    key_id,
+    latent_ssim,
+    tensors_fingerprint,
+)
+from tome_core.calibration.fingerprint import patches_fingerprint
+from tome_core.calibration.store import SetAsideError
+from tome_core.reuse import Spacing
+
+EULER = Spacing(0.15, 3)
+
+
+@pytest.mark.parametrize("target", [0.5, 1.0, 1.5, "high", None])
+def test_a_target_out_of_range_is_refused_by_name(target):
+    with pytest.raises(ValueError, match=r"calibration_target must be a number from 0.8 to 0.999"):
+        check_target(target)
+
+
+def test_the_latent_score_is_one_for_the_same_latent_and_falls_with_the_difference():
+    reference = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(latent_ssim(reference, reference), torch.ones(2))
+    small, large = (reference + scale * torch.randn_like(reference) for scale in (0.05, 0.5))
+    assert (latent_ssim(large, reference) < latent_ssim(small, reference)).all()
+    assert latent_ssim(torch.randn(1, 16, 3, 8, 8), torch.randn(1, 16, 3, 8, 8)).shape == (1,)  # video: 5 dims
+    with pytest.raises(ValueError, match="different shapes"):
+        latent_ssim(reference, reference[:, :2])
+
+
+def sampler_whose_picture_grows_with_the_computed_steps(reference, steps, seen):
+    """A stand-in job: its latent's miss shrinks as more steps are computed (None: the unpatched run)."""
+
+    def sample(schedule):
+        seen.append(None if schedule is None else schedule.full_steps(steps))
+        if schedule is None:
+            return reference.clone()
+        miss = 1.0 - schedule.full_steps(steps) / steps
+        noise = torch.randn(reference.shape, generator=torch.Generator().manual_seed(1))
+        return reference + miss * noise
+
+    return sample
+
+
+def test_the_search_keeps_the_fewest_computed_steps_at_the_target_in_at_most_six_runs():
+    reference = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    seen = []
+    calibration = Calibration(EULER, 3, 25, target=0.9)
+    result = calibration.run(sampler_whose_picture_grows_with_the_computed_steps(reference, 25, seen))
+    assert seen[0] is None and len(seen) == result.runs <= MAX_RUNS
+    scores = dict(result.tried)
+    assert result.spacing is not None and result.worst >= 0.9 and scores[result.computed] == result.worst
+    # every count it tried below the kept one missed the target, and the next count down was tried
+    assert all(score < 0.9 for count, score in result.tried if count < result.computed)
+    counts = [spacing.schedule(3).full_steps(25) for spacing in calibration.candidates]
+    below = [count for count in counts if count < result.computed]
+    assert not below or max(below) in scores
+
+
+def test_where_no_candidate_keeps_the_target_every_step_runs_and_it_says_so():
+    reference = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    result = Calibration(EULER, 3, 25, target=0.999).run(
+        sampler_whose_picture_grows_with_the_computed_steps(reference, 25, [])
+    )
+    assert result.spacing is None and result.computed == 25 and "every step runs in full" in result.words()
+
+
+def test_a_run_too_short_to_forecast_has_no_candidates():
+    assert Calibration(EULER, 3, 8).candidates == []
+
+
+def test_a_weight_patch_strength_or_another_model_is_another_key():
+    weights = {"a": torch.arange(10.0), "b": torch.ones(3, 3)}
+    changed = {**weights, "b": weights["b"] * 1.001}
+    assert tensors_fingerprint(weights.items()) == tensors_fingerprint(list(weights.items())[::-1])
+    assert tensors_fingerprint(weights.items()) != tensors_fingerprint(changed.items())
+    lora = {"b": [(1.0, ("lora", (torch.ones(3, 1), torch.ones(1, 3), 1.0, None)), 1.0, None, None)]}
+    stronger = {"b": [(0.8, lora["b"][0][1], 1.0, None, None)]}
+    assert patches_fingerprint(lora) != patches_fingerprint(stronger) != patches_fingerprint({})
+
+    def key(**changes):
+        fields = dict(model="m", patches="p", sampler="euler", sigmas=[14.6, 1.0, 0.0], cfg=7.0, shape=(4, 64, 64),
+                      version="0.1.0")  # fmt: skip
+        return key_id(calibration_key(**{**fields, **changes}))
+
+    assert len({key(), key(patches="q"), key(sigmas=[14.6, 2.0, 0.0]), key(cfg=6.0), key(shape=(4, 64, 96))}) == 5
+
+
+RESULT = CalibrationResult(25, 0.98, Spacing(0.15, 3, every=4), 11, 0.985, 5, ((13, 0.99), (11, 0.985)))
+
+
+def test_the_kept_result_reads_back_as_written(tmp_path):
+    store = KeptCalibrations(tmp_path / "calibrations.json")
+    assert store.get("k") is None
+    store.put("k", {"model": "m"}, RESULT, {"seeds": 2})
+    assert store.get("k") == RESULT
+    assert json.loads((tmp_path / "calibrations.json").read_text())["entries"]["k"]["seeds"] == 2
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps({"format": "tome-patch calibrations", "format_version": 0,
+                                                             "entries": {}})])  # fmt: skip
+def test_a_file_it_cannot_read_is_set_aside_with_one_line(tmp_path, caplog, text):
+    path = tmp_path / "calibrations.json"
+    path.write_text(text)
+    with caplog.at_level(logging.WARNING, logger="tome_patch"), pytest.raises(SetAsideError):
+        KeptCalibrations(path).get("k")
+    assert len(caplog.records) == 1 and "set aside" in caplog.records[0].getMessage()
+    assert not path.exists() and len(list(tmp_path.glob("calibrations.json.set-aside-*"))) == 1
+    KeptCalibrations(path).put("k", {}, RESULT)
+    assert KeptCalibrations(path).get("k") == RESULT
+
+
+def _write_many(path: str, writer: int) -> None:
+    store = KeptCalibrations(path)
+    for index in range(15):
+        store.put(f"{writer}-{index}", {}, RESULT)
+
+
+def test_two_writers_at_once_lose_nothing(tmp_path):
+    path = str(tmp_path / "calibrations.json")
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_write_many, args=(path, writer)) for writer in range(2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(120)
+    assert [writer.exitcode for writer in writers] == [0, 0]
+    entries = json.loads(open(path).read())["entries"]
+    assert sorted(entries) == sorted(f"{w}-{i}" for w in range(2) for i in range(15))

@@ -1,0 +1,93 @@
+"""ComfyUI: ``reuse_plan`` "calibrated" on the real KSampler path (a tiny random SD1.5 UNet): the first job runs
+unpatched (its picture the user's) and then forecasts on the same noise, at most 6 runs, and keeps its result in the
+user directory; the next job with the same key runs the kept plan, the same picture every time; a LoRA-like weight
+patch at another strength, another step count or CFG calibrates anew; an interrupted calibration keeps nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def node_classes():
+    return host.load_our_package()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return host.tiny_model("sd15")
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    import folder_paths
+
+    monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path))
+    return tmp_path
+
+
+def counted(patched, **options):
+    calls = []
+    handle = patched.model.diffusion_model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        out = host.sample(patched, "sd15", steps=options.pop("steps", STEPS), **options)
+    finally:
+        handle.remove()
+    return out, len(calls)
+
+
+def kept(user_dir) -> dict:
+    return json.loads((user_dir / "tome_patch" / "calibrations.json").read_text())["entries"]
+
+
+def test_the_first_job_calibrates_and_the_next_runs_the_kept_plan(node_classes, model, user_dir):
+    plain, plain_calls = counted(host.patch_with_node(node_classes, model, reuse_interval=1, downsample_factor=1.0))
+    patched = host.patch_with_node(node_classes, model, reuse_plan="calibrated", downsample_factor=1.0)
+    first, first_calls = counted(patched)
+    assert (first - plain).abs().max() <= 1e-5 * plain.abs().max()  # unpatched, computed in a batch of two
+    (entry,) = kept(user_dir).values()
+    result = entry["result"]
+    assert 2 <= result["runs"] <= 6 and first_calls <= result["runs"] * plain_calls
+    second, second_calls = counted(patched)
+    third, _ = counted(patched)
+    assert torch.equal(second, third)
+    assert second_calls == result["computed"] < STEPS or (result["spacing"] is None and second_calls == STEPS)
+    assert len(kept(user_dir)) == 1  # nothing calibrated again
+
+
+def test_another_strength_step_count_or_cfg_is_another_key(node_classes, model, user_dir):
+    patched = host.patch_with_node(node_classes, model, reuse_plan="calibrated", downsample_factor=1.0)
+    counted(patched)
+    lora = patched.clone()
+    key = next(iter(lora.model.state_dict()))
+    weight = lora.model.state_dict()[key]
+    lora.add_patches({key: (torch.randn_like(weight) * 1e-3,)}, strength_patch=0.5)
+    counted(lora)
+    stronger = patched.clone()
+    stronger.add_patches({key: (lora.patches[key][0][1][0],)}, strength_patch=0.8)
+    counted(stronger)
+    counted(patched, steps=STEPS + 2)
+    counted(patched, cfg=4.0)
+    assert len(kept(user_dir)) == 5
+
+
+def test_an_interrupted_calibration_keeps_nothing(node_classes, model, user_dir, monkeypatch):
+    import sys
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    # ComfyUI loads the package under its folder's name: every copy of the module is patched.
+    for name, module in list(sys.modules.items()):
+        if name.endswith("tome_core.calibration.search"):
+            monkeypatch.setattr(module, "latent_ssim", interrupted)
+    patched = host.patch_with_node(node_classes, model, reuse_plan="calibrated", downsample_factor=1.0)
+    with pytest.raises(KeyboardInterrupt):
+        counted(patched)
+    assert not (user_dir / "tome_patch" / "calibrations.json").exists()

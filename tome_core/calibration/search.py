@@ -1,0 +1,133 @@
+"""The candidates a calibration tries (forecast spacings, by their computed steps) and the bounded search for the
+fewest computed steps that keep the target. docs/calibration.md, 'The search'."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..reuse.plans import Spacing
+from ..reuse.schedules import IntervalSchedule
+from .metric import latent_ssim
+
+DEFAULT_TARGET = 0.98
+TARGET_RANGE = (0.8, 0.999)
+MAX_RUNS = 6  # whole runs per calibration, the unpatched one included
+MIN_STEPS = 10  # shorter runs forecast nothing (``IntervalSchedule.min_steps``)
+EVERY = (2, 3, 4, 5, 6)
+FULL_START = (0.1, 0.15, 0.2)
+FULL_END = (1, 2, 3, 4, 6, 8, 12)
+
+Candidate = Spacing
+
+
+def check_target(target: float) -> float:
+    low, high = TARGET_RANGE
+    if not isinstance(target, int | float) or not low <= float(target) <= high:
+        raise ValueError(f"calibration_target must be a number from {low} to {high}, got {target!r}")
+    return float(target)
+
+
+def candidates(base: Spacing, interval: int, steps: int) -> list[Spacing]:
+    """One spacing per count of computed steps under ``steps`` (ascending), each the one nearest ``base`` at
+    ``interval`` in shape."""
+    every_base = interval if base.most is None else min(interval, base.most)
+    best: dict[int, tuple[float, Spacing]] = {}
+    for every in EVERY:
+        for start in FULL_START:
+            for end in FULL_END:
+                spacing = Spacing(start, end, every=every)
+                count = spacing.schedule(interval).full_steps(steps)
+                if count >= steps:
+                    continue
+                distance = abs(every - every_base) + abs(end - base.full_end) / 4 + abs(start - base.full_start) * 10
+                if count not in best or distance < best[count][0]:
+                    best[count] = (distance, spacing)
+    return [best[count][1] for count in sorted(best)]
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """What a calibration kept: the spacing (None: every step), its computed steps and the worst sample's score."""
+
+    steps: int
+    target: float
+    spacing: Spacing | None
+    computed: int
+    worst: float
+    runs: int
+    tried: tuple[tuple[int, float], ...] = field(default=())  # (computed steps, worst score) per candidate run
+
+    def schedule(self) -> IntervalSchedule | None:
+        return None if self.spacing is None else self.spacing.schedule(self.spacing.every or 1)
+
+    def as_dict(self) -> dict:
+        spacing = self.spacing
+        return {
+            "steps": self.steps,
+            "target": self.target,
+            "spacing": None if spacing is None else [spacing.full_start, spacing.full_end, spacing.every],
+            "computed": self.computed,
+            "worst": round(self.worst, 5),
+            "runs": self.runs,
+            "tried": [list(item) for item in self.tried],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CalibrationResult:
+        spacing = data["spacing"]
+        return cls(
+            steps=int(data["steps"]),
+            target=float(data["target"]),
+            spacing=None if spacing is None else Spacing(float(spacing[0]), int(spacing[1]), every=int(spacing[2])),
+            computed=int(data["computed"]),
+            worst=float(data["worst"]),
+            runs=int(data["runs"]),
+            tried=tuple((int(c), float(s)) for c, s in data.get("tried", ())),
+        )
+
+    def words(self) -> str:
+        if self.spacing is None:
+            return (
+                f"no candidate kept the target {self.target} (best tried: "
+                f"{max((s for _, s in self.tried), default=0):.3f}): every step runs in full"
+            )
+        return f"{self.computed} of {self.steps} steps computed, worst sample {self.worst:.3f} (target {self.target})"
+
+
+class Calibration:
+    """One calibration: ``run(sample)`` with ``sample(None)`` the unpatched run's final latent and ``sample(schedule)``
+    the same job forecast on ``schedule``, on the same noise; at most ``max_runs`` runs in all."""
+
+    def __init__(self, base: Spacing, interval: int, steps: int, target: float = DEFAULT_TARGET,
+                 max_runs: int = MAX_RUNS):  # fmt: skip
+        self.target = check_target(target)
+        self.steps = steps
+        self.max_runs = max_runs
+        self.candidates = candidates(base, interval, steps) if steps >= MIN_STEPS else []
+        counts = [spacing.schedule(interval).full_steps(steps) for spacing in self.candidates]
+        base_count = base.schedule(interval).full_steps(steps)
+        self.first = min(range(len(counts)), key=lambda i: abs(counts[i] - base_count)) if counts else 0
+        self.reference: torch.Tensor | None = None
+
+    def run(self, sample: Callable[[IntervalSchedule | None], torch.Tensor]) -> CalibrationResult:
+        self.reference = sample(None)
+        runs, tried, kept = 1, [], None
+        low, high, probe = 0, len(self.candidates) - 1, self.first
+        while low <= high and runs < self.max_runs:
+            spacing = self.candidates[probe]
+            schedule = spacing.schedule(spacing.every)
+            worst = float(latent_ssim(sample(schedule), self.reference).min())
+            runs += 1
+            tried.append((schedule.full_steps(self.steps), worst))
+            if worst >= self.target:
+                kept, high = (spacing, schedule.full_steps(self.steps), worst), probe - 1
+            else:
+                low = probe + 1
+            probe = (low + high) // 2
+        if kept is None:
+            return CalibrationResult(self.steps, self.target, None, self.steps, 1.0, runs, tuple(tried))
+        spacing, computed, worst = kept
+        return CalibrationResult(self.steps, self.target, spacing, computed, worst, runs, tuple(tried))

@@ -1,0 +1,134 @@
+"""ComfyUI's door to ``reuse_plan`` "calibrated": the key from the guider (the model's weights by content, its
+weight patches, sampler, noise levels, CFG, latent shape), the kept plan from the user directory, and a job that
+calibrates by running the sampler again on the same noise. docs/calibration.md."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+
+import torch
+
+from ... import __version__
+from ...calibration import (
+    DEFAULT_TARGET,
+    Calibration,
+    KeptCalibrations,
+    calibration_key,
+    key_id,
+    tensors_fingerprint,
+)
+from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
+from ...calibration.store import SetAsideError
+from ...reuse import REUSE_PLANS, Spacing, decide, kept_plan, on_karras, sampler_kind
+from ...schedule import call_sigmas
+
+log = logging.getLogger("tome_patch")
+FILE = os.path.join("tome_patch", "calibrations.json")
+_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a model's fingerprint, read once
+
+
+def store() -> KeptCalibrations:
+    import folder_paths  # ComfyUI's; lazy: the engine is imported outside ComfyUI too
+
+    return KeptCalibrations(os.path.join(folder_paths.get_user_directory(), FILE))
+
+
+def _model_fingerprint(patcher) -> str:
+    """The weights as loaded from the file: a weight ComfyUI patched in place is read from its backup."""
+    model = patcher.model
+    if model not in _WEIGHTS:
+        backup = getattr(patcher, "backup", {}) or {}
+        named = ((name, backup[name].weight if name in backup else value) for name, value in
+                 model.state_dict(keep_vars=True).items())  # fmt: skip
+        _WEIGHTS[model] = tensors_fingerprint(named)
+    return _WEIGHTS[model]
+
+
+def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tensor) -> dict:
+    patcher = guider.model_patcher
+    options = guider.model_options.get("transformer_options", {})
+    others = [f"patch:{name}" for name in options.get("patches", {})]
+    others += [f"replace:{name}" for name in options.get("patches_replace", {})]
+    others += [f"object:{name}" for name in getattr(patcher, "object_patches", {})]
+    return calibration_key(
+        model=_model_fingerprint(patcher),
+        patches=patches_fingerprint(getattr(patcher, "patches", {})),
+        sampler=sampler,
+        sigmas=sigmas.flatten().tolist(),
+        cfg=getattr(guider, "cfg", None),
+        shape=noise.shape[1:],
+        version=__version__,
+        extra=others,
+    )
+
+
+def _fresh_conds(saved: dict) -> dict:
+    return {kind: [cond.copy() for cond in conds] for kind, conds in saved.items()}
+
+
+def sample_calibrated(hooks, executor, args, kwargs, sampler: str | None, schedule: str | None, run_with) -> object:
+    """One job under "calibrated": the kept plan where there is one; else calibrate (the user gets the unpatched
+    picture) and keep the result; ``run_with(schedule or None)`` runs the job forecast on ``schedule``."""
+    guider = executor.class_obj
+    noise, raw_sigmas = args[0], args[3]
+    try:
+        key = job_key(guider, sampler, raw_sigmas, noise)
+        kept_calibrations = store()
+        kept = kept_calibrations.get(key_id(key))
+    except UnreadableModelError as err:
+        log.warning("ToMe calibration: this model cannot be keyed by its content (%s); running forecast v3.", err)
+        return run_with(decide("forecast v3", sampler, schedule, hooks.schedule.interval).schedule)
+    except SetAsideError:
+        return run_with(decide("forecast v3", sampler, schedule, hooks.schedule.interval).schedule)
+    if kept is not None:
+        log.info("ToMe calibration: the plan kept for this job in %s: %s.", kept_calibrations.path, kept.words())
+        plan = kept_plan(hooks.plan, sampler, schedule, kept.spacing)
+        decision = decide(plan, sampler, schedule, hooks.schedule.interval)
+        return run_with(decision.schedule if kept.spacing is not None else None)
+    base = decide(hooks.plan, sampler, schedule, hooks.schedule.interval)
+    spacing = base_spacing(hooks.plan, sampler, schedule)
+    steps = len(call_sigmas(raw_sigmas))
+    calibration = Calibration(spacing, hooks.schedule.interval, steps, DEFAULT_TARGET)
+    if not calibration.candidates or base.schedule is None:
+        return run_with(base.schedule)
+    return _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, key, run_with)
+
+
+def base_spacing(plan: str, sampler: str | None, schedule: str | None) -> Spacing:
+    """The spacing ``plan`` runs with this sampler at its longest run length: where the search starts."""
+    rule = REUSE_PLANS[plan].rules[(sampler_kind(sampler), on_karras(schedule))]
+    return dict(rule.spacings)[max(dict(rule.spacings))]
+
+
+def _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, key, run_with) -> object:
+    guider = executor.class_obj
+    args = list(args)
+    noise, latent = args[0], args[1]
+    batch = noise.shape[0]
+    if batch < 2 and len(kwargs.get("latent_shapes") or [None]) <= 1:
+        # A second seed: a plan kept from one picture transfers only in part (docs/calibration.md).
+        seed = args[7] if len(args) > 7 and args[7] is not None else 0
+        generator = torch.Generator().manual_seed(int(seed) + 1)
+        second = torch.randn(noise.shape, generator=generator).to(noise)
+        args[0] = torch.cat([noise, second])
+        args[1] = torch.cat([latent, latent])
+        if len(args) > 4 and isinstance(args[4], torch.Tensor) and args[4].shape[0] == batch:
+            args[4] = torch.cat([args[4], args[4]])
+        if kwargs.get("latent_shapes"):
+            kwargs = {**kwargs, "latent_shapes": [args[1].shape]}
+    saved = _fresh_conds(guider.conds)
+    log.info("ToMe calibration: a new job for this model; up to %d runs (the first unpatched, the job's picture).",
+             calibration.max_runs)  # fmt: skip
+
+    def sample(schedule):
+        guider.conds = _fresh_conds(saved)
+        if schedule is None:
+            return executor(*args, **kwargs)
+        return run_with(schedule, args, kwargs)
+
+    result = calibration.run(sample)
+    kept_calibrations.put(key_id(key), key, result, {"metric": "latent SSIM, worst sample", "seeds": 2})
+    log.info("ToMe calibration: kept in %s: %s (%d runs).", kept_calibrations.path, result.words(), result.runs)
+    return calibration.reference[:batch]
