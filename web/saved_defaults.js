@@ -5,7 +5,7 @@
 // workflow whose saved values stop before it meant 1, so it gets 1 back here (as the server side does for an API
 // prompt that leaves it out: tome_core/settings.py, IMPLIED_WHEN_ABSENT). dit_settings came later still: a
 // workflow saved before it ran a DiT with its inputs as set ("as set"; "auto" is the default now). reuse_plan
-// came last: a workflow saved before it reused one UNet step in N ("every N"; "forecast v2" is the default now, and a
+// came last: a workflow saved before it reused one UNet step in N ("every N"; "forecast v3" is the default now, and a
 // workflow saved with "forecast" or "auto" stores it among its values). A node added anew keeps the defaults.
 import { app } from "../../scripts/app.js";
 

@@ -2,7 +2,7 @@
 minutes on a 2-core CPU.
 
 Five rows over a 25-step run: unpatched, this project's default (ToDo 2 with reuse across steps every third step,
-whose skipped steps run nothing: ``reuse_plan`` "forecast v2"), ToDo 2 alone, ComfyUI's EasyCache at its default
+whose skipped steps run nothing: ``reuse_plan`` "forecast v3"), ToDo 2 alone, ComfyUI's EasyCache at its default
 threshold (0.2) and Forge Neo's Spectrum at its defaults, in two parts, each through the same entry points as the
 full benchmarks:
 1. picture (``tools.fidelity.run``): the trained reference model ``ref-sd1`` at 64x64 latents, four prompts of
