@@ -2,8 +2,9 @@
 on their grid after the rotary embedding; queries and text stay whole, a mask gives the kept keys their share in
 joint attention. Our processor holds diffusers' own of the family (Flux, SD3, Wan; diffusers 0.39.0), computes
 through the module's own layers, and hands it every call it cannot reduce (a mask of the caller's, fused
-projections, a backend without masks where one is needed, another layout, context parallelism). The grid comes
-from the transformer call (a pre-hook): Flux's ``img_ids``, SD3's and Wan's input shape and patch size.
+projections, a backend without masks where one is needed, another layout, Flux's and SD3's under context
+parallelism; Wan's there downsamples each process's shard where it is whole rows). The grid comes from the
+transformer call (a pre-hook): Flux's ``img_ids``, SD3's and Wan's input shape and patch size.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...downsample import downsample_grid, downsampled_grid
 from ...joint_attention import ImageTokens, SequenceDownsample
 from ..shared import dit_families
 
@@ -36,6 +38,7 @@ class _CallState:
         self.grid = None  # Flux: ImageTokens (the ids say where); SD3 and Wan: the grid (frames, h, w)
         self.patch = None
         self.told_parallel = False
+        self.shards: dict[tuple, list | None] = {}  # (grid, rank, processes): that process's shard as grids
 
     def before_call(self, module, args, kwargs):
         self.grid = None
@@ -86,6 +89,25 @@ def flux_image_tokens(img_ids: torch.Tensor) -> ImageTokens | None:
     return ImageTokens((1, rows, cols), after=ids.shape[0] - image)
 
 
+def shard_grids(grid, rank: int, processes: int) -> list[tuple[int, int, int]] | None:
+    """``rank``'s shard of the flattened ``grid`` (diffusers splits the sequence as ``tensor_split``) as whole grids
+    in sequence order (a frame's last rows, whole frames, a frame's first rows); None where a shard cuts a row."""
+    frames, h, w = grid
+    size, extra = divmod(frames * h * w, processes)
+    start = rank * size + min(rank, extra)
+    end = start + size + (rank < extra)
+    if start % w or end % w:
+        return None
+    grids, row, last = [], start // w, end // w
+    while row < last:
+        if row % h == 0 and last - row >= h:
+            grids.append(((last - row) // h, h, w))
+        else:
+            grids.append((1, min(h - row % h, last - row), w))
+        row += grids[-1][0] * grids[-1][1]
+    return grids
+
+
 def _backend_name(backend):
     return backend.value if hasattr(backend, "value") else backend
 
@@ -115,16 +137,68 @@ class _HeldProcessor:
         self.original._parallel_config = value
 
     def held(self) -> bool:
-        """Under context parallelism each process holds a shard of the tokens, not the grid: the held one runs."""
+        """Under context parallelism joint attention (Flux, SD3) runs as diffusers' own: a shard holds text and image
+        tokens, and the kept keys' share would need a mask across the shards, which is not done here."""
         if self._parallel_config is None:
             return False
         if not self.state.told_parallel:
             self.state.told_parallel = True
             log.info(
-                "ToMe Patch: ToDo is left out under context parallelism (enable_parallelism): each process holds a "
-                "shard of the image tokens, not their grid; attention runs as diffusers' own."
+                "ToMe Patch: ToDo is left out under context parallelism (enable_parallelism) on this family's joint "
+                "attention: each process holds a shard of the image and text tokens; attention runs as diffusers' own."
             )
         return True
+
+    def shard(self, grid) -> list | None:
+        """This process's shard of ``grid`` as whole grids, where every process keeps as many keys (the attention's
+        exchanges need equal sizes); None: ToDo is left out, with one log line."""
+        mesh = getattr(getattr(self._parallel_config, "context_parallel_config", None), "_flattened_mesh", None)
+        if mesh is None:
+            return self._left_out()
+        import torch.distributed as dist
+
+        key = (grid, dist.get_rank(mesh.get_group()), mesh.size())
+        if key not in self.state.shards:
+            self.state.shards[key] = self._shards(*key)
+        return self.state.shards[key] or self._left_out()
+
+    def _shards(self, grid, rank: int, processes: int) -> list | None:
+        reducer = self.state.reducer
+        every = [shard_grids(grid, r, processes) for r in range(processes)]
+        if any(grids is None for grids in every) or not reducer.worth_reducing(math.prod(grid)):
+            return None
+        factor = reducer.settings.downsample_factor
+        kept = {sum(math.prod(downsampled_grid(g, factor, reducer.time_factor)) for g in grids) for grids in every}
+        return every[rank] if len(kept) == 1 else None
+
+    def _left_out(self) -> None:
+        if not self.state.told_parallel:
+            self.state.told_parallel = True
+            log.info(
+                "ToMe Patch: ToDo is left out under context parallelism (enable_parallelism): a process's shard of "
+                "the video tokens cuts a row of their grid, or the shards would keep unequal numbers of keys; "
+                "attention runs as diffusers' own."
+            )
+        return None
+
+    def _reduce_shard(self, k, v, grids: list, dim: int):
+        """(k, v) with each whole grid of this process's shard downsampled on its own."""
+        reducer, sizes = self.state.reducer, [math.prod(g) for g in grids]
+        s = reducer.settings
+
+        def down(x):
+            parts = x.split(sizes, dim)
+            return torch.cat(
+                [
+                    downsample_grid(
+                        p, g, s.downsample_factor, reducer.time_factor, s.downsample_method, reducer._nearest, dim
+                    )  # fmt: skip
+                    for p, g in zip(parts, grids, strict=True)
+                ],
+                dim,
+            )
+
+        return down(k), down(v)
 
     def _reduce(self, k, v, tokens: ImageTokens, dim: int, needs_mask: bool):
         """(k, v, mask) with the image keys and values downsampled, or (k, v, None) unchanged."""
@@ -222,13 +296,16 @@ class TodoWanProcessor(_HeldProcessor):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         grid = self.state.grid
+        # Under context parallelism each process downsamples its own shard, where the shard is whole rows.
+        parallel = grid is not None and encoder_hidden_states is None and self._parallel_config is not None
+        shards = self.shard(grid) if parallel else None
         if (
             grid is None
             or encoder_hidden_states is not None  # the cross-attention to the text
             or attention_mask is not None
             or getattr(attn, "fused_projections", False)
             or getattr(attn, "add_k_proj", None) is not None
-            or self.held()
+            or (parallel and (shards is None or sum(map(math.prod, shards)) != hidden_states.shape[1]))
         ):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -238,8 +315,11 @@ class TodoWanProcessor(_HeldProcessor):
         q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (q, k, v))  # (batch, tokens, heads, head_dim)
         if rotary_emb is not None:
             q, k = _wan_rotary(q, *rotary_emb), _wan_rotary(k, *rotary_emb)
-        k, v, _ = self._reduce(k, v, ImageTokens(grid, before=0), 1, needs_mask=False)  # all grid: no bias
-        out = dispatch_attention_fn(q, k, v, backend=self._attention_backend)
+        if shards is None:
+            k, v, _ = self._reduce(k, v, ImageTokens(grid, before=0), 1, needs_mask=False)  # all grid: no bias
+        else:
+            k, v = self._reduce_shard(k, v, shards, 1)
+        out = dispatch_attention_fn(q, k, v, backend=self._attention_backend, parallel_config=self._parallel_config)
         out = out.flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 

@@ -4,9 +4,9 @@ builds it, UniPC), or ``ref-qwen-v2`` in a ``QwenImagePipeline`` (ComfyUI's weig
 Euler at ComfyUI's shift 1.15, true CFG).
 
 Several gloo processes on the CPU (``--processes``) sample the same clips with ``apply_patch(pipe)`` (the family's
-default) as one process does. The report: same-seed SSIM (per frame) of the parallel run against the single-process
-one and of both against unpatched, and the model calls each computed in full. Writes
-``results/diffusers-parallel-<model>.json``.
+default; ``--todo``: ToDo 2 alone, at every size) as one process does. The report: same-seed SSIM (per frame) of
+the parallel run against the single-process one and of both against unpatched, and the model calls each computed
+in full. Writes ``results/diffusers-parallel-<model>[-todo].json``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,16 @@ def parse_args(argv=None):
     parser.add_argument("--cfg", type=float, default=4.0)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--mode", default="ring", choices=("ring", "ulysses"), help="ulysses needs heads per process")
+    parser.add_argument("--todo", action="store_true", help="ToDo 2 alone (no reuse), at every size")
     parser.add_argument("--out", default=str(ROOT / "results"))
     return parser.parse_args(argv)
+
+
+TODO = {"dit_settings": "as set", "reuse_interval": 1, "downsample_factor": 2, "skip_when_slower": False}
+
+
+def _settings(args) -> dict:
+    return TODO if args.todo else {}
 
 
 def _setup(args):
@@ -138,7 +146,7 @@ def _process(rank: int, world: int, folder: str, args) -> None:
         if args.mode == "ring":
             _ring_on_cpu()
         pipe.transformer.enable_parallelism(config=ContextParallelConfig(**{f"{args.mode}_degree": world}))
-        tome_core.apply_patch(pipe)
+        tome_core.apply_patch(pipe, **_settings(args))
         started = time.perf_counter()
         clips, computed, calls = _sampled(pipe, text, args, size)
         seconds = time.perf_counter() - started
@@ -181,7 +189,7 @@ def main(argv=None) -> dict:
         parallel = [torch.load(f"{folder}/{rank}.pt") for rank in range(args.processes)]
     pipe, text, size = _setup(args)
     unpatched, _, _ = _sampled(pipe, text, args, size)
-    tome_core.apply_patch(pipe)
+    tome_core.apply_patch(pipe, **_settings(args))
     started = time.perf_counter()
     single, computed, calls = _sampled(pipe, text, args, size)
     seconds = time.perf_counter() - started
@@ -204,7 +212,9 @@ def main(argv=None) -> dict:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"diffusers-parallel-{args.model}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"diffusers-parallel-{args.model}{'-todo' if args.todo else ''}.json").write_text(
+        json.dumps(report, indent=2) + "\n"
+    )
     print(json.dumps({k: v for k, v in report.items() if k not in ("machine", "versions")}, indent=2))
     return report
 
