@@ -25,7 +25,7 @@ from tome_core.calibration.fingerprint import patches_fingerprint
 from tome_core.calibration.store import SetAsideError
 from tome_core.reuse import Spacing
 
-EULER = Spacing(0.15, 3)
+EULER = Spacing(0.15, 3).schedule(3)  # the default's Euler plan
 
 
 @pytest.mark.parametrize("target", [0.5, 1.0, 1.5, "high", None])
@@ -61,28 +61,37 @@ def sampler_whose_picture_grows_with_the_computed_steps(reference, steps, seen):
 def test_the_search_keeps_the_fewest_computed_steps_at_the_target_in_at_most_six_runs():
     reference = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(0))
     seen = []
-    calibration = Calibration(EULER, 3, 25, target=0.9)
+    calibration = Calibration(EULER, 25, target=0.9)
     result = calibration.run(sampler_whose_picture_grows_with_the_computed_steps(reference, 25, seen))
     assert seen[0] is None and len(seen) == result.runs <= MAX_RUNS
     scores = dict(result.tried)
     assert result.spacing is not None and result.worst >= 0.9 and scores[result.computed] == result.worst
     # every count it tried below the kept one missed the target, and the next count down was tried
     assert all(score < 0.9 for count, score in result.tried if count < result.computed)
-    counts = [spacing.schedule(3).full_steps(25) for spacing in calibration.candidates]
+    counts = [spacing.schedule(spacing.every).full_steps(25) for spacing in calibration.candidates]
     below = [count for count in counts if count < result.computed]
     assert not below or max(below) in scores
 
 
 def test_where_no_candidate_keeps_the_target_every_step_runs_and_it_says_so():
     reference = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(0))
-    result = Calibration(EULER, 3, 25, target=0.999).run(
+    result = Calibration(EULER, 25, target=0.999).run(
         sampler_whose_picture_grows_with_the_computed_steps(reference, 25, [])
     )
     assert result.spacing is None and result.computed == 25 and "every step runs in full" in result.words()
 
 
+def test_the_plans_own_spacing_is_the_candidate_for_its_count_and_the_first_tried():
+    for steps in (12, 20, 25, 30):
+        calibration = Calibration(EULER, steps)
+        first = calibration.candidates[calibration.first]
+        assert [s for s in range(steps) if first.schedule(first.every).is_full(s, steps)] == [
+            s for s in range(steps) if EULER.is_full(s, steps)
+        ]
+
+
 def test_a_run_too_short_to_forecast_has_no_candidates():
-    assert Calibration(EULER, 3, 8).candidates == []
+    assert Calibration(EULER, 8).candidates == []
 
 
 def test_a_weight_patch_strength_or_another_model_is_another_key():

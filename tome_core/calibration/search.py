@@ -30,21 +30,26 @@ def check_target(target: float) -> float:
     return float(target)
 
 
-def candidates(base: Spacing, interval: int, steps: int) -> list[Spacing]:
-    """One spacing per count of computed steps under ``steps`` (ascending), each the one nearest ``base`` at
-    ``interval`` in shape."""
-    every_base = interval if base.most is None else min(interval, base.most)
+def as_spacing(schedule: IntervalSchedule, steps: int) -> Spacing:
+    """``schedule`` at a run of ``steps`` as a fixed spacing (a short run's interval is at most 2)."""
+    every = min(schedule.interval, 2) if steps < schedule.short_run else schedule.interval
+    return Spacing(schedule.full_start, schedule.full_end, every=every)
+
+
+def candidates(base: IntervalSchedule, steps: int) -> list[Spacing]:
+    """One spacing per count of computed steps under ``steps`` (ascending): ``base`` (the plan's own at this run
+    length) for its count, else the one nearest it in shape."""
+    own = as_spacing(base, steps)
     best: dict[int, tuple[float, Spacing]] = {}
-    for every in EVERY:
-        for start in FULL_START:
-            for end in FULL_END:
-                spacing = Spacing(start, end, every=every)
-                count = spacing.schedule(interval).full_steps(steps)
-                if count >= steps:
-                    continue
-                distance = abs(every - every_base) + abs(end - base.full_end) / 4 + abs(start - base.full_start) * 10
-                if count not in best or distance < best[count][0]:
-                    best[count] = (distance, spacing)
+    grid = [Spacing(start, end, every=every) for every in EVERY for start in FULL_START for end in FULL_END]
+    for spacing in [own, *grid]:
+        count = spacing.schedule(spacing.every).full_steps(steps)
+        if count >= steps:
+            continue
+        distance = abs(spacing.every - own.every) + abs(spacing.full_end - own.full_end) / 4
+        distance += abs(spacing.full_start - own.full_start) * 10
+        if count not in best or distance < best[count][0]:
+            best[count] = (distance, spacing)
     return [best[count][1] for count in sorted(best)]
 
 
@@ -101,14 +106,13 @@ class Calibration:
     """One calibration: ``run(sample)`` with ``sample(None)`` the unpatched run's final latent and ``sample(schedule)``
     the same job forecast on ``schedule``, on the same noise; at most ``max_runs`` runs in all."""
 
-    def __init__(self, base: Spacing, interval: int, steps: int, target: float = DEFAULT_TARGET,
-                 max_runs: int = MAX_RUNS):  # fmt: skip
+    def __init__(self, base: IntervalSchedule, steps: int, target: float = DEFAULT_TARGET, max_runs: int = MAX_RUNS):
         self.target = check_target(target)
         self.steps = steps
         self.max_runs = max_runs
-        self.candidates = candidates(base, interval, steps) if steps >= MIN_STEPS else []
-        counts = [spacing.schedule(interval).full_steps(steps) for spacing in self.candidates]
-        base_count = base.schedule(interval).full_steps(steps)
+        self.candidates = candidates(base, steps) if steps >= MIN_STEPS else []
+        counts = [spacing.schedule(spacing.every).full_steps(steps) for spacing in self.candidates]
+        base_count = base.full_steps(steps)
         self.first = min(range(len(counts)), key=lambda i: abs(counts[i] - base_count)) if counts else 0
         self.reference: torch.Tensor | None = None
 

@@ -21,7 +21,7 @@ from ...calibration import (
 )
 from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
 from ...calibration.store import SetAsideError
-from ...reuse import REUSE_PLANS, Spacing, decide, kept_plan, on_karras, sampler_kind
+from ...reuse import decide, kept_plan
 from ...schedule import call_sigmas
 
 log = logging.getLogger("tome_patch")
@@ -87,19 +87,12 @@ def sample_calibrated(hooks, executor, args, kwargs, sampler: str | None, schedu
         plan = kept_plan(hooks.plan, sampler, schedule, kept.spacing)
         decision = decide(plan, sampler, schedule, hooks.schedule.interval)
         return run_with(decision.schedule if kept.spacing is not None else None)
-    base = decide(hooks.plan, sampler, schedule, hooks.schedule.interval)
-    spacing = base_spacing(hooks.plan, sampler, schedule)
     steps = len(call_sigmas(raw_sigmas))
-    calibration = Calibration(spacing, hooks.schedule.interval, steps, DEFAULT_TARGET)
-    if not calibration.candidates or base.schedule is None:
-        return run_with(base.schedule)
+    base = decide(hooks.plan, sampler, schedule, hooks.schedule.interval).schedule
+    calibration = Calibration(base.for_run(steps), steps, DEFAULT_TARGET)
+    if not calibration.candidates:
+        return run_with(base)
     return _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, key, run_with)
-
-
-def base_spacing(plan: str, sampler: str | None, schedule: str | None) -> Spacing:
-    """The spacing ``plan`` runs with this sampler at its longest run length: where the search starts."""
-    rule = REUSE_PLANS[plan].rules[(sampler_kind(sampler), on_karras(schedule))]
-    return dict(rule.spacings)[max(dict(rule.spacings))]
 
 
 def _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, key, run_with) -> object:
