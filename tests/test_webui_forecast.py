@@ -11,6 +11,7 @@ import pytest
 import torch
 from hosts.webui_host import (
     SIGMAS,
+    ControlNetUnit,
     ForgeSDModel,
     Host,
     Processing,
@@ -543,4 +544,146 @@ def test_schedules_that_lose_the_picture_run_every_step_by_label_or_name(host, c
     _, p = job(host, sd_model, script_args(**FORECAST), scheduler=scheduler)
     assert runs_of(p) == []
     assert f"sampler Euler on {scheduler} sigmas: the plans lose the picture" in capsys.readouterr().out
+    assert_clean(sd_model)
+
+
+def _job_with(host, sd_model, args, legacy=False, **attributes):
+    """A job whose processing object gets ``attributes``; ``legacy``: a WebUI before v1.9, without ``p.scheduler``."""
+    p = Processing(sd_model, args)
+    p.steps = STEPS
+    for name, value in attributes.items():
+        setattr(p, name, value)
+    if legacy:
+        del p.scheduler
+    with torch.no_grad():
+        process_images(host, p)
+    return p
+
+
+def _assert_full_or_forecast(p, out, said, computed):
+    """The pass ran every step with one line containing ``said``, or (``said`` None) its forecast of ``computed``
+    steps with no line that reuse is off."""
+    if said is None:
+        (run,) = runs_of(p)
+        assert isinstance(run, WholeStepRun) and run.calls - run.reused_calls == computed
+        assert "reuse across steps is off" not in out
+    else:
+        assert runs_of(p) == []
+        assert out.count("reuse across steps is off") == 1 and said in out, out
+
+
+@pytest.mark.parametrize(
+    ("job_of", "setting", "said"),
+    [
+        ({"sampler": "DPM++ 2M", "scheduler": "Karras"}, {"rho": 5.0}, "on Karras sigmas with rho 5"),
+        ({"sampler": "DPM++ 2M"}, {"rho": 5.0}, "on karras sigmas with rho 5"),  # "Automatic": its Karras
+        ({"sampler": "DPM++ 2M", "scheduler": "Karras"}, {"sigma_max": 20.0}, "with sigma_max 20"),
+        ({"sampler": "DPM++ 2M", "scheduler": "Karras"}, {"sigma_min": 0.1}, "with sigma_min 0.1"),
+        ({"sampler": "DPM++ 2M", "scheduler": "Karras"}, {"use_old_karras_scheduler_sigmas": True},
+         "with use_old_karras_scheduler_sigmas (sigmas 0.1 to 10)"),  # fmt: skip
+        ({"sampler": "DPM++ 2M", "scheduler": "Karras", "override_settings": {"rho": 3.0}}, {}, "with rho 3"),
+        ({"sampler": "Euler", "scheduler": "SGM Uniform"}, {"sigma_max": 20.0}, "on SGM Uniform sigmas with sigma_max"),
+        ({"sampler": "DPM++ 2M", "scheduler": "Karras"}, {"rho": 7.0}, None),  # the default, named
+        ({"sampler": "Euler"}, {"rho": 5.0, "sigma_max": 20.0}, None),  # "Automatic" for Euler: the model's levels
+        ({"sampler": "Euler", "scheduler": "Uniform"}, {"sigma_min": 0.1}, None),  # the model's levels
+        ({"sampler": "Euler", "scheduler": "Align Your Steps"}, {"sigma_max": 20.0}, None),  # fixed levels
+        ({"sampler": "Euler", "scheduler": "SGM Uniform"}, {"rho": 5.0}, None),  # rho is Karras' alone
+        ({"sampler": "DDIM", "scheduler": "SGM Uniform"}, {"sigma_max": 20.0}, None),  # DDIM steps by timesteps
+    ],
+    ids=(
+        "rho", "rho-automatic", "sigma-max", "sigma-min", "old-karras-sigmas", "rho-request", "sgm-uniform-range",
+        "rho-7", "euler-automatic", "uniform", "align-your-steps", "rho-off-karras", "ddim",
+    ),
+)  # fmt: skip
+def test_sampler_parameters_that_move_the_sigmas_run_every_step(host, capsys, job_of, setting, said):
+    """Settings > Sampler parameters (``opts.rho``, ``sigma_min``, ``sigma_max``, ``use_old_karras_scheduler_sigmas``),
+    or an API request's ``override_settings`` of them, move the sigmas of a schedule that reads them (A1111's and
+    Forge's ``KDiffusionSampler.get_sigmas``) off those the plans were measured on (the model's own range, Karras'
+    rho 7): such a pass runs every step with one line naming the option. Schedules that read none of them, and DDIM
+    (timesteps), keep their plan. The request's options are the job's alone."""
+    sd_model = SDModel(make_unet("sd1"))
+    saved = vars(host.opts).copy()
+    vars(host.opts).update(setting)
+    capsys.readouterr()
+    try:
+        _, p = job(host, sd_model, script_args(**{**FORECAST, "reuse_plan": "forecast v3"}), **job_of)
+    finally:
+        vars(host.opts).update(saved)
+    assert vars(host.opts) == saved  # override_settings restored after the job
+    karras = job_of.get("scheduler", "Karras" if job_of["sampler"] == "DPM++ 2M" else None) == "Karras"
+    _assert_full_or_forecast(p, capsys.readouterr().out, said, 16 if karras else len(EULER_COMPUTED))
+    assert_clean(sd_model)
+
+
+@pytest.mark.parametrize(
+    ("label", "setting", "said", "computed"),
+    [
+        ("DPM++ 2M Karras", {"k_sched_type": "Automatic", "rho": 5.0}, None, 16),  # rho unread without a type
+        ("DPM++ 2M Karras", {"k_sched_type": "karras", "rho": 5.0}, "on karras sigmas with rho 5", None),
+        (
+            "DPM++ 2M Karras",
+            {"k_sched_type": "Automatic", "use_old_karras_scheduler_sigmas": True},
+            "with use_old_karras_scheduler_sigmas",
+            None,
+        ),  # fmt: skip
+        ("DPM++ 2M Karras", {"k_sched_type": "exponential"}, "on exponential sigmas: the plans lose the picture", None),
+        ("Euler", {"k_sched_type": "polyexponential"}, "on polyexponential sigmas: the plans lose the picture", None),
+        ("Euler", {"k_sched_type": "karras"}, "sampler Euler on karras sigmas is not one", None),
+        ("DDIM", {"k_sched_type": "exponential"}, None, len(EULER_COMPUTED)),  # DDIM steps by timesteps
+    ],
+)
+def test_before_v1_9_the_scheduler_type_setting_sets_every_samplers_sigmas(host, capsys, label, setting, said,
+                                                                          computed):  # fmt: skip
+    """A1111 v1.6-v1.8 have no ``p.scheduler``: Settings' "Scheduler type" (``opts.k_sched_type``) gives every
+    k-diffusion sampler its sigmas, over a label's "Karras", and only under it do rho and the sigma range apply
+    (``KDiffusionSampler.get_sigmas`` of those versions)."""
+    sd_model = SDModel(make_unet("sd1"))
+    saved = vars(host.opts).copy()
+    vars(host.opts).update(setting)
+    capsys.readouterr()
+    try:
+        p = _job_with(host, sd_model, script_args(**FORECAST), legacy=True, sampler=label)
+    finally:
+        vars(host.opts).clear()
+        vars(host.opts).update(saved)
+    _assert_full_or_forecast(p, capsys.readouterr().out, said, computed)
+    assert_clean(sd_model)
+
+
+@pytest.mark.parametrize("scheduler", ["Karras Exponential", "karras_exponential"])
+@pytest.mark.parametrize("sampler", ["Euler", "DPM++ 2M"])
+def test_karras_exponential_runs_every_step(host, capsys, sampler, scheduler):
+    """A WebUI fork's "Karras Exponential" (A1111 pull request 16506, not merged; Simple KES) blends Karras and
+    exponential sigmas over another range: no plan is measured there, so the pass runs every step with a line."""
+    sd_model = SDModel(make_unet("sd1"))
+    capsys.readouterr()
+    _, p = job(host, sd_model, script_args(**{**FORECAST, "reuse_plan": "forecast v3"}), sampler=sampler,
+               scheduler=scheduler)  # fmt: skip
+    said = f"sampler {sampler} on {scheduler} sigmas: no plan is measured there"
+    _assert_full_or_forecast(p, capsys.readouterr().out, said, None)
+    assert_clean(sd_model)
+
+
+@pytest.mark.parametrize(
+    ("units", "attributes", "said"),
+    [
+        ([ControlNetUnit(guidance_start=0.2)], {}, "guidance start-end 0.2-1 switches"),
+        ([ControlNetUnit(), ControlNetUnit(guidance_end=0.6)], {}, "guidance start-end 0-0.6 switches"),
+        ([{"enabled": True, "module": "ip-adapter_clip_sd15", "guidance_end": 0.5}], {}, "start-end 0-0.5"),  # API
+        ([], {"control_net_guidance_end": [1.0, 0.4]}, "guidance start-end 0-0.4"),  # X/Y/Z plot, per unit
+        ([ControlNetUnit()], {}, None),  # the whole pass
+        ([ControlNetUnit(enabled=False, guidance_start=0.5)], {}, None),
+        ([{"enabled": False, "guidance_end": 0.5}], {}, None),
+    ],
+    ids=("start", "end", "api-ip-adapter", "xyz", "whole", "off", "api-off"),
+)
+def test_a_controlnet_unit_switched_mid_pass_runs_every_step(host, capsys, units, attributes, said):
+    """sd-webui-controlnet (and Forge's built-in ControlNet) switch a unit on at ``guidance_start`` and off after
+    ``guidance_end`` of the pass (hook.py ``guidance_schedule_handler``); a skipped step after the switch would be
+    drawn from the steps before it, so an enabled unit (IP-Adapter's too) that guides part of the pass only makes
+    it run every step, with a line. The units are read where ControlNet reads them, ``p.script_args``."""
+    sd_model = SDModel(make_unet("sd1"))
+    capsys.readouterr()
+    p = _job_with(host, sd_model, [*script_args(**FORECAST), *units], **attributes)
+    _assert_full_or_forecast(p, capsys.readouterr().out, said, len(EULER_COMPUTED))
     assert_clean(sd_model)

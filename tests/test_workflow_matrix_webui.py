@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hosts.webui_host import Host, Processing, SDModel, make_unet, process_images, script_args
+from hosts.webui_host import ControlNetUnit, Host, Processing, SDModel, make_unet, process_images, script_args
 from test_webui_layer_reuse import assert_clean, runs_of
 
 from tome_core.reuse import FORECAST, FULL, LAYERS, decide
@@ -142,4 +142,48 @@ def test_each_pass_reuses_with_the_plan_decide_names_or_says_why_not(host, sd_mo
         else:
             assert run.reused_calls > 0
     assert ("reuse across steps is off" in said) == (len(reusing) < len(decisions))
+    assert_clean(sd_model)
+
+
+# Each a pass the door runs in full though ``decide`` gives its sampler and schedule a plan: (the job's sampler,
+# schedule, options for the job, ControlNet units, the line).
+RULES = {
+    "sigma-range": ("Euler", "SGM Uniform", {"sigma_max": 20.0}, [], "on SGM Uniform sigmas with sigma_max 20"),
+    "karras-exponential": ("Euler", "Karras Exponential", {}, [], "on Karras Exponential sigmas: no plan is measured"),
+    "controlnet-range": ("Euler", "Automatic", {}, [ControlNetUnit(guidance_start=0.3)], "guidance start-end 0.3-1"),
+}
+RULE_CASES = [(rule, workflow) for rule in RULES for workflow in WORKFLOWS]
+
+
+@pytest.mark.parametrize(("rule", "workflow"), RULE_CASES, ids=[f"{r}-{w}" for r, w in RULE_CASES])
+def test_a_pass_whose_plan_is_unknown_runs_every_call_in_every_workflow(host, sd_model, capsys, rule, workflow):
+    """A custom sigma range (an API request's ``override_settings``), the "Karras Exponential" schedule and a
+    ControlNet unit that guides part of the pass: ``decide`` names a plan, the door runs every call of every pass
+    (the highres pass with the first pass's sampler and schedule) and says why once."""
+    label, schedule, options, units, line = RULES[rule]
+    assert decide(DEFAULT_REUSE_PLAN, label, schedule.lower(), 3).runs != FULL
+    p = (Img2Img if workflow == "img2img" else Processing)(sd_model, [*script_args(**PLAN), *units])
+    p.sampler, p.scheduler, p.override_settings = label, schedule, options
+    p.steps = IMG2IMG_SCHEDULE[-(int(DENOISE * len(IMG2IMG_SCHEDULE)) + 1) :] if workflow == "img2img" else LONG
+    p.enable_hr, p.hr_steps = workflow == "highres", HR_LONG
+    unet = sd_model.model.diffusion_model
+    counts = {False: [0, 0], True: [0, 0]}  # per pass (is_hr_pass): UNet calls, middle block computed
+    handles = [
+        unet.register_forward_pre_hook(lambda *_: counts[p.is_hr_pass].__setitem__(0, counts[p.is_hr_pass][0] + 1)),
+        unet.middle_block[0].in_layers.register_forward_pre_hook(
+            lambda *_: counts[p.is_hr_pass].__setitem__(1, counts[p.is_hr_pass][1] + 1)
+        ),
+    ]
+    capsys.readouterr()
+    try:
+        with torch.no_grad():
+            process_images(host, p)
+    finally:
+        for handle in handles:
+            handle.remove()
+    said = capsys.readouterr().out
+    assert runs_of(p) == []
+    assert counts[False][0] == len(p.steps) and counts[False] == counts[False][:1] * 2
+    assert counts[True] == ([len(HR_LONG)] * 2 if workflow == "highres" else [0, 0])
+    assert said.count("reuse across steps is off") == 1 and line in said
     assert_clean(sd_model)

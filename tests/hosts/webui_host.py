@@ -205,7 +205,10 @@ class Host:
         self.callbacks.install(callbacks_mod)
         self.sd_unet = _module("modules.sd_unet", current_unet=None)
         # modules/shared_options.py: the sampler parameters a sampler reads when the request leaves them unset.
-        self.opts = types.SimpleNamespace(eta_ddim=0.0, eta_ancestral=1.0, s_churn=0.0, s_tmin=0.0, s_noise=1.0)
+        self.opts = types.SimpleNamespace(
+            eta_ddim=0.0, eta_ancestral=1.0, s_churn=0.0, s_tmin=0.0, s_noise=1.0,
+            rho=0.0, sigma_min=0.0, sigma_max=0.0, use_old_karras_scheduler_sigmas=False,
+        )  # fmt: skip
         shared = _module("modules.shared", opts=self.opts)
         gradio = fake_gradio()
         ui_components = _module("modules.ui_components", InputAccordion=type("InputAccordion", (gradio.Checkbox,), {}))
@@ -473,6 +476,8 @@ class Processing:
         # The request's sampler parameters (None: the settings'); this host's loop adds no noise whatever they are.
         self.eta = None
         self.s_churn = None
+        # An API request's options for this job only (``set_config`` in ``process_images``, restored after it).
+        self.override_settings = {}
 
     def comment(self, text):
         self.comments[text] = 1
@@ -495,11 +500,14 @@ def _ldm_apply_model(sd_model):
 def process_images(host: Host, p: Processing):
     """modules/processing.py process_images (819-861) and process_images_inner (863-1150), reduced."""
     host.run_hook(p, "before_process")  # 821
+    stored = {name: getattr(host.opts, name) for name in p.override_settings}
     try:
+        vars(host.opts).update(p.override_settings)  # set_config(p.override_settings), after before_process
         apply_token_merging(p.sd_model, p.get_token_merging_ratio())  # 841
         result = _process_images_inner(host, p)  # 847
     finally:
         apply_token_merging(p.sd_model, 0)  # 849-850
+        vars(host.opts).update(stored)  # the options restored
     return result
 
 
@@ -748,6 +756,18 @@ class ForgeSDModel(torch.nn.Module):
         self.forge_objects = types.SimpleNamespace(unet=self.forge_unet_original)
 
 
+class ControlNetUnit:
+    """sd-webui-controlnet's ``ControlNetUnit`` (internal_controlnet/args.py; Forge's built-in ControlNet has the
+    same fields) as far as its step range goes: ``Script.get_enabled_units`` reads the units from the ControlNet
+    script's part of ``p.script_args``, and hook.py's ``guidance_schedule_handler`` (a ``cfg_denoiser`` callback)
+    stops a unit at the steps whose ``sampling_step / total_sampling_steps`` lie outside ``guidance_start`` -
+    ``guidance_end``. This stand-in's loop applies no control."""
+
+    def __init__(self, enabled=True, guidance_start=0.0, guidance_end=1.0, module="none", model="None"):
+        self.enabled, self.guidance_start, self.guidance_end = enabled, guidance_start, guidance_end
+        self.module, self.model = module, model
+
+
 # --- helpers for the tests --------------------------------------------------------------------------------------
 
 
@@ -773,7 +793,7 @@ def run_job(host: Host, sd_model, args, **kwargs):
     that are not Processing's own set attributes (token_merging_ratio, on_step, ...)."""
     settable = (
         *("token_merging_ratio", "token_merging_ratio_hr", "on_step", "steps", "hr_steps", "sampler", "scheduler"),
-        *("hr_sampler_name", "hr_scheduler", "prompt_edit", "eta", "s_churn"),
+        *("hr_sampler_name", "hr_scheduler", "prompt_edit", "eta", "s_churn", "override_settings"),
     )
     attributes = {k: kwargs.pop(k) for k in list(kwargs) if k in (*settable, "batch_cond_uncond")}
     p = Processing(sd_model, args, **kwargs)

@@ -20,6 +20,9 @@ EXPONENTIAL, KL_OPTIMAL = "exponential", "kl_optimal"
 # Schedules on which the UNet plans lose the picture: docs/step-reuse.md, 'The workflows around the sampler'.
 # The WebUI's "Polyexponential" is the exponential schedule at its default rho 1 (and unmeasured at any other).
 LOSING_SCHEDULES = frozenset({EXPONENTIAL, KL_OPTIMAL, "kl optimal", "polyexponential"})
+# Schedules a host names on which no plan is measured (a WebUI fork's "Karras Exponential": a blend of the two over
+# a wider range, its lowest levels scaled down): a pass there runs every step.
+UNMEASURED_SCHEDULES = frozenset({"karras exponential", "karras_exponential"})
 # The options with which the deterministic kinds add noise at each step (k-diffusion's churn, DDIM's eta).
 NOISE_OPTIONS = ("s_churn", "eta")
 
@@ -54,6 +57,10 @@ def on_karras(schedule: str | None) -> bool:
 
 def loses_the_picture_on(schedule: str | None) -> bool:
     return _lower(schedule) in LOSING_SCHEDULES
+
+
+def unmeasured_on(schedule: str | None) -> bool:
+    return _lower(schedule) in UNMEASURED_SCHEDULES
 
 
 def schedule_of(sigmas: torch.Tensor, sigma_min: float, sigma_max: float) -> str | None:

@@ -27,7 +27,7 @@ from ...reuse import (
     on_karras,
     unet_schedule,
 )
-from ...reuse.samplers import noise_added
+from ...reuse.samplers import noise_added, unmeasured_on
 from ...schedule import NoiseRange, timestep_of_percent
 from ..shared.unet_layout import attention_levels, inner_layers
 
@@ -152,16 +152,26 @@ def sampler_and_schedule(p) -> tuple[str | None, str | None]:
     hires = bool(getattr(p, "is_hr_pass", False))
     sampler = (_chosen(getattr(p, "hr_sampler_name", None)) if hires else None) or getattr(p, "sampler_name", None)
     label = (sampler or "").strip()
+    forced = None if hasattr(p, "scheduler") else legacy_schedule(label)
     if label.lower().endswith(KARRAS_LABEL):
-        sampler, scheduler = label[: -len(KARRAS_LABEL)], KARRAS
+        sampler, scheduler = label[: -len(KARRAS_LABEL)], forced or KARRAS
     elif hasattr(p, "scheduler"):
         scheduler = (_chosen(getattr(p, "hr_scheduler", None)) if hires else None) or p.scheduler or "Automatic"
         if scheduler.strip().lower() == "automatic":
             scheduler = AUTOMATIC_SCHEDULES.get(label.lower())
     else:
-        scheduler = None
+        scheduler = forced
     part = hires or (hasattr(p, "init_images") and getattr(p, "denoising_strength", 1.0) < 1.0)
     return sampler, KARRAS_PART if part and on_karras(scheduler) else scheduler
+
+
+def legacy_schedule(label: str | None) -> str | None:
+    """Before v1.9 (no ``p.scheduler``): Settings' "Scheduler type" (``k_sched_type``), which sets every k-diffusion
+    sampler's sigmas over the label's "Karras" (A1111 v1.6-v1.8 ``KDiffusionSampler.get_sigmas``); None: the label's."""
+    chosen = getattr(_webui_opts(), "k_sched_type", None)
+    if not isinstance(chosen, str) or chosen.strip().lower() in ("", "automatic"):
+        return None
+    return None if (label or "").strip().lower() in TIMESTEP_SAMPLERS else chosen.strip().lower()
 
 
 def _chosen(label):
@@ -170,16 +180,108 @@ def _chosen(label):
 
 
 def decision_for(settings, p, dit: bool = False) -> Decision:
-    """What a pass of job ``p`` runs under ``settings`` (``plans.decide`` on its sampler and schedule; every step
-    where the sampler adds noise, ``sampler_noise``)."""
+    """What a pass of job ``p`` runs under ``settings`` (``plans.decide`` on its sampler and schedule); every step
+    where the sampler adds noise (``sampler_noise``), where the schedule is one no plan is measured on or the
+    sampler parameters move its sigmas (``sigma_options``), or where a ControlNet unit switches mid-pass
+    (``control_step_range``)."""
     interval = None if dit else settings.reuse_interval
     sampler, schedule = sampler_and_schedule(p)
     decision = decide(settings.reuse_plan, sampler, schedule, interval, dit=dit)
-    noise = noise_added(sampler, sampler_noise(p, sampler))
-    if noise is None or decision.runs == FULL:
+    if decision.runs == FULL:
         return decision
-    return Decision(FULL, f"sampler {sampler} with {noise} (Settings > Sampler parameters or the request) adds noise "
-                    "at each step: no plan is measured there")  # fmt: skip
+    noise = noise_added(sampler, sampler_noise(p, sampler))
+    if noise is not None:
+        return Decision(FULL, f"sampler {sampler} with {noise} (Settings > Sampler parameters or the request) adds "
+                        "noise at each step: no plan is measured there")  # fmt: skip
+    if unmeasured_on(schedule):
+        return Decision(FULL, f"sampler {sampler} on {schedule} sigmas: no plan is measured there")
+    options = sigma_options(p, sampler, schedule)
+    if options is not None:
+        return Decision(FULL, f"sampler {sampler} on {schedule} sigmas with {options} (Settings > Sampler "
+                        "parameters or the request's override_settings): the plans are measured on the model's own "
+                        "sigma range and Karras' rho 7")  # fmt: skip
+    control = control_step_range(p)
+    if control is not None:
+        return Decision(FULL, f"a ControlNet unit with guidance start-end {control} switches on or off mid-pass: a "
+                        "step skipped after the switch would be drawn from the steps before it")  # fmt: skip
+    return decision
+
+
+# Samplers of sd_samplers_timesteps.py: they step over timesteps, reading no schedule type and no sigma option.
+TIMESTEP_SAMPLERS = frozenset({"ddim", "ddim cfg++", "plms", "unipc"})
+# Schedule types whose sigmas do not depend on the sigma range (sd_schedulers.py: the model's own or fixed levels);
+# None: "Automatic" for a sampler without a schedule of its own (the model's levels).
+RANGE_FREE_SCHEDULES = frozenset({None, "uniform", "simple", "ddim", "turbo"})
+RANGE_FREE_PREFIXES = ("align your steps", "align_your_steps")
+# The schedules that take ``opts.rho``, and the rho the WebUI gives them at 0 (``Scheduler.default_rho``).
+DEFAULT_RHO = {"karras": 7.0, "polyexponential": 1.0}
+
+
+def sigma_options(p, sampler: str | None, schedule: str | None) -> str | None:
+    """The sampler parameters (Settings > Sampler parameters; a request's ``override_settings``, which the WebUI
+    puts in ``opts`` for the job) that move the pass's sigmas off ``schedule``'s over the model's own range at its
+    default rho, as "rho 5" (A1111's and Forge's ``KDiffusionSampler.get_sigmas``); None where none does."""
+    opts = _webui_opts()
+    name = (schedule or "").strip().lower() or None
+    if opts is None or (sampler or "").strip().lower() in TIMESTEP_SAMPLERS:
+        return None
+    if name in RANGE_FREE_SCHEDULES or name.startswith(RANGE_FREE_PREFIXES):
+        return None
+    found = []
+    if getattr(opts, "use_old_karras_scheduler_sigmas", False):
+        found.append("use_old_karras_scheduler_sigmas (sigmas 0.1 to 10)")
+    # Before v1.9 the range and rho apply only under a "Scheduler type" other than Automatic.
+    if hasattr(p, "scheduler") or legacy_schedule(sampler) is not None:
+        values = {option: getattr(opts, option, 0.0) for option in ("sigma_min", "sigma_max")}
+        if name in DEFAULT_RHO:
+            values["rho"] = getattr(opts, "rho", 0.0)
+        for option, value in values.items():
+            number = _number(value)
+            if number is None or (number != 0.0 and (option != "rho" or number != DEFAULT_RHO[name])):
+                found.append(f"{option} {value!r}" if number is None else f"{option} {number:g}")
+    return ", ".join(found) or None
+
+
+def _number(value) -> float | None:
+    try:
+        return float(value or 0.0)
+    except (TypeError, ValueError):
+        return None
+
+
+def control_step_range(p) -> str | None:
+    """The step range (as "0.2-1") of an enabled ControlNet or IP-Adapter unit that guides part of the pass only:
+    sd-webui-controlnet and Forge's built-in ControlNet keep their units in ``p.script_args`` and switch each on and
+    off per step by its ``guidance_start`` / ``guidance_end``; an X/Y/Z plot sets ``p.control_net_guidance_*``."""
+    ranges = []
+    for unit in map(_control_unit, getattr(p, "script_args", None) or ()):
+        if unit is not None and unit.get("enabled", True):
+            ranges.append((unit.get("guidance_start", 0.0), unit.get("guidance_end", 1.0)))
+    ends = getattr(p, "control_net_guidance_end", None)
+    ends = getattr(p, "control_net_guidance_strength", None) if ends is None else ends  # the end's older name
+    for values, as_range in (
+        (getattr(p, "control_net_guidance_start", None), lambda value: (value, 1.0)),
+        (ends, lambda value: (0.0, value)),
+    ):
+        for value in values if isinstance(values, (list, tuple)) else (values,):
+            if value is not None:
+                ranges.append(as_range(value))
+    for start, end in ranges:
+        first, last = _number(start), _number(1.0 if end is None else end)
+        if first is None or last is None:
+            return f"{start!r}-{end!r}"
+        if first > 0.0 or last < 1.0:
+            return f"{first:g}-{last:g}"
+    return None
+
+
+def _control_unit(arg) -> dict | None:
+    """A ControlNet unit's ``enabled`` and range as a dict (an API request's units are dicts), else None."""
+    if isinstance(arg, dict):
+        return arg if "guidance_start" in arg or "guidance_end" in arg else None
+    if not (hasattr(arg, "guidance_start") and hasattr(arg, "guidance_end")):
+        return None
+    return {name: getattr(arg, name) for name in ("enabled", "guidance_start", "guidance_end") if hasattr(arg, name)}
 
 
 def sampler_noise(p, sampler: str | None) -> dict:
