@@ -48,11 +48,12 @@ ADVANCED_INPUTS = _FIRST_INPUTS + (
     "reuse_interval",
     "dit_settings",
     "reuse_plan",
+    "calibration_target",
 )
 
 # Inputs added after the first release are optional: an API prompt or a saved workflow without them still
 # validates, and they take their default.
-OPTIONAL_INPUTS = frozenset({"scope", "reuse_interval", "dit_settings", "reuse_plan"})
+OPTIONAL_INPUTS = frozenset({"scope", "reuse_interval", "dit_settings", "reuse_plan", "calibration_target"})
 
 # Integer inputs are settings that stay as the user set them: ComfyUI's front end would otherwise add its
 # "control after generate" widget to an input named "seed" and draw a new seed after every run (by default),
@@ -174,7 +175,13 @@ def v3_nodes():
             else:
                 inputs.append(
                     io.Float.Input(
-                        name, default=default, min=spec.minimum, max=spec.maximum, step=spec.step, tooltip=spec.tooltip
+                        name,
+                        default=default,
+                        min=spec.minimum,
+                        max=spec.maximum,
+                        step=spec.step,
+                        tooltip=spec.tooltip,
+                        optional=name in OPTIONAL_INPUTS,
                     )
                 )
         return inputs

@@ -62,6 +62,7 @@ def test_package_registers_both_nodes(node_classes):
         "reuse_interval",
         "dit_settings",
         "reuse_plan",
+        "calibration_target",
     ]
 
 
@@ -86,6 +87,7 @@ def test_each_input_says_which_method_it_belongs_to(node_classes):
         "reuse_interval": "ToMe and ToDo: ",
         "dit_settings": "DiTs: ",
         "reuse_plan": "ToMe and ToDo: ",
+        "calibration_target": "ToMe and ToDo: ",
     }
     for node_id in ("ToMePatch", "ToMePatchAdvanced"):
         for spec in node_classes[node_id].GET_SCHEMA().inputs[1:]:
@@ -368,7 +370,9 @@ def test_classic_api_offers_the_same_inputs_and_result(node_classes, models):
         assert list(inputs) == [i.id for i in schema_inputs]
         # Inputs added after the first release are optional in both APIs, so older prompts still validate.
         optional = {i.id for i in schema_inputs if i.optional}
-        assert set(types.get("optional", {})) == optional == {"scope", "reuse_interval", "dit_settings", "reuse_plan"}
+        later = {"scope", "reuse_interval", "dit_settings", "reuse_plan"}
+        later |= {"calibration_target"} if v3 == "ToMePatchAdvanced" else set()
+        assert set(types.get("optional", {})) == optional == later
         for spec in schema_inputs[1:]:
             assert inputs[spec.id][1]["default"] == spec.default
             assert inputs[spec.id][1]["tooltip"] == spec.tooltip

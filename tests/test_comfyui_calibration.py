@@ -91,3 +91,13 @@ def test_an_interrupted_calibration_keeps_nothing(node_classes, model, user_dir,
     with pytest.raises(KeyboardInterrupt):
         counted(patched)
     assert not (user_dir / "tome_patch" / "calibrations.json").exists()
+
+
+def test_the_advanced_node_sets_the_target_and_refuses_one_out_of_range(node_classes, model, user_dir):
+    patched = host.patch_with_node(node_classes, model, advanced=True, reuse_plan="calibrated",
+                                   calibration_target=0.9, downsample_factor=1.0)  # fmt: skip
+    counted(patched)
+    (entry,) = kept(user_dir).values()
+    assert entry["result"]["target"] == 0.9
+    with pytest.raises(ValueError, match=r"calibration_target must be a number from 0.8 to 0.999, got 1.2"):
+        host.patch_with_node(node_classes, model, advanced=True, reuse_plan="calibrated", calibration_target=1.2)

@@ -650,11 +650,15 @@ def test_before_v1_9_the_scheduler_type_setting_sets_every_samplers_sigmas(host,
     assert_clean(sd_model)
 
 
-@pytest.mark.parametrize("scheduler", ["Karras Exponential", "karras_exponential"])
+@pytest.mark.parametrize(
+    "scheduler", ["Karras Exponential", "karras_exponential", "Turbo", "Karras Dynamic", "Align Your Steps GITS"]
+)
 @pytest.mark.parametrize("sampler", ["Euler", "DPM++ 2M"])
-def test_karras_exponential_runs_every_step(host, capsys, sampler, scheduler):
+def test_a_schedule_no_plan_is_measured_on_runs_every_step(host, capsys, sampler, scheduler):
     """A WebUI fork's "Karras Exponential" (A1111 pull request 16506, not merged; Simple KES) blends Karras and
-    exponential sigmas over another range: no plan is measured there, so the pass runs every step with a line."""
+    exponential sigmas over another range; A1111's Turbo, reForge's Karras Dynamic and Forge's AYS variants are
+    other levels again: no plan is measured there (``samplers.MEASURED_SCHEDULES``), so the pass runs every step with
+    a line."""
     sd_model = SDModel(make_unet("sd1"))
     capsys.readouterr()
     _, p = job(host, sd_model, script_args(**{**FORECAST, "reuse_plan": "forecast v3"}), sampler=sampler,

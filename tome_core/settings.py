@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .calibration import search as calibration_search
 from .reuse import plans
 
 METHODS = ("tome", "todo")
@@ -264,6 +265,16 @@ _SPEC_LIST += (
         + " ".join(plan.tooltip for plan in plans.REUSE_PLANS.values())
         + " DiTs ignore it (their full steps are spaced by the noise).",
     ),
+    Spec(
+        "calibration_target",
+        "float",
+        calibration_search.DEFAULT_TARGET,
+        tooltip="ToMe and ToDo: with reuse_plan calibrated, the same-seed SSIM of the final latent against the "
+        "unpatched one that a calibration keeps at the fewest computed steps (docs/calibration.md).",
+        minimum=calibration_search.TARGET_RANGE[0],
+        maximum=calibration_search.TARGET_RANGE[1],
+        step=0.001,
+    ),
 )
 
 SPECS: dict[str, Spec] = {spec.name: spec for spec in _SPEC_LIST}
@@ -328,6 +339,7 @@ class PatchSettings:
     reuse_interval: int = SPECS["reuse_interval"].default
     dit_settings: str = SPECS["dit_settings"].default
     reuse_plan: str = SPECS["reuse_plan"].default
+    calibration_target: float = SPECS["calibration_target"].default
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

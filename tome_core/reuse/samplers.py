@@ -20,9 +20,13 @@ EXPONENTIAL, KL_OPTIMAL = "exponential", "kl_optimal"
 # Schedules on which the UNet plans lose the picture: docs/step-reuse.md, 'The workflows around the sampler'.
 # The WebUI's "Polyexponential" is the exponential schedule at its default rho 1 (and unmeasured at any other).
 LOSING_SCHEDULES = frozenset({EXPONENTIAL, KL_OPTIMAL, "kl optimal", "polyexponential"})
-# Schedules a host names on which no plan is measured (a WebUI fork's "Karras Exponential": a blend of the two over
-# a wider range, its lowest levels scaled down): a pass there runs every step.
-UNMEASURED_SCHEDULES = frozenset({"karras exponential", "karras_exponential"})
+# The schedule names (the WebUI's labels and names, ComfyUI's) the plans are measured on; a pass on a schedule a
+# host names otherwise (Turbo, a fork's "Karras Exponential" or "Cosine", ...) runs every step.
+MEASURED_SCHEDULES = frozenset(
+    {KARRAS, KARRAS_PART, "uniform", "normal", "simple", "sgm uniform", "sgm_uniform", "ddim", "ddim_uniform", "beta"}
+    | {"linear_quadratic", "linear quadratic", "align your steps", "align_your_steps"}
+    | LOSING_SCHEDULES
+)
 # The options with which the deterministic kinds add noise at each step (k-diffusion's churn, DDIM's eta).
 NOISE_OPTIONS = ("s_churn", "eta")
 
@@ -60,7 +64,8 @@ def loses_the_picture_on(schedule: str | None) -> bool:
 
 
 def unmeasured_on(schedule: str | None) -> bool:
-    return _lower(schedule) in UNMEASURED_SCHEDULES
+    """Whether a host names ``schedule`` and no plan is measured on it (None: the host names none)."""
+    return schedule is not None and _lower(schedule) not in MEASURED_SCHEDULES
 
 
 def schedule_of(sigmas: torch.Tensor, sigma_min: float, sigma_max: float) -> str | None:

@@ -12,7 +12,6 @@ import torch
 
 from ... import __version__
 from ...calibration import (
-    DEFAULT_TARGET,
     Calibration,
     KeptCalibrations,
     calibration_key,
@@ -89,7 +88,7 @@ def sample_calibrated(hooks, executor, args, kwargs, sampler: str | None, schedu
         return run_with(decision.schedule if kept.spacing is not None else None)
     steps = len(call_sigmas(raw_sigmas))
     base = decide(hooks.plan, sampler, schedule, hooks.schedule.interval).schedule
-    calibration = Calibration(base.for_run(steps), steps, DEFAULT_TARGET)
+    calibration = Calibration(base.for_run(steps), steps, hooks.target)
     if not calibration.candidates:
         return run_with(base)
     return _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, key, run_with)

@@ -228,6 +228,7 @@ def install(clone, settings, noise_range, schedule) -> bool:
         return False  # a patcher without wrappers or injections (Forge): the WebUI script runs it there
     hooks = LayerReuseHooks(schedule, len(layers), noise_range, DEFAULT_EXTRAPOLATE)
     hooks.plan = settings.reuse_plan
+    hooks.target = settings.calibration_target
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)
     clone.add_wrapper_with_key(PREDICT_NOISE, WRAPPER_KEY, hooks.predict_noise_wrapper)
