@@ -25,6 +25,15 @@ def remove_patch(pipe_or_unet):
     return patch.remove_patch(pipe_or_unet)
 
 
+def calibrate(pipe, *args, **kwargs):
+    """Run ``pipe(*args, **kwargs)`` unpatched and calibrate its job anew on the same noise (a pipeline patched with
+    ``apply_patch(pipe, reuse_plan="calibrated")``); returns a ``CalibrationReport``: the ``result``, the file it is
+    kept in (``path``) and the unpatched run's ``output`` (docs/calibration.md, 'diffusers')."""
+    from .hosts.diffusers import calibrate as door
+
+    return door.calibrate(pipe, args, kwargs)
+
+
 __all__ = [
     "SPECS",
     "BlockMerge",
@@ -38,6 +47,7 @@ __all__ = [
     "Spec",
     "TokenMerge",
     "apply_patch",
+    "calibrate",
     "find_level",
     "grid_at_level",
     "reduced_levels",

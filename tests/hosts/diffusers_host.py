@@ -223,6 +223,12 @@ def _image(seed: int, channels: int = 3) -> torch.Tensor:
 
 def run(pipe, kind: str, steps: int = 3, seed: int = 0, **extra) -> np.ndarray:
     """Generate one image end to end (text encoding, CFG sampling, VAE decoding) with a fixed seed."""
+    with torch.no_grad():
+        return pipe(**call_arguments(kind, steps, seed, **extra)).images
+
+
+def call_arguments(kind: str, steps: int = 3, seed: int = 0, **extra) -> dict:
+    """The keyword arguments of ``run``'s pipeline call."""
     args = {
         "prompt": PROMPT,
         "num_inference_steps": steps,
@@ -234,12 +240,11 @@ def run(pipe, kind: str, steps: int = 3, seed: int = 0, **extra) -> np.ndarray:
     if kind in ("txt2img", "controlnet", "sdxl"):
         args.update(height=IMAGE_PX, width=IMAGE_PX)
     if kind == "img2img":
-        args.update(image=_image(1), strength=0.8)
+        args.update(image=_image(1), strength=extra.get("strength", 0.8))
     if kind == "inpaint":
         mask = torch.zeros(1, 1, IMAGE_PX, IMAGE_PX)
         mask[..., 8:24, 8:24] = 1.0
         args.update(image=_image(1), mask_image=mask, height=IMAGE_PX, width=IMAGE_PX, strength=1.0)
     if kind == "controlnet":
         args.update(image=_image(2))
-    with torch.no_grad():
-        return pipe(**args).images
+    return args

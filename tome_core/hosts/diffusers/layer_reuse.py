@@ -124,6 +124,7 @@ class PipelineReuse(LayerReuse):
         self._logged: LayerReuseRun | None = None
         self._refused: str | None = None  # the reason last said for running every step
         self._noise: str | None = None  # the option with which the run's scheduler adds noise ("eta 0.3")
+        self.suspended = False  # a calibration's unpatched run: every call runs in full, nothing recorded
 
     def _scheduler_timesteps(self, pipeline=None):
         pipeline = pipeline if pipeline is not None else self._pipeline()
@@ -135,6 +136,8 @@ class PipelineReuse(LayerReuse):
 
     def before_call(self, module, args, kwargs):
         self._current = None
+        if self.suspended:
+            return None
         sample = args[0] if args else kwargs.get(self.SAMPLE)
         timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
         # The pipeline calling now, not only the one patched: a UNet shared by pipelines (``from_pipe``) follows

@@ -8,7 +8,7 @@ import logging
 
 from ...reuse import REUSE_PLANS, unet_schedule
 from ...settings import PatchSettings
-from . import dit_patch, unet_patch
+from . import calibrate, dit_patch, unet_patch
 from .unet_blocks import attention_levels, transformer_blocks
 from .unet_patch import PatchConflictError, UnsupportedModelError
 
@@ -48,6 +48,7 @@ def remove_patch(pipe_or_unet):
     found = unet_patch.find_unet(pipe_or_unet)
     if found is not None:
         unet_patch.remove(found[0])
+    calibrate.remove(pipe_or_unet)
     return pipe_or_unet
 
 
@@ -55,17 +56,21 @@ def apply_patch(pipe_or_unet, **settings):
     """Patch a diffusers pipeline or its denoiser in place with ``settings`` (``tome_core.SPECS``); returns it.
     Raises ValueError (a bad value, a conflicting patch) or UnsupportedModelError, the model left as it was.
     ``reuse_interval`` above 1 needs a pipeline (by default it is then left out); a ``ratio`` without a ``method``
-    means ToMe, as in tomesd."""
+    means ToMe, as in tomesd. ``reuse_plan="calibrated"`` (with ``calibration_target``) needs a UNet's pipeline."""
     if "ratio" in settings and "method" not in settings:
         settings = {"method": "tome", **settings}
     validated = PatchSettings.from_values(**settings)
-    if REUSE_PLANS[validated.reuse_plan].calibrates:
-        raise ValueError(f"reuse_plan {validated.reuse_plan!r} calibrates in ComfyUI only so far; choose another plan")
+    calibrates = REUSE_PLANS[validated.reuse_plan].calibrates
     dits = dit_patch.find_transformers(pipe_or_unet)
     if dits is not None:
         dit_patch.apply_patch(dits, validated, settings)
         return pipe_or_unet
     unet, pipeline = _unet(pipe_or_unet)
+    if calibrates and pipeline is None:
+        raise ValueError(
+            f"reuse_plan {validated.reuse_plan!r} calibrates the pipeline's calls: pass the pipeline to apply_patch, "
+            "not its UNet"
+        )
     levels = attention_levels(unet)
     if not levels or not transformer_blocks(unet):
         raise UnsupportedModelError(
@@ -87,4 +92,8 @@ def apply_patch(pipe_or_unet, **settings):
             validated = validated.replace(reuse_interval=1)
     schedule = unet_schedule(validated.reuse_interval, levels, validated.reuse_plan) if reuse else None
     unet_patch.install(unet, pipeline, validated, schedule)
+    if pipeline is not None:
+        calibrate.remove(pipeline)
+        if calibrates and schedule is not None:
+            calibrate.install(pipeline, validated.calibration_target, validated)
     return pipe_or_unet
