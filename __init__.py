@@ -29,7 +29,22 @@ if __package__:
             return ToMePatchExtension()
 
     else:
-        from .nodes import ADVANCED_NODE_ID, NODE_ID, ClassicToMePatch, ClassicToMePatchAdvanced
+        from .nodes import (
+            ADVANCED_NODE_ID,
+            NODE_ID,
+            REPORT_NODE_ID,
+            ClassicToMeCalibrationReport,
+            ClassicToMePatch,
+            ClassicToMePatchAdvanced,
+        )
 
-        NODE_CLASS_MAPPINGS = {NODE_ID: ClassicToMePatch, ADVANCED_NODE_ID: ClassicToMePatchAdvanced}
-        NODE_DISPLAY_NAME_MAPPINGS = {NODE_ID: "ToMe Patch", ADVANCED_NODE_ID: "ToMe Patch (Advanced)"}
+        NODE_CLASS_MAPPINGS = {
+            NODE_ID: ClassicToMePatch,
+            ADVANCED_NODE_ID: ClassicToMePatchAdvanced,
+            REPORT_NODE_ID: ClassicToMeCalibrationReport,
+        }
+        NODE_DISPLAY_NAME_MAPPINGS = {
+            NODE_ID: "ToMe Patch",
+            ADVANCED_NODE_ID: "ToMe Patch (Advanced)",
+            REPORT_NODE_ID: "ToMe Calibration Report",
+        }

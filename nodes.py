@@ -6,12 +6,19 @@ the engine's validation. Input names are public API: saved workflows refer to th
 
 from __future__ import annotations
 
+from .tome_core.hosts.comfyui import calibrate as comfyui_calibrate
 from .tome_core.hosts.comfyui import dit_reuse as comfyui_dit_reuse
 from .tome_core.hosts.comfyui import patch as comfyui_patch
 from .tome_core.settings import IMPLIED_WHEN_ABSENT, RETIRED_CHOICES, SPECS, PatchSettings
 
 NODE_ID = "ToMePatch"
 ADVANCED_NODE_ID = "ToMePatchAdvanced"
+REPORT_NODE_ID = "ToMeCalibrationReport"
+REPORT_DESCRIPTION = (
+    "The picture of the last calibration (reuse_plan calibrated): the unpatched and the calibrated latent side by "
+    "side, their difference amplified, and the unpatched run's change per step, the computed steps in orange. "
+    "Connect the sampler's LATENT output so that it runs after the sampler."
+)
 CATEGORY = "model_patches/unet"
 DESCRIPTION = (
     "Makes sampling faster by reducing the tokens that the transformer blocks work on: ToMe merges similar "
@@ -138,6 +145,31 @@ class ClassicToMePatchAdvanced(ClassicToMePatch):
     INPUT_NAMES = ADVANCED_INPUTS
 
 
+def calibration_picture():
+    """The last calibration's picture as an IMAGE; a black square (and one log line) where there is none yet."""
+    import torch
+
+    picture = comfyui_calibrate.latest_picture()
+    if picture is None:
+        comfyui_calibrate.log.info("ToMe calibration: no calibration has run yet in this user directory.")
+        return torch.zeros(1, 64, 64, 3)
+    return picture
+
+
+class ClassicToMeCalibrationReport:
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "report"
+    CATEGORY = CATEGORY
+    DESCRIPTION = REPORT_DESCRIPTION
+
+    @classmethod
+    def INPUT_TYPES(cls):  # noqa: N802 (ComfyUI's name)
+        return {"required": {"samples": ("LATENT", {"tooltip": "The sampler's output (only to run after it)."})}}
+
+    def report(self, samples):
+        return (calibration_picture(),)
+
+
 def v3_nodes():
     """The nodes for the V3 API; imported only where the running ComfyUI has it."""
     from comfy_api.latest import io
@@ -207,7 +239,24 @@ def v3_nodes():
         Node.__name__ = Node.__qualname__ = node_id
         return Node
 
+    class ToMeCalibrationReport(io.ComfyNode):
+        @classmethod
+        def define_schema(cls):
+            return io.Schema(
+                node_id=REPORT_NODE_ID,
+                display_name="ToMe Calibration Report",
+                category=CATEGORY,
+                description=REPORT_DESCRIPTION,
+                inputs=[io.Latent.Input("samples", tooltip="The sampler's output (only to run after it).")],
+                outputs=[io.Image.Output()],
+            )
+
+        @classmethod
+        def execute(cls, samples):
+            return io.NodeOutput(calibration_picture())
+
     return [
         node_class(NODE_ID, "ToMe Patch", BASIC_INPUTS),
         node_class(ADVANCED_NODE_ID, "ToMe Patch (Advanced)", ADVANCED_INPUTS),
+        ToMeCalibrationReport,
     ]

@@ -152,3 +152,18 @@ def test_two_writers_at_once_lose_nothing(tmp_path):
     assert [writer.exitcode for writer in writers] == [0, 0]
     entries = json.loads(open(path).read())["entries"]
     assert sorted(entries) == sorted(f"{w}-{i}" for w in range(2) for i in range(15))
+
+
+def test_the_picture_shows_both_latents_their_difference_and_the_computed_steps():
+    from tome_core.calibration import draw_report, step_changes
+
+    denoised = [torch.full((1, 4, 8, 8), float(value)) for value in (1, 2, 2.5, 2.75)]
+    changes = step_changes(denoised)
+    assert changes == [0.0, 1.0, 0.25, 0.1]
+    reference = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    image = draw_report(reference, reference, changes, computed={0, 1})
+    assert image.shape == (192 + 4 + 96, 3 * 192 + 2 * 4, 3)
+    assert torch.equal(image[:192, 2 * (192 + 4) :], torch.zeros(192, 192, 3))  # no difference: black
+    bottom = image[-1]
+    step_width = image.shape[1] // 4
+    assert bottom[step_width + 1, 0] == 1.0 and bottom[2 * step_width + 1, 0] < 0.5  # step 1 computed, step 2 not

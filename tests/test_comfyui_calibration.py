@@ -61,6 +61,20 @@ def test_the_first_job_calibrates_and_the_next_runs_the_kept_plan(node_classes, 
     assert len(kept(user_dir)) == 1  # nothing calibrated again
 
 
+def test_the_report_node_shows_the_last_calibrations_picture(node_classes, model, user_dir):
+    report = node_classes["ToMeCalibrationReport"]
+    assert torch.equal(host.run_node(report, samples={}), torch.zeros(1, 64, 64, 3))  # none yet
+    patched = host.patch_with_node(node_classes, model, reuse_plan="calibrated", downsample_factor=1.0)
+    out, _ = counted(patched)
+    (identity,) = kept(user_dir)
+    assert (user_dir / "tome_patch" / "reports" / f"{identity}.png").exists()
+    picture = host.run_node(report, samples={"samples": out})
+    assert picture.shape[0] == 1 and picture.shape[1] == 192 + 4 + 96 and picture.shape[3] == 3
+    chart = picture[0, -1]  # the chart's bottom row: a bar per step, computed steps orange
+    orange = (chart[:, 0] > 0.9) & (chart[:, 1] > 0.5) & (chart[:, 1] < 0.6)
+    assert orange.any() and 0.0 <= float(picture.min()) and float(picture.max()) <= 1.0
+
+
 def test_another_strength_step_count_or_cfg_is_another_key(node_classes, model, user_dir):
     patched = host.patch_with_node(node_classes, model, reuse_plan="calibrated", downsample_factor=1.0)
     counted(patched)

@@ -6,6 +6,7 @@ plans' file). Method: docs/calibration.md."""
 
 from .fingerprint import calibration_key, key_id, tensors_fingerprint
 from .metric import latent_ssim
+from .report import draw_report, step_changes
 from .search import (
     DEFAULT_TARGET,
     MAX_RUNS,
@@ -26,8 +27,10 @@ __all__ = [
     "KeptCalibrations",
     "calibration_key",
     "candidates",
+    "draw_report",
     "check_target",
     "key_id",
     "latent_ssim",
+    "step_changes",
     "tensors_fingerprint",
 ]

@@ -11,6 +11,7 @@ import torch
 from ..reuse.plans import Spacing
 from ..reuse.schedules import IntervalSchedule
 from .metric import latent_ssim
+from .report import draw_report
 
 DEFAULT_TARGET = 0.98
 TARGET_RANGE = (0.8, 0.999)
@@ -64,6 +65,7 @@ class CalibrationResult:
     worst: float
     runs: int
     tried: tuple[tuple[int, float], ...] = field(default=())  # (computed steps, worst score) per candidate run
+    changes: tuple[float, ...] = field(default=())  # the unpatched run's change per step (``report.step_changes``)
 
     def schedule(self) -> IntervalSchedule | None:
         return None if self.spacing is None else self.spacing.schedule(self.spacing.every or 1)
@@ -78,6 +80,7 @@ class CalibrationResult:
             "worst": round(self.worst, 5),
             "runs": self.runs,
             "tried": [list(item) for item in self.tried],
+            "changes": [round(change, 5) for change in self.changes],
         }
 
     @classmethod
@@ -91,6 +94,7 @@ class CalibrationResult:
             worst=float(data["worst"]),
             runs=int(data["runs"]),
             tried=tuple((int(c), float(s)) for c, s in data.get("tried", ())),
+            changes=tuple(float(change) for change in data.get("changes", ())),
         )
 
     def words(self) -> str:
@@ -115,23 +119,38 @@ class Calibration:
         base_count = base.full_steps(steps)
         self.first = min(range(len(counts)), key=lambda i: abs(counts[i] - base_count)) if counts else 0
         self.reference: torch.Tensor | None = None
+        self.kept: torch.Tensor | None = None  # the kept candidate's latent (the reference where none is kept)
 
-    def run(self, sample: Callable[[IntervalSchedule | None], torch.Tensor]) -> CalibrationResult:
-        self.reference = sample(None)
+    def run(self, sample: Callable[[IntervalSchedule | None], torch.Tensor], changes=()) -> CalibrationResult:
+        """The search; ``changes()`` after the unpatched run gives its change per step for the result."""
+        self.reference = self.kept = sample(None)
+        changes = tuple(changes() if callable(changes) else changes)
         runs, tried, kept = 1, [], None
         low, high, probe = 0, len(self.candidates) - 1, self.first
         while low <= high and runs < self.max_runs:
             spacing = self.candidates[probe]
             schedule = spacing.schedule(spacing.every)
-            worst = float(latent_ssim(sample(schedule), self.reference).min())
+            latent = sample(schedule)
+            worst = float(latent_ssim(latent, self.reference).min())
             runs += 1
             tried.append((schedule.full_steps(self.steps), worst))
             if worst >= self.target:
                 kept, high = (spacing, schedule.full_steps(self.steps), worst), probe - 1
+                self.kept = latent
             else:
                 low = probe + 1
             probe = (low + high) // 2
         if kept is None:
-            return CalibrationResult(self.steps, self.target, None, self.steps, 1.0, runs, tuple(tried))
+            return CalibrationResult(self.steps, self.target, None, self.steps, 1.0, runs, tuple(tried), changes)
         spacing, computed, worst = kept
-        return CalibrationResult(self.steps, self.target, spacing, computed, worst, runs, tuple(tried))
+        return CalibrationResult(self.steps, self.target, spacing, computed, worst, runs, tuple(tried), changes)
+
+    def picture(self, result: CalibrationResult) -> torch.Tensor:
+        """``report.draw_report`` of this calibration (after ``run``)."""
+        schedule = result.schedule()
+        computed = (
+            set(range(self.steps))
+            if schedule is None
+            else {step for step in range(self.steps) if schedule.is_full(step, self.steps)}
+        )
+        return draw_report(self.reference, self.kept, list(result.changes) or [0.0] * self.steps, computed)

@@ -16,6 +16,7 @@ from ...calibration import (
     KeptCalibrations,
     calibration_key,
     key_id,
+    step_changes,
     tensors_fingerprint,
 )
 from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
@@ -25,6 +26,7 @@ from ...schedule import call_sigmas
 
 log = logging.getLogger("tome_patch")
 FILE = os.path.join("tome_patch", "calibrations.json")
+LATEST = "latest.png"
 _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a model's fingerprint, read once
 
 
@@ -113,14 +115,51 @@ def _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, ke
     saved = _fresh_conds(guider.conds)
     log.info("ToMe calibration: a new job for this model; up to %d runs (the first unpatched, the job's picture).",
              calibration.max_runs)  # fmt: skip
+    denoised, callback = [], args[5] if len(args) > 5 else None
+    args += [None] * (6 - len(args))
+
+    def recording(step, x0, x, total_steps):  # the unpatched run's denoised image per step (the picture's chart)
+        denoised.append(x0[:1].detach().float().cpu())
+        return callback(step, x0, x, total_steps) if callback is not None else None
 
     def sample(schedule):
         guider.conds = _fresh_conds(saved)
         if schedule is None:
-            return executor(*args, **kwargs)
+            return executor(*args[:5], recording, *args[6:], **kwargs)
         return run_with(schedule, args, kwargs)
 
-    result = calibration.run(sample)
-    kept_calibrations.put(key_id(key), key, result, {"metric": "latent SSIM, worst sample", "seeds": 2})
-    log.info("ToMe calibration: kept in %s: %s (%d runs).", kept_calibrations.path, result.words(), result.runs)
+    result = calibration.run(sample, changes=lambda: step_changes(denoised))
+    identity = key_id(key)
+    kept_calibrations.put(identity, key, result, {"metric": "latent SSIM, worst sample", "seeds": 2})
+    picture = save_picture(calibration.picture(result), kept_calibrations.path.parent, identity)
+    log.info("ToMe calibration: kept in %s: %s (%d runs); its picture: %s.", kept_calibrations.path, result.words(),
+             result.runs, picture)  # fmt: skip
     return calibration.reference[:batch]
+
+
+def reports_folder(folder) -> str:
+    return os.path.join(folder, "reports")
+
+
+def save_picture(image: torch.Tensor, folder, identity: str) -> str:
+    """``image`` (height, width, 3 in [0, 1]) as ``reports/<key>.png`` and ``reports/latest.png``."""
+    from PIL import Image
+
+    os.makedirs(reports_folder(folder), exist_ok=True)
+    picture = Image.fromarray((image.clamp(0, 1) * 255).round().to(torch.uint8).numpy())
+    path = os.path.join(reports_folder(folder), f"{identity}.png")
+    picture.save(path)
+    picture.save(os.path.join(reports_folder(folder), LATEST))
+    return path
+
+
+def latest_picture() -> torch.Tensor | None:
+    """The last calibration's picture as ComfyUI's IMAGE (1, height, width, 3), or None where there is none."""
+    from PIL import Image
+
+    path = os.path.join(reports_folder(store().path.parent), LATEST)
+    if not os.path.exists(path):
+        return None
+    with Image.open(path) as picture:
+        pixels = torch.frombuffer(bytearray(picture.convert("RGB").tobytes()), dtype=torch.uint8)
+        return (pixels.view(picture.height, picture.width, 3).float() / 255)[None]
