@@ -47,7 +47,7 @@ def _model_fingerprint(patcher) -> str:
     return _WEIGHTS[model]
 
 
-def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tensor) -> dict:
+def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tensor, target: float) -> dict:
     patcher = guider.model_patcher
     options = guider.model_options.get("transformer_options", {})
     others = [f"patch:{name}" for name in options.get("patches", {})]
@@ -61,7 +61,7 @@ def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tens
         cfg=getattr(guider, "cfg", None),
         shape=noise.shape[1:],
         version=__version__,
-        extra=others,
+        extra=[*others, f"target:{target}"],
     )
 
 
@@ -75,7 +75,7 @@ def sample_calibrated(hooks, executor, args, kwargs, sampler: str | None, schedu
     guider = executor.class_obj
     noise, raw_sigmas = args[0], args[3]
     try:
-        key = job_key(guider, sampler, raw_sigmas, noise)
+        key = job_key(guider, sampler, raw_sigmas, noise, hooks.target)
         kept_calibrations = store()
         kept = kept_calibrations.get(key_id(key))
     except UnreadableModelError as err:
