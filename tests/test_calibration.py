@@ -167,3 +167,24 @@ def test_the_picture_shows_both_latents_their_difference_and_the_computed_steps(
     bottom = image[-1]
     step_width = image.shape[1] // 4
     assert bottom[step_width + 1, 0] == 1.0 and bottom[2 * step_width + 1, 0] < 0.5  # step 1 computed, step 2 not
+
+
+def test_placements_are_ranked_by_the_lines_miss_on_the_unpatched_run():
+    from tome_core.calibration.search import candidates, line_miss
+
+    steps = 25
+    levels = [14.0 * (1 - step / steps) ** 3 + 0.03 for step in range(steps)]
+    # A denoised image that settles early and then moves once more late (a detail forming at low noise).
+    denoised = [torch.full((1, 2, 4, 4), 1.0 - 0.5 * (level / 14.0)) for level in levels]
+    for step in range(18, 21):
+        denoised[step] = denoised[step] + 0.3 * (step - 17)
+    every_step = Spacing(0.15, 0, every=1)
+    assert line_miss(denoised, levels, every_step) == 0.0
+    ranked = candidates(EULER, steps, miss=lambda spacing: line_miss(denoised, levels, spacing))
+    shaped = candidates(EULER, steps)
+    assert [s.schedule(s.every).full_steps(steps) for s in ranked] == [
+        s.schedule(s.every).full_steps(steps) for s in shaped
+    ]
+    # at each count the ranked placement misses no more than the placement nearest the default's shape
+    for chosen, nearest in zip(ranked, shaped, strict=True):
+        assert line_miss(denoised, levels, chosen) <= line_miss(denoised, levels, nearest)

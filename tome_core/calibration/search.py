@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..reuse.plans import Spacing
+from ..reuse.plans import WHOLE_STEP_REACH, Spacing
 from ..reuse.schedules import IntervalSchedule
 from .metric import latent_ssim
-from .report import draw_report
+from .report import draw_report, step_changes
 
 DEFAULT_TARGET = 0.98
 TARGET_RANGE = (0.8, 0.999)
@@ -37,9 +37,26 @@ def as_spacing(schedule: IntervalSchedule, steps: int) -> Spacing:
     return Spacing(schedule.full_start, schedule.full_end, every=every)
 
 
-def candidates(base: IntervalSchedule, steps: int) -> list[Spacing]:
-    """One spacing per count of computed steps under ``steps`` (ascending): ``base`` (the plan's own at this run
-    length) for its count, else the one nearest it in shape."""
+def line_miss(denoised: list[torch.Tensor], levels: list[float], spacing: Spacing) -> float:
+    """How far the line through the last two computed steps lands from the unpatched run's own denoised image at
+    each step ``spacing`` skips, summed (relative): a cheap ranking of placements, blind to the drift a run adds."""
+    schedule, steps = spacing.schedule(spacing.every), len(denoised)
+    computed, miss = [], 0.0
+    for step in range(steps):
+        if schedule.is_full(step, steps) or len(computed) < 2:
+            computed.append(step)
+            continue
+        a, b = computed[-2], computed[-1]
+        weight = 1.0 + WHOLE_STEP_REACH * (levels[step] - levels[b]) / (levels[b] - levels[a])
+        forecast = torch.lerp(denoised[a], denoised[b], weight)
+        miss += float((forecast - denoised[step]).norm() / denoised[step].norm().clamp_min(1e-12))
+    return miss
+
+
+def candidates(base: IntervalSchedule, steps: int, miss: Callable[[Spacing], float] | None = None) -> list[Spacing]:
+    """One spacing per count of computed steps under ``steps`` (ascending): where ``miss`` is given (``line_miss`` on
+    the unpatched run) the one it ranks best, else ``base`` (the plan's own at this run length) for its count and
+    the one nearest it in shape for the others."""
     own = as_spacing(base, steps)
     best: dict[int, tuple[float, Spacing]] = {}
     grid = [Spacing(start, end, every=every) for every in EVERY for start in FULL_START for end in FULL_END]
@@ -47,10 +64,13 @@ def candidates(base: IntervalSchedule, steps: int) -> list[Spacing]:
         count = spacing.schedule(spacing.every).full_steps(steps)
         if count >= steps:
             continue
-        distance = abs(spacing.every - own.every) + abs(spacing.full_end - own.full_end) / 4
-        distance += abs(spacing.full_start - own.full_start) * 10
-        if count not in best or distance < best[count][0]:
-            best[count] = (distance, spacing)
+        if miss is not None:
+            rank = miss(spacing)
+        else:
+            rank = abs(spacing.every - own.every) + abs(spacing.full_end - own.full_end) / 4
+            rank += abs(spacing.full_start - own.full_start) * 10
+        if count not in best or rank < best[count][0]:
+            best[count] = (rank, spacing)
     return [best[count][1] for count in sorted(best)]
 
 
@@ -114,17 +134,27 @@ class Calibration:
         self.target = check_target(target)
         self.steps = steps
         self.max_runs = max_runs
-        self.candidates = candidates(base, steps) if steps >= MIN_STEPS else []
-        counts = [spacing.schedule(spacing.every).full_steps(steps) for spacing in self.candidates]
-        base_count = base.full_steps(steps)
-        self.first = min(range(len(counts)), key=lambda i: abs(counts[i] - base_count)) if counts else 0
+        self.base = base
+        self._propose(None)
         self.reference: torch.Tensor | None = None
         self.kept: torch.Tensor | None = None  # the kept candidate's latent (the reference where none is kept)
 
-    def run(self, sample: Callable[[IntervalSchedule | None], torch.Tensor], changes=()) -> CalibrationResult:
-        """The search; ``changes()`` after the unpatched run gives its change per step for the result."""
+    def _propose(self, miss) -> None:
+        self.candidates = candidates(self.base, self.steps, miss) if self.steps >= MIN_STEPS else []
+        counts = [spacing.schedule(spacing.every).full_steps(self.steps) for spacing in self.candidates]
+        base_count = self.base.full_steps(self.steps)
+        self.first = min(range(len(counts)), key=lambda i: abs(counts[i] - base_count)) if counts else 0
+
+    def run(self, sample: Callable[[IntervalSchedule | None], torch.Tensor], observed=None) -> CalibrationResult:
+        """The search; ``observed()`` after the unpatched run gives its denoised image and noise level per step
+        (the placements are then ranked by ``line_miss``, and the result keeps the change per step)."""
         self.reference = self.kept = sample(None)
-        changes = tuple(changes() if callable(changes) else changes)
+        changes = ()
+        if observed is not None:
+            denoised, levels = observed()
+            if len(denoised) == self.steps and len(levels) >= self.steps:
+                changes = tuple(step_changes(denoised))
+                self._propose(lambda spacing: line_miss(denoised, levels, spacing))
         runs, tried, kept = 1, [], None
         low, high, probe = 0, len(self.candidates) - 1, self.first
         while low <= high and runs < self.max_runs:

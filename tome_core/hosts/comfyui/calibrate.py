@@ -16,7 +16,6 @@ from ...calibration import (
     KeptCalibrations,
     calibration_key,
     key_id,
-    step_changes,
     tensors_fingerprint,
 )
 from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
@@ -128,7 +127,8 @@ def _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, ke
             return executor(*args[:5], recording, *args[6:], **kwargs)
         return run_with(schedule, args, kwargs)
 
-    result = calibration.run(sample, changes=lambda: step_changes(denoised))
+    levels = [float(level) for level in call_sigmas(args[3])]
+    result = calibration.run(sample, observed=lambda: (denoised, levels))
     identity = key_id(key)
     kept_calibrations.put(identity, key, result, {"metric": "latent SSIM, worst sample", "seeds": 2})
     picture = save_picture(calibration.picture(result), kept_calibrations.path.parent, identity)
