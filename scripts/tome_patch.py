@@ -24,7 +24,7 @@ from tome_core.hosts.webui.patch import (
     JOB,
     OVERRIDES,
     TITLE,
-    end_reuse_pass,
+    end_job,
     patch_for_pass,
     remove_everywhere,
     start_job,
@@ -53,13 +53,13 @@ class ToMePatchScript(scripts.Script):
     def process_before_every_sampling(self, p, *args, **kwargs):
         job = getattr(p, JOB, None) or start_job(p, args)
         try:
-            patch_for_pass(p, job)
+            patch_for_pass(p, job, kwargs.get("x"))
         except Exception as err:  # never leave a half-applied patch behind, never stop the generation
             remove_everywhere(getattr(p, "sd_model", None))
             job.warn_once(f"not applied because of an error: {err!r}")
 
     def postprocess(self, p, processed, *args):
-        end_reuse_pass(getattr(p, JOB, None))
+        end_job(p, getattr(p, JOB, None))
         remove_everywhere(getattr(p, "sd_model", None))
 
 

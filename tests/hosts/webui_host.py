@@ -140,10 +140,31 @@ class AfterCFGCallbackParams:
 
 
 class SharedState:
-    """modules/shared_state.py ``State``: the two fields the samplers keep."""
+    """modules/shared_state.py ``State``: the fields the samplers keep, and the Interrupt and Skip buttons' flags
+    (``begin`` clears them at the start of each job)."""
 
     sampling_step = 0
     sampling_steps = 0
+    interrupted = False
+    skipped = False
+
+
+class InterruptedException(BaseException):
+    """modules/sd_samplers_common.py ``InterruptedException``."""
+
+
+class ImageRNG:
+    """modules/rng.py ``ImageRNG`` (v1.6+): the initial noise of a batch, each image's from its own seed's
+    generator; ``p.sample`` draws it with ``next()``, so noise drawn again needs a new one from the same seeds."""
+
+    def __init__(self, shape, seeds, subseeds=None, subseed_strength=0.0, seed_resize_from_h=0, seed_resize_from_w=0):
+        self.shape = tuple(map(int, shape))
+        self.seeds, self.subseeds, self.subseed_strength = seeds, subseeds, subseed_strength
+        self.seed_resize_from_h, self.seed_resize_from_w = seed_resize_from_h, seed_resize_from_w
+        self.generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
+
+    def next(self):
+        return torch.cat([torch.randn((1, *self.shape), generator=generator) for generator in self.generators])
 
 
 class CFGDenoiser:
@@ -152,6 +173,7 @@ class CFGDenoiser:
     def __init__(self, p):
         self.p = p
         self.step = 0  # calls so far in this pass (reset by the sampler's initialize)
+        self.last_latent = None
         self.steps = None  # the pass's steps (launch_sampling)
         self.total_steps = None  # the calls the sampler is expected to make
 
@@ -209,7 +231,7 @@ class Host:
             eta_ddim=0.0, eta_ancestral=1.0, s_churn=0.0, s_tmin=0.0, s_noise=1.0,
             rho=0.0, sigma_min=0.0, sigma_max=0.0, use_old_karras_scheduler_sigmas=False,
         )  # fmt: skip
-        shared = _module("modules.shared", opts=self.opts)
+        shared = _module("modules.shared", opts=self.opts, state=self.state)
         gradio = fake_gradio()
         ui_components = _module("modules.ui_components", InputAccordion=type("InputAccordion", (gradio.Checkbox,), {}))
         self.modules = {
@@ -231,11 +253,16 @@ class Host:
         self.scripts = self._load_scripts()
 
     def __enter__(self):
-        self._saved = {name: sys.modules.get(name) for name in self.modules}
-        sys.modules.update(self.modules)
+        self._depth = getattr(self, "_depth", 0) + 1
+        if self._depth == 1:  # re-entrant: a job runs its hooks inside it
+            self._saved = {name: sys.modules.get(name) for name in self.modules}
+            sys.modules.update(self.modules)
         return self
 
     def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth:
+            return False
         for name, module in self._saved.items():
             if module is None:
                 sys.modules.pop(name, None)
@@ -380,10 +407,18 @@ def sigma_of_percent(percent: float) -> float:
     return float(SIGMAS[round((1.0 - percent) * 999)])
 
 
-def sample(host, p, apply_model, x, timesteps, cond, uncond, cfg=5.0):
+def sample(host, p, apply_model, x, timesteps, cond, uncond):
     """One sampling pass: KDiffusionSampler ``initialize`` and ``launch_sampling``, k-diffusion's Euler or Heun loop
-    over the given DDPM timesteps (eps prediction, as the WebUI's CompVis denoiser), and ``callback_state``."""
+    over the given DDPM timesteps (eps prediction, as the WebUI's CompVis denoiser), and ``callback_state``. The
+    Interrupt or Skip button ends it early: ``launch_sampling`` returns the last denoised latent, no error."""
     denoiser = CFGDenoiser(p)  # initialize: step 0
+    try:
+        return _sample_loop(host, p, denoiser, apply_model, x, timesteps, cond, uncond, p.cfg_scale)
+    except InterruptedException:
+        return denoiser.last_latent
+
+
+def _sample_loop(host, p, denoiser, apply_model, x, timesteps, cond, uncond, cfg):
     steps = len(timesteps)
     denoiser.steps = steps  # launch_sampling
     # The highres pass samples with ``hr_sampler_name or sampler_name`` (modules/processing.py sample_hr_pass).
@@ -414,6 +449,8 @@ def sample(host, p, apply_model, x, timesteps, cond, uncond, cfg=5.0):
 
 def cfg_denoise(host, p, denoiser, apply_model, x, t, sigma, cond, uncond, cfg):
     """CFGDenoiser.forward (lines 156-311), reduced: cond first, then uncond."""
+    if host.state.interrupted or host.state.skipped:  # CFGDenoiser.forward, first lines
+        raise InterruptedException
     batch = x.shape[0]
     x_in = torch.cat([x, x])
     sigma_in = torch.full((2 * batch,), sigma)
@@ -435,6 +472,7 @@ def cfg_denoise(host, p, denoiser, apply_model, x, t, sigma, cond, uncond, cfg):
     eps_cond, eps_uncond = out.chunk(2)
     denoised = x - (eps_uncond + cfg * (eps_cond - eps_uncond)) * sigma
     host.fire("cfg_after_cfg", AfterCFGCallbackParams(denoised, host.state.sampling_step, host.state.sampling_steps))
+    denoiser.last_latent = denoised  # the sampler's ``last_latent``
     denoiser.step += 1  # 310
     return denoised
 
@@ -447,13 +485,18 @@ class Processing:
         """The WebUI's label of the job's sampler (``p.sampler_name``), which this host's loop runs."""
         return self.sampler
 
-    def __init__(self, sd_model, script_args, *, seed=1234, enable_hr=False, hr_sd_model=None, size=8):
+    def __init__(self, sd_model, script_args, *, seed=1234, enable_hr=False, hr_sd_model=None, size=8, batch_size=1):
         self.sd_model = sd_model
         self.hr_sd_model = hr_sd_model  # highres checkpoint (line 1360 reloads it); None: same model
         self.script_args = [0, *script_args]
         self.seed = seed
-        self.all_seeds = [seed]
-        self.seeds = [seed]
+        self.batch_size = batch_size
+        self.all_seeds = [seed + i for i in range(batch_size)]
+        self.seeds = list(self.all_seeds)
+        self.subseeds = list(self.all_seeds)
+        self.subseed_strength = 0.0
+        self.rng = None  # the batch's ImageRNG, made by process_images_inner before ``sample``
+        self.cfg_scale = 5.0
         self.enable_hr = enable_hr
         self.is_hr_pass = False
         self.extra_generation_params = {}
@@ -481,6 +524,10 @@ class Processing:
 
     def comment(self, text):
         self.comments[text] = 1
+
+    def sample(self, conditioning, unconditional_conditioning, seeds, subseeds, subseed_strength, prompts):
+        """txt2img ``sample`` (1307-1362): the initial noise from ``self.rng`` (v1.6+; ``seeds`` is not read)."""
+        return _sample(self.host, self, self.rng.next(), conditioning, unconditional_conditioning)
 
     def get_token_merging_ratio(self, for_hr=False):  # lines 412-416 (options folded into the fields)
         if for_hr:
@@ -512,17 +559,24 @@ def process_images(host: Host, p: Processing):
 
 
 def _process_images_inner(host, p):
+    host.state.interrupted = host.state.skipped = False  # state.begin
     host.run_hook(p, "process")  # 915
+    # The prompt's conditioning: drawn after the first seed's noise from its generator, the same for every image.
     generator = torch.Generator().manual_seed(p.seed)
-    noise = torch.randn(1, 4, p.size, p.size, generator=generator)
-    cond = torch.randn(1, 5, 32, generator=generator)
-    uncond = torch.zeros(1, 5, 32)
-    samples = _sample(host, p, noise, cond, uncond, generator)
+    torch.randn(1, 4, p.size, p.size, generator=generator)
+    cond = torch.randn(1, 5, 32, generator=generator).expand(p.batch_size, -1, -1)
+    uncond = torch.zeros(p.batch_size, 5, 32)
+    p.host = host
+    p.rng = ImageRNG((4, p.size, p.size), p.seeds, subseeds=p.subseeds, subseed_strength=p.subseed_strength)
+    samples = p.sample(  # process_images_inner, once per batch
+        conditioning=cond, unconditional_conditioning=uncond, seeds=p.seeds, subseeds=p.subseeds,
+        subseed_strength=p.subseed_strength, prompts=[""] * p.batch_size,
+    )  # fmt: skip
     host.run_hook(p, "postprocess", samples)  # 1148, not in a finally
     return samples
 
 
-def _sample(host, p, noise, cond, uncond, generator):
+def _sample(host, p, noise, cond, uncond):
     """txt2img sample (1307-1362) and sample_hr_pass (1364-1464)."""
     _reset_forge(p)
     host.run_hook(p, "process_before_every_sampling", x=noise, noise=noise, c=cond, uc=uncond)  # 1338
@@ -534,7 +588,7 @@ def _sample(host, p, noise, cond, uncond, generator):
         host.fire("model_loaded", p.sd_model)
     p.is_hr_pass = True  # 1368
     latent = torch.nn.functional.interpolate(samples, scale_factor=2, mode="nearest")
-    hr_noise = torch.randn(latent.shape, generator=generator)
+    hr_noise = ImageRNG(latent.shape[1:], p.seeds, subseeds=p.subseeds, subseed_strength=p.subseed_strength).next()
     apply_token_merging(p.sd_model, p.get_token_merging_ratio(for_hr=True))  # 1442
     host.run_hook(p, "before_hr")  # 1445
     host.run_hook(p, "process_before_every_sampling", x=latent, noise=hr_noise, c=cond, uc=uncond)  # 1446
@@ -793,12 +847,12 @@ def run_job(host: Host, sd_model, args, **kwargs):
     that are not Processing's own set attributes (token_merging_ratio, on_step, ...)."""
     settable = (
         *("token_merging_ratio", "token_merging_ratio_hr", "on_step", "steps", "hr_steps", "sampler", "scheduler"),
-        *("hr_sampler_name", "hr_scheduler", "prompt_edit", "eta", "s_churn", "override_settings"),
+        *("hr_sampler_name", "hr_scheduler", "prompt_edit", "eta", "s_churn", "override_settings", "cfg_scale"),
     )
     attributes = {k: kwargs.pop(k) for k in list(kwargs) if k in (*settable, "batch_cond_uncond")}
     p = Processing(sd_model, args, **kwargs)
     for name, value in attributes.items():
         setattr(p, name, value)
-    with torch.no_grad():
+    with torch.no_grad(), host:  # the WebUI's modules stay importable for the whole job
         samples = process_images(host, p)
     return samples, p

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ...reuse import FORECAST, FULL, REUSE_PLANS
 from ..shared.model_patcher import NotAUNetError, patched_clone
 from . import args as webui_args
+from . import calibrate as webui_calibrate
 from . import dit_reuse as webui_dit_reuse
 from . import layer_reuse as webui_layer_reuse
 from . import ldm_patch
@@ -31,11 +32,15 @@ class Job:
         self.infotext_written = False
         self.reuse_runs: list = []
         self.dit_family: str | None = None  # the DiT family whose default a pass ran (Forge Neo), for the infotext
+        self.calibration = None  # reuse_plan "calibrated" on the WebUI's ldm UNet (``calibrate.JobCalibration``)
 
     def warn_once(self, message: str) -> None:
         if message not in self.warned:
             self.warned.add(message)
             _console(message)
+
+    def say(self, message: str) -> None:
+        _console(message)
 
 
 def _unet_of(sd_model):
@@ -102,7 +107,18 @@ def start_job(p, args) -> Job:
     else:
         job = Job(parsed if parsed.enabled else None)
     setattr(p, JOB, job)
+    args = job.args
+    if args is not None and args.reuse_interval > 1 and REUSE_PLANS[args.reuse_plan].calibrates:
+        if getattr(getattr(p, "sd_model", None), "forge_objects", None) is None:
+            webui_calibrate.install(p, job)
     return job
+
+
+def end_job(p, job: Job | None) -> None:
+    """The job is over: its last pass ends and ``p.sample`` is the WebUI's own again."""
+    end_reuse_pass(job)
+    if job is not None:
+        webui_calibrate.uninstall(p, job)
 
 
 def end_reuse_pass(job: Job | None) -> None:
@@ -113,7 +129,8 @@ def end_reuse_pass(job: Job | None) -> None:
         _console(f"reuse across steps: {run.summary()}")
 
 
-def patch_for_pass(p, job: Job) -> None:
+def patch_for_pass(p, job: Job, latent=None) -> None:
+    """Patch this pass of job ``p`` (``latent``: the hook's ``x``, the noise it starts from, for the key)."""
     end_reuse_pass(job)
     is_hr_pass = bool(getattr(p, "is_hr_pass", False))
     sd_model = p.sd_model
@@ -134,7 +151,7 @@ def patch_for_pass(p, job: Job) -> None:
     if forge_objects is not None:
         patched = _patch_forge(p, forge_objects, settings, job)
     else:
-        patched = _patch_ldm(p, sd_model, settings, job)
+        patched = _patch_ldm(p, sd_model, settings, job, latent)
     if patched and not job.infotext_written:
         if job.dit_family is not None:
             params = webui_args.dit_infotext_params(job.args, job.dit_family)
@@ -144,7 +161,7 @@ def patch_for_pass(p, job: Job) -> None:
         job.infotext_written = True
 
 
-def _patch_ldm(p, sd_model, settings, job: Job) -> bool:
+def _patch_ldm(p, sd_model, settings, job: Job, latent=None) -> bool:
     unet = _unet_of(sd_model)
     if unet is None or not hasattr(unet, "named_modules"):
         job.warn_once(f"this model ({type(sd_model).__name__}) has no UNet to patch; generating without it.")
@@ -160,7 +177,12 @@ def _patch_ldm(p, sd_model, settings, job: Job) -> bool:
     decision = _decision(p, settings, job)
     v_prediction = webui_whole_step.ldm_v_prediction(sd_model)
     if decision.runs == FORECAST and v_prediction is not None:
-        reusing = webui_whole_step.install_ldm(unet, settings, p, decision.schedule, v_prediction) is not None
+        schedule = decision.schedule
+        calibrates = REUSE_PLANS[settings.reuse_plan].calibrates
+        if calibrates:
+            schedule = webui_calibrate.schedule_for_pass(p, job, settings, decision, unet, latent)
+        # A calibrating job's own pass runs every step; its infotext still says "calibrated".
+        reusing = webui_whole_step.install_ldm(unet, settings, p, schedule, v_prediction) is not None or calibrates
     else:
         layers = decision.fallback or decision
         schedule = webui_layer_reuse.schedule_for(settings, unet, layers)
@@ -168,12 +190,12 @@ def _patch_ldm(p, sd_model, settings, job: Job) -> bool:
     return reduced or reusing
 
 
-def _decision(p, settings, job: Job):
+def _decision(p, settings, job: Job, forge: bool = False):
     """The pass's decision (``plans.decide``), with one warning where it runs every step though reuse is asked."""
     decision = webui_layer_reuse.decision_for(settings, p)
-    if settings.reuse_interval > 1 and REUSE_PLANS[settings.reuse_plan].calibrates:
-        job.warn_once(f"reuse_plan {settings.reuse_plan!r} calibrates in ComfyUI only so far; this job runs its "
-                      "plan uncalibrated (forecast v3's).")  # fmt: skip
+    if forge and settings.reuse_interval > 1 and REUSE_PLANS[settings.reuse_plan].calibrates:
+        job.warn_once(f"reuse_plan {settings.reuse_plan!r} calibrates in ComfyUI, diffusers and the A1111 WebUI; "
+                      "Forge runs its plan uncalibrated (forecast v3's).")  # fmt: skip
     if settings.reuse_interval > 1 and decision.runs == FULL:
         job.warn_once(
             f"reuse across steps is off: {decision.why}; every step runs in full, the token reduction still applies."
@@ -193,7 +215,7 @@ def _patch_forge(p, forge_objects, settings, job: Job) -> bool:
     except NotAUNetError as err:
         return _patch_dit(p, forge_objects, settings, percent_to_sigma, job, str(err))
     # The step comes from the WebUI's callbacks: its samplers never run a ComfyUI-style sampler wrapper.
-    decision = _decision(p, settings, job)
+    decision = _decision(p, settings, job, forge=True)
     v_prediction = webui_whole_step.forge_v_prediction(clone)
     if decision.runs == FORECAST and v_prediction is not None:
         webui_whole_step.install_forge(clone, settings, p, percent_to_sigma, decision.schedule, v_prediction)

@@ -1,0 +1,276 @@
+"""The A1111 WebUI's door to ``reuse_plan`` "calibrated" (the ldm UNet): the key at each job's first pass (the UNet's
+weights by content as they are, the Lora extension's networks and strengths, sampler, schedule, steps, denoise,
+CFG, latent shape); a key without a kept plan runs its pass unpatched (the user's picture), then ``p.sample`` runs
+again on the same seeds with the candidates and the result is kept for the next job. docs/calibration.md, 'WebUI'."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ... import __version__
+from ...calibration import Calibration, KeptCalibrations, calibration_key, key_id, tensors_fingerprint
+from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
+from ...calibration.store import SetAsideError
+from ...reuse import decide, kept_plan
+from . import layer_reuse as webui_layer_reuse
+
+ENV = "TOME_PATCH_CALIBRATIONS"  # a file of the user's choosing, as in diffusers
+DEFAULT_FILE = Path(__file__).resolve().parents[3] / "calibrations" / "calibrations.json"  # next to scripts/
+KEY_CALIBRATED = "ToMe calibrated"  # the infotext's kept computed steps (not a control's value)
+_NOT_FORCED = object()
+_BACKUPS = {"weight": "network_weights_backup", "bias": "network_bias_backup"}  # the Lora extension's names
+
+
+def store() -> KeptCalibrations:
+    return KeptCalibrations(os.environ.get(ENV) or DEFAULT_FILE)
+
+
+class _StoppedError(Exception):
+    """The Interrupt or Skip button, pressed while calibrating: the sampler returned early, nothing is kept."""
+
+
+class JobCalibration:
+    """One job's calibration state: the schedule a candidate run forces on its pass, the key a pass found no plan
+    for, and the plan the job ran (for the infotext)."""
+
+    def __init__(self, original_sample):
+        self.original_sample = original_sample
+        self.forced = _NOT_FORCED
+        self.pending: tuple | None = None  # (key, the plan's own schedule, target)
+
+
+def install(p, job) -> None:
+    """Run ``p.sample`` (called once per batch by ``process_images``) through ``sample`` for this job."""
+    original = getattr(p, "sample", None)
+    if original is None or getattr(p, "sd_model", None) is None:
+        return
+    job.calibration = JobCalibration(original)
+
+    def calibrated_sample(*args, **kwargs):
+        return sample(p, job, args, kwargs)
+
+    p.sample = calibrated_sample
+
+
+def uninstall(p, job) -> None:
+    calibration = getattr(job, "calibration", None)
+    if calibration is not None and p.__dict__.get("sample") is not None:
+        del p.__dict__["sample"]
+
+
+def _unet_fingerprint(unet) -> str:
+    """The UNet's tensors as they are; a layer the Lora extension has merged into is read from its backup, since
+    the networks it merges are keyed apart (``_networks_fingerprint``) and it merges at the layer's first call."""
+    modules = dict(unet.named_modules())
+    named = []
+    for name, tensor in unet.state_dict(keep_vars=True).items():
+        owner_name, _, attribute = name.rpartition(".")
+        owner = modules.get(owner_name)
+        if owner is not None and attribute in _BACKUPS and getattr(owner, "network_current_names", ()):
+            backup = getattr(owner, _BACKUPS[attribute], _NOT_FORCED)
+            if backup is None and attribute == "bias":
+                continue  # a bias the merge added
+            if isinstance(backup, torch.Tensor):
+                tensor = backup
+        named.append((name, tensor))
+    return tensors_fingerprint(named)
+
+
+def _networks_fingerprint() -> str:
+    """The networks the built-in Lora extension applies to this job (``networks.loaded_networks``): each one's file
+    by its hash where the WebUI read one, and its strengths."""
+    networks = sys.modules.get("networks")
+    loaded = getattr(networks, "loaded_networks", None) or []
+    described = []
+    for net in loaded:
+        on_disk = getattr(net, "network_on_disk", None)
+        identity = getattr(on_disk, "sha256", None) or getattr(on_disk, "hash", None)
+        if not identity:
+            filename = getattr(on_disk, "filename", None)
+            try:
+                stat = os.stat(filename)
+                identity = f"{filename}:{stat.st_size}:{stat.st_mtime_ns}"
+            except (OSError, TypeError, ValueError):
+                identity = str(filename)
+        fields = ("name", "te_multiplier", "unet_multiplier", "dyn_dim")
+        described.append([identity, *(repr(getattr(net, field, None)) for field in fields)])
+    return patches_fingerprint({"networks": described})
+
+
+def _opts():
+    try:
+        from modules import shared
+    except ImportError:
+        return None, None
+    return getattr(shared, "opts", None), getattr(shared, "state", None)
+
+
+def job_key(p, unet, settings, sampler, schedule, latent) -> dict:
+    opts, _ = _opts()
+    img2img = hasattr(p, "init_images")
+    extra = [
+        "host:webui",
+        f"schedule:{schedule}",
+        f"steps:{p.steps}",
+        f"denoise:{getattr(p, 'denoising_strength', 1.0) if img2img else 1.0}",
+        f"settings:{sorted((k, v) for k, v in dataclasses.asdict(settings).items() if k != 'seed')}",
+        f"parameterization:{getattr(p.sd_model, 'parameterization', None)}",
+    ]
+    for option in ("always_discard_next_to_last_sigma", "sd_noise_schedule", "img2img_fix_steps"):
+        if hasattr(opts, option):
+            extra.append(f"{option}:{getattr(opts, option)}")
+    shape = latent.shape[1:] if isinstance(latent, torch.Tensor) else ()
+    return calibration_key(
+        model=_unet_fingerprint(unet),
+        patches=_networks_fingerprint(),
+        sampler=sampler,
+        sigmas=[],
+        cfg=getattr(p, "cfg_scale", None),
+        shape=shape,
+        version=__version__,
+        extra=extra,
+    )
+
+
+def _highres_or_refiner(p) -> str | None:
+    if getattr(p, "enable_hr", False) or getattr(p, "is_hr_pass", False):
+        return "highres fix is on (a calibration would run both passes and the upscale again for every candidate)"
+    refiner = getattr(p, "refiner_checkpoint", None)
+    if getattr(p, "refiner_checkpoint_info", None) is not None or refiner not in (None, "", "None"):
+        return "a refiner is set (it loads other weights mid-pass)"
+    return None
+
+
+def schedule_for_pass(p, job, settings, decision, unet, latent):
+    """The forecast schedule of a pass under "calibrated" (None: every step in full): a candidate run's, the kept
+    plan's, or none while the key has no plan yet (the pass runs unpatched and ``sample`` then calibrates)."""
+    calibration = getattr(job, "calibration", None)
+    if calibration is not None and calibration.forced is not _NOT_FORCED:
+        return calibration.forced
+    why = _highres_or_refiner(p)
+    if why is None and calibration is None:
+        why = "this job's processing has no sample() to run again"
+    if why is not None:
+        job.warn_once(f"reuse_plan 'calibrated' runs forecast v3 for this job: {why}.")
+        return decision.schedule
+    sampler, schedule = webui_layer_reuse.sampler_and_schedule(p)
+    kept_calibrations = store()
+    try:
+        key = job_key(p, unet, settings, sampler, schedule, latent)
+        kept = kept_calibrations.get(key_id(key))
+    except UnreadableModelError as err:
+        job.warn_once(f"reuse_plan 'calibrated': this model cannot be keyed by its content ({err}); running "
+                      "forecast v3.")  # fmt: skip
+        return decision.schedule
+    except SetAsideError:
+        return decision.schedule
+    if kept is None:
+        calibration.pending = (key, decision.schedule, settings.calibration_target)
+        return None
+    p.extra_generation_params.update(infotext(kept))
+    job.warn_once(f"calibration: the plan kept for this job in {kept_calibrations.path}: {kept.words()}.")
+    if kept.spacing is None:
+        return None
+    plan = kept_plan(settings.reuse_plan, sampler, schedule, kept.spacing)
+    return decide(plan, sampler, schedule, settings.reuse_interval).schedule
+
+
+def _stopped() -> bool:
+    _, state = _opts()
+    return any(getattr(state, flag, False) for flag in ("interrupted", "skipped", "stopping_generation"))
+
+
+def _with_seeds(args: tuple, kwargs: dict, seeds: list) -> tuple[tuple, dict]:
+    """``p.sample``'s arguments with other seeds (read by WebUIs before v1.6, which had no ``p.rng``)."""
+    if "seeds" in kwargs:
+        return args, {**kwargs, "seeds": seeds}
+    if len(args) > 2:
+        return (*args[:2], seeds, *args[3:]), kwargs
+    return args, kwargs
+
+
+def _noise_for(rng, seeds):
+    """A new ``ImageRNG`` like ``rng`` for ``seeds``: ``p.sample`` draws its noise from ``p.rng``, once."""
+    return type(rng)(rng.shape, seeds, subseeds=rng.subseeds, subseed_strength=rng.subseed_strength,
+                     seed_resize_from_h=rng.seed_resize_from_h, seed_resize_from_w=rng.seed_resize_from_w)  # fmt: skip
+
+
+def sample(p, job, args, kwargs):
+    """``p.sample`` under "calibrated": the job's own run, then, where its first pass found no kept plan, the
+    calibration on the same seeds; returns the job's own (unpatched) latent."""
+    calibration = job.calibration
+    calibration.pending = None
+    rng = getattr(p, "rng", None)
+    out = calibration.original_sample(*args, **kwargs)
+    pending, calibration.pending = calibration.pending, None
+    if pending is None:
+        return out
+    try:
+        _calibrate(p, job, args, kwargs, out, pending, rng)
+    except _StoppedError:
+        job.say("calibration: stopped (Interrupt or Skip); nothing is kept, the next job calibrates again.")
+    except Exception as err:  # the user's picture is made: a failed candidate run costs only the calibration
+        job.say(f"calibration: failed ({err!r}); nothing is kept.")
+    finally:
+        calibration.forced = _NOT_FORCED
+        if rng is not None:
+            p.rng = rng
+    return out
+
+
+def _calibrate(p, job, args, kwargs, out, pending, rng) -> None:
+    calibration = job.calibration
+    key, base, target = pending
+    _, state = _opts()
+    steps = int(getattr(state, "sampling_steps", 0) or 0)  # the pass just run (``launch_sampling`` sets it)
+    if _stopped():
+        raise _StoppedError
+    if not isinstance(out, torch.Tensor) or out.dim() != 4 or getattr(out, "already_decoded", False):
+        job.say("calibration: this job's sampler returns no latent to compare; nothing is kept.")
+        return
+    search = Calibration(base.for_run(steps), steps, target) if steps > 0 else None
+    if search is None or not search.candidates:
+        job.say(f"calibration: a run of {steps} steps forecasts nothing; every step runs, as under forecast v3.")
+        return
+    seeds = [int(seed) for seed in (getattr(p, "seeds", None) or [getattr(p, "seed", 0)])]
+    # A plan kept from one picture transfers only in part (docs/calibration.md): a second seed where the batch has one.
+    second = [seed + 1 for seed in seeds] if out.shape[0] < 2 else None
+    if rng is None and second is not None:
+        job.say("calibration: this WebUI draws no noise per job (no p.rng); calibrating on the job's seeds alone.")
+        second = None
+    job.say(f"calibration: a new job for this model; up to {search.max_runs} runs (the first unpatched, the job's "
+            f"picture){', each on two seeds' if second else ''}.")  # fmt: skip
+
+    def run(schedule, run_seeds):
+        calibration.forced = schedule
+        if rng is not None:
+            p.rng = _noise_for(rng, run_seeds)
+        run_args, run_kwargs = _with_seeds(args, kwargs, run_seeds)
+        try:
+            latent = calibration.original_sample(*run_args, **run_kwargs)
+        finally:
+            webui_layer_reuse.end_pass()  # a candidate's run is the calibration's, not the job's: no line of its own
+        if _stopped():
+            raise _StoppedError
+        return latent
+
+    def candidate(schedule):
+        first = out if schedule is None else run(schedule, seeds)
+        return first if second is None else torch.cat([first, run(schedule, second)])
+
+    result = search.run(candidate)
+    kept_calibrations = store()
+    kept_calibrations.put(key_id(key), key, result, {"metric": "latent SSIM, worst sample", "seeds": 2})
+    p.extra_generation_params.update(infotext(result, calibrating=True))
+    job.say(f"calibration: kept in {kept_calibrations.path}: {result.words()} ({result.runs} runs).")
+
+
+def infotext(result, calibrating: bool = False) -> dict:
+    """The kept plan's computed steps; a job that calibrated says its own picture ran every step."""
+    computed = "every step" if result.spacing is None else f"{result.computed} of {result.steps} steps"
+    return {KEY_CALIBRATED: f"{computed} kept; this picture every step" if calibrating else computed}
