@@ -104,7 +104,7 @@ def test_every_setting_says_which_method_reads_it():
         "reuse_plan": "ToMe and ToDo",
     }
     # dit_settings is read on DiTs only (ComfyUI, diffusers): the WebUI's script patches UNets; calibration_target
-    # by a calibration, which the WebUI does not run yet.
+    # has no control in the WebUI yet (its calibrations keep the default target).
     assert set(expected) == set(SPECS) - {"method", "dit_settings", "calibration_target"}
     for name, words in expected.items():
         assert SPECS[name].applies_to == words

@@ -151,10 +151,10 @@ _PLAN_LIST = (
         _FORECAST_V3_RULES,
         measured_layers=True,
         calibrates=True,
-        tooltip="calibrated (ComfyUI, diffusers): the first job with a model, its LoRAs, sampler, noise levels, CFG "
-        "and size runs unpatched, then a few forecasts on the same noise, and keeps the fewest computed steps whose "
-        "latent stays at calibration_target (SSIM, 0.98) or more; later jobs with all of these the same run that "
-        "plan; other samplers as forecast v3.",
+        tooltip="calibrated (ComfyUI, the A1111 WebUI, diffusers): the first job with a model, its LoRAs, sampler, "
+        "noise levels, CFG and size runs unpatched, then a few forecasts on the same noise, and keeps the fewest "
+        "computed steps whose latent stays at calibration_target (SSIM, 0.98) or more; later jobs with all of these "
+        "the same run that plan; other samplers as forecast v3.",
     ),
 )
 REUSE_PLANS: dict[str, ReusePlan] = {plan.name: plan for plan in _PLAN_LIST}
