@@ -6,8 +6,7 @@ from .levels import find_level, grid_at_level, reduced_levels
 from .reducer import BlockMerge, BlockReduction, KeyValueDownsample, Reducer, TokenMerge
 from .schedule import NoiseRange, timestep_of_percent
 from .settings import SPECS, PatchSettings, Spec
-
-__version__ = "0.1.0"
+from .version import __version__
 
 
 def apply_patch(pipe_or_unet, **settings):
@@ -35,6 +34,7 @@ def calibrate(pipe, *args, **kwargs):
 
 
 __all__ = [
+    "__version__",
     "SPECS",
     "BlockMerge",
     "BlockReduction",

@@ -635,7 +635,8 @@ def load_our_package():
         raise RuntimeError("ComfyUI did not load the package")
     added = set(comfy_nodes.NODE_CLASS_MAPPINGS) - before
     return {name: comfy_nodes.NODE_CLASS_MAPPINGS[name] for name in added} or {
-        name: comfy_nodes.NODE_CLASS_MAPPINGS[name] for name in ("ToMePatch", "ToMePatchAdvanced")
+        name: comfy_nodes.NODE_CLASS_MAPPINGS[name]
+        for name in ("ToMePatch", "ToMePatchAdvanced", "ToMeCalibrationReport")
     }
 
 

@@ -10,7 +10,6 @@ import weakref
 
 import torch
 
-from ... import __version__
 from ...calibration import (
     Calibration,
     KeptCalibrations,
@@ -22,6 +21,7 @@ from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
 from ...calibration.store import SetAsideError
 from ...reuse import decide, kept_plan
 from ...schedule import call_sigmas
+from ...version import __version__
 
 log = logging.getLogger("tome_patch")
 FILE = os.path.join("tome_patch", "calibrations.json")

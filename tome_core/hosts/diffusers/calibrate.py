@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from ... import __version__
 from ...calibration import MAX_RUNS, Calibration, CalibrationResult, KeptCalibrations, calibration_key, key_id
 from ...calibration.fingerprint import SAMPLE, UnreadableModelError, patches_fingerprint
 from ...calibration.store import SetAsideError
 from ...reuse import FORECAST, KARRAS, KARRAS_PART, Spacing, decide, kept_plan
 from ...reuse.samplers import noise_added
+from ...version import __version__
 from .layer_reuse import _Schedule, _sigma_of, calling_pipeline, installed, karras_or_none, scheduler_name, takes_eta
 from .whole_step import WholeStepReuse, v_prediction
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from ... import __version__
 from ...calibration import Calibration, KeptCalibrations, calibration_key, key_id, tensors_fingerprint
 from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
 from ...calibration.store import SetAsideError
 from ...reuse import decide, kept_plan
+from ...version import __version__
 from . import layer_reuse as webui_layer_reuse
 
 ENV = "TOME_PATCH_CALIBRATIONS"  # a file of the user's choosing, as in diffusers
