@@ -117,13 +117,20 @@ def test_dpmpp_2m_off_karras_sigmas_computes_20_of_25_and_a_job_saved_with_forec
 
 
 def test_samplers_without_a_forecast_plan_keep_autos_layer_reuse_bit_for_bit(node_classes, model):
-    """Heun has no forecast plan: "forecast" runs it as "auto" does (the layers' reuse), bit for bit."""
-    forecast = host.patch_with_node(node_classes, model)
+    """Heun has no forecast plan: "forecast v2" runs it as "auto" does (the layers' reuse), bit for bit; the
+    default ("forecast v3") the same with its calls below sigma 0.4 in full (fewer reused)."""
+    forecast = host.patch_with_node(node_classes, model, reuse_plan="forecast v2")
     auto = host.patch_with_node(node_classes, model, reuse_plan="auto")
     out, _ = sample_counting(forecast, steps=12, sampler="heun")
     run = hooks_of(forecast).last_run
     assert kind_of(run) == "LayerReuseRun" and run.reused_calls > 0
     assert torch.equal(out, sample_counting(auto, steps=12, sampler="heun")[0])
+    default = host.patch_with_node(node_classes, model)
+    as_v2 = host.patch_with_node(node_classes, model, reuse_plan="forecast v2")
+    sample_counting(default, sampler="heun")
+    sample_counting(as_v2, sampler="heun")
+    fewer, before = hooks_of(default).last_run, hooks_of(as_v2).last_run
+    assert fewer.full_below == 0.4 and 0 < fewer.reused_calls < before.reused_calls
 
 
 def test_outside_the_step_range_every_step_computes(node_classes, model):

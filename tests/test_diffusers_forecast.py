@@ -140,13 +140,13 @@ def test_other_pipelines_forecast_the_planned_steps(pipes, kind):
     [
         ("EulerAncestralDiscreteScheduler", {}),  # "auto": every step in full
         ("DEISMultistepScheduler", {}),  # no plan knows it: every step in full
-        ("HeunDiscreteScheduler", {}),  # "auto": layer reuse
         ("EulerDiscreteScheduler", {"prediction_type": "sample"}),  # nothing to convert: layer reuse
     ],
-    ids=("euler-ancestral", "deis", "heun", "euler-sample"),
+    ids=("euler-ancestral", "deis", "euler-sample"),
 )
 def test_a_scheduler_without_a_forecast_keeps_autos_behaviour(pipes, scheduler_of, scheduler, options):
-    """12 steps: "auto" reuses layers with Heun and Euler (one step in two at most), none with the others."""
+    """12 steps: "auto" reuses layers with Euler predicting the sample (one step in two at most), none with the
+    others (Heun under the default runs its calls below sigma 0.4 in full)."""
     pipe = scheduler_of(pipeline(pipes, "txt2img"), scheduler, **options)
     tome_core.apply_patch(pipe, **REUSE, reuse_plan="auto")
     auto = H.run(pipe, "txt2img", steps=12)

@@ -37,8 +37,8 @@ CASES = [
     pytest.param(ADVANCED, "euler", "normal", id="advanced-euler-normal"),  # 0.998
     pytest.param(TXT2IMG, "dpmpp_2m", "karras", id="txt2img-dpmpp_2m-karras"),  # 0.989
     pytest.param(TXT2IMG, "dpmpp_2m", "normal", id="txt2img-dpmpp_2m-normal"),  # 1.000
-    pytest.param(TXT2IMG, "heun", "normal", id="txt2img-heun-normal"),  # 0.998 (0.973)
-    pytest.param(TXT2IMG, "heun", "ddim_uniform", id="txt2img-heun-ddim_uniform", marks=lost("0.967 (0.966)")),
+    pytest.param(TXT2IMG, "heun", "normal", id="txt2img-heun-normal"),  # 0.996 (0.991)
+    pytest.param(TXT2IMG, "heun", "ddim_uniform", id="txt2img-heun-ddim_uniform"),  # 0.997 (0.990)
 ]
 
 

@@ -104,7 +104,13 @@ def _forecast_rules(*dpmpp_2m: tuple[int, Spacing]) -> Rules:
 
 
 _FORECAST_V2_RULES = _forecast_rules((0, _DPMPP_2M_FIRST_10), (UNET_LONG_RUN, _DPMPP_2M_FIRST_4))
-_FORECAST_V3_RULES = {**_FORECAST_V2_RULES, ("dpmpp_2m", False): Rule(FORECAST, ((0, _DPMPP_2M_HIGH_NOISE),))}
+# Heun's calls below this noise level run in full: docs/step-reuse.md, 'Heun under forecast v3'.
+HEUN_FULL_BELOW = 0.4
+_FORECAST_V3_RULES = {
+    **_FORECAST_V2_RULES,
+    ("dpmpp_2m", False): Rule(FORECAST, ((0, _DPMPP_2M_HIGH_NOISE),)),
+    ("heun", False): Rule(LAYERS, full_below=HEUN_FULL_BELOW),
+}
 CALIBRATED = "calibrated"
 
 _PLAN_LIST = (
@@ -117,13 +123,13 @@ _PLAN_LIST = (
         "and the last 3 run the model (13 of 25 at 3), with DPM++ 2M on Karras sigmas the first 4, one in 2 and the "
         "last 3 (16 of 25; under 25 steps as forecast), with DPM++ 2M on other sigmas the first 4, one in 2 and the "
         "last 12 (20 of 25); the other steps run nothing, their output drawn along the line through the last two "
-        "computed steps; other samplers as auto.",
+        "computed steps; Heun as auto with its calls below sigma 0.4 in full; other samplers as auto.",
     ),
     ReusePlan(
         "forecast v2",
         _FORECAST_V2_RULES,
         measured_layers=True,
-        tooltip="forecast v2: the same, but DPM++ 2M off Karras sigmas runs every step.",
+        tooltip="forecast v2: the same, but DPM++ 2M off Karras sigmas runs every step and Heun as auto.",
     ),
     ReusePlan(
         "forecast",
