@@ -5,8 +5,8 @@ bit for bit (test_workflow_matrix*.py); so do DPM++ SDE's (it reuses nothing) an
 
 Two prompts are a thin sample: one image can move the mean by 0.05 (over 16 prompts the Euler default keeps 0.983 with
 one image at 0.82). The combinations chosen: each workflow with Euler's forecast on ComfyUI's default scheduler, DPM++
-2M's on Karras sigmas and off them, Heun's layer reuse, and the schedules where the default was measured to lose the
-picture (marked as known failures, strict: fixed, they fail until unmarked).
+2M's on Karras sigmas and off them, Heun's layer reuse (on `ddim_uniform` too, where it lost the picture until its
+low-noise calls ran in full), and the schedules where the plans lose the picture (every step runs there).
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ pytestmark = pytest.mark.skipif(
 NAME, PROMPTS, SIZE = "ref-sd1", 2, 32
 KEEPS = 0.97  # the issue's bound; the default's own figure over 16 prompts is 0.983 (normal), 0.975 (exponential)
 TXT2IMG, IMG2IMG, ADVANCED = host.WORKFLOWS[:3]
-
-
-def lost(why):
-    return pytest.mark.xfail(strict=True, reason=f"the default loses the picture here: {why}")
 
 
 # (workflow, sampler, scheduler), with the mean SSIM over these two prompts (16 prompts) measured on a 2-core CPU.
