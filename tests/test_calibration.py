@@ -185,6 +185,9 @@ def test_placements_are_ranked_by_the_lines_miss_on_the_unpatched_run():
     assert [s.schedule(s.every).full_steps(steps) for s in ranked] == [
         s.schedule(s.every).full_steps(steps) for s in shaped
     ]
-    # at each count the ranked placement misses no more than the placement nearest the default's shape
+    # the default's own placement stays for its count; at the others the ranked one misses no more than the
+    # placement nearest the default's shape
+    own = Spacing(0.15, 3, every=3)
+    assert own in ranked and own in shaped
     for chosen, nearest in zip(ranked, shaped, strict=True):
         assert line_miss(denoised, levels, chosen) <= line_miss(denoised, levels, nearest)

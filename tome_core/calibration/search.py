@@ -54,9 +54,9 @@ def line_miss(denoised: list[torch.Tensor], levels: list[float], spacing: Spacin
 
 
 def candidates(base: IntervalSchedule, steps: int, miss: Callable[[Spacing], float] | None = None) -> list[Spacing]:
-    """One spacing per count of computed steps under ``steps`` (ascending): where ``miss`` is given (``line_miss`` on
-    the unpatched run) the one it ranks best, else ``base`` (the plan's own at this run length) for its count and
-    the one nearest it in shape for the others."""
+    """One spacing per count of computed steps under ``steps`` (ascending): ``base`` (the plan's own at this run
+    length) for its count; for the others the one ``miss`` ranks best (``line_miss`` on the unpatched run), else the
+    one nearest ``base`` in shape."""
     own = as_spacing(base, steps)
     best: dict[int, tuple[float, Spacing]] = {}
     grid = [Spacing(start, end, every=every) for every in EVERY for start in FULL_START for end in FULL_END]
@@ -64,8 +64,8 @@ def candidates(base: IntervalSchedule, steps: int, miss: Callable[[Spacing], flo
         count = spacing.schedule(spacing.every).full_steps(steps)
         if count >= steps:
             continue
-        if miss is not None:
-            rank = miss(spacing)
+        if miss is not None:  # the plan's own placement stays for its count: it is measured on many prompts
+            rank = -1.0 if spacing == own else miss(spacing)
         else:
             rank = abs(spacing.every - own.every) + abs(spacing.full_end - own.full_end) / 4
             rank += abs(spacing.full_start - own.full_start) * 10
