@@ -113,6 +113,7 @@ def test_the_default_reuses_from_10_steps_and_leaves_shorter_runs_to_todo_alone(
         ("euler_ancestral", "normal", "sampler euler_ancestral is not one"),
         ("lms", "normal", "sampler lms is not one"),
         ("dpmpp_2m", "exponential", "sampler dpmpp_2m on exponential sigmas"),
+        ("dpmpp_2m", "beta", "sampler dpmpp_2m on beta sigmas: reuse_plan 'forecast v3' loses the picture there"),
         ("uni_pc", "normal", "sampler uni_pc is not one"),  # measured on DiTs only (tests/test_comfyui_dit_reuse.py)
         ("euler", "karras", "sampler euler on karras sigmas is not one"),  # found from the sigmas themselves
     ],

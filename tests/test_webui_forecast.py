@@ -691,3 +691,14 @@ def test_a_controlnet_unit_switched_mid_pass_runs_every_step(host, capsys, units
     p = _job_with(host, sd_model, [*script_args(**FORECAST), *units], **attributes)
     _assert_full_or_forecast(p, capsys.readouterr().out, said, len(EULER_COMPUTED))
     assert_clean(sd_model)
+
+
+@pytest.mark.parametrize(("plan", "said"), [("forecast v3", "loses the picture there"), ("forecast v2", "is not one")])
+def test_dpmpp_2m_on_beta_sigmas_runs_every_step(host, capsys, plan, said):
+    """DPM++ 2M's rule off Karras sigmas loses the picture on Beta (docs/step-reuse.md, 'DPM++ 2M off Karras sigmas'):
+    the pass runs every step with one line."""
+    sd_model = SDModel(make_unet("sd1"))
+    capsys.readouterr()
+    _, p = job(host, sd_model, script_args(**{**FORECAST, "reuse_plan": plan}), sampler="DPM++ 2M", scheduler="Beta")
+    _assert_full_or_forecast(p, capsys.readouterr().out, said, None)
+    assert_clean(sd_model)

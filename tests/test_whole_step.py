@@ -104,6 +104,9 @@ def test_dpmpp_2m_off_karras_sigmas_forecasts_its_high_noise_steps_only_under_fo
         ("DPM++ 2M", "SGM Uniform", "dpmpp_2m"),
         ("DPMSolverMultistepScheduler", None, "dpmpp_2m"),
         ("dpmpp_2m", "exponential", None),  # the UNet plans lose the picture on it
+        ("dpmpp_2m", "beta", None),  # its rule loses the picture there (forecast v3 refuses it)
+        ("DPM++ 2M", "Beta", None),
+        ("euler", "beta", "euler"),
         ("euler_ancestral", None, None),
         ("heun", None, None),
         (None, None, None),

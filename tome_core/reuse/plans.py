@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .samplers import KARRAS_PART, loses_the_picture_on, on_karras, sampler_kind
+from .samplers import BETA, KARRAS_PART, loses_the_picture_on, on_karras, sampler_kind
 from .schedules import IntervalSchedule, RunLengthSchedule
 
 DEFAULT_EXTRAPOLATE = 0.5
@@ -49,6 +49,7 @@ class Rule:
     spacings: tuple[tuple[int, Spacing], ...] = ()  # FORECAST: (from this many steps on, spacing)
     full_below: float = 0.0  # LAYERS: the calls below this noise level run in full
     fallback: Rule | None = None  # FORECAST: what runs where the host cannot forecast the output
+    refused_on: frozenset[str] = frozenset()  # schedules on which the rule loses the picture: every step runs there
 
 
 # (sampler kind, on Karras sigmas) -> Rule
@@ -108,7 +109,7 @@ _FORECAST_V2_RULES = _forecast_rules((0, _DPMPP_2M_FIRST_10), (UNET_LONG_RUN, _D
 HEUN_FULL_BELOW = 0.4
 _FORECAST_V3_RULES = {
     **_FORECAST_V2_RULES,
-    ("dpmpp_2m", False): Rule(FORECAST, ((0, _DPMPP_2M_HIGH_NOISE),)),
+    ("dpmpp_2m", False): Rule(FORECAST, ((0, _DPMPP_2M_HIGH_NOISE),), refused_on=frozenset({BETA})),
     ("heun", False): Rule(LAYERS, full_below=HEUN_FULL_BELOW),
 }
 CALIBRATED = "calibrated"
@@ -243,6 +244,8 @@ def decide(
     rule = record.rules.get((sampler_kind(sampler), karras))
     if rule is None:
         return Decision(FULL, f"{on} is not one it keeps the picture with ({_with(record, dit)})")
+    if (schedule or "").strip().lower() in rule.refused_on:
+        return Decision(FULL, f"{on} on {schedule} sigmas: reuse_plan {record.name!r} loses the picture there")
     words = "forecast" if rule.runs == FORECAST else "layer reuse"
     return _decision(rule, interval, f"{on}: {words} under reuse_plan {record.name!r}")
 

@@ -16,7 +16,7 @@ SAMPLER_KINDS = {
 KARRAS = "karras"
 KARRAS_PART = "part of karras"  # denoise below 1, a later pass, split sigmas: no plan is measured there
 KARRAS_RHO = 7.0
-EXPONENTIAL, KL_OPTIMAL = "exponential", "kl_optimal"
+EXPONENTIAL, KL_OPTIMAL, BETA = "exponential", "kl_optimal", "beta"
 # Schedules on which the UNet plans lose the picture: docs/step-reuse.md, 'The workflows around the sampler'.
 # The WebUI's "Polyexponential" is the exponential schedule at its default rho 1 (and unmeasured at any other).
 LOSING_SCHEDULES = frozenset({EXPONENTIAL, KL_OPTIMAL, "kl optimal", "polyexponential"})

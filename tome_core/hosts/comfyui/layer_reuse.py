@@ -24,7 +24,7 @@ from ...reuse import (
     schedule_of,
 )
 from ...reuse.plans import Decision
-from ...reuse.samplers import noise_added
+from ...reuse.samplers import BETA, noise_added
 from ...schedule import call_sigmas, step_of
 from ..shared.unet_layout import inner_layers
 from .calibrate import sample_calibrated
@@ -198,7 +198,24 @@ def schedule_name(guider, sigmas) -> str | None:
         return None
     if not isinstance(sigmas, torch.Tensor):
         return None
-    return schedule_of(sigmas, low, high)
+    return schedule_of(sigmas, low, high) or _beta_or_none(model_sampling, sigmas)
+
+
+def _beta_or_none(model_sampling, sigmas: torch.Tensor) -> str | None:
+    """``BETA`` where ``sigmas`` are ComfyUI's beta schedule or its last stretch (denoise down to a quarter)."""
+    try:
+        from comfy.samplers import beta_scheduler
+    except ImportError:
+        return None
+    levels = sigmas.detach().float().cpu().flatten()
+    steps = levels.numel() - 1
+    if steps < 2 or not hasattr(model_sampling, "sigmas"):
+        return None
+    for total in range(steps, 4 * steps + 1):
+        whole = beta_scheduler(model_sampling, total)
+        if whole.numel() >= levels.numel() and torch.allclose(whole[-levels.numel() :], levels, rtol=1e-4, atol=1e-6):
+            return BETA
+    return None
 
 
 class LayerInjection:

@@ -28,7 +28,7 @@ from ...reuse import (
     decide,
     detach_forwards,
 )
-from ...reuse.samplers import noise_added
+from ...reuse.samplers import BETA, noise_added
 
 log = logging.getLogger("tome_patch")
 
@@ -285,6 +285,8 @@ def karras_or_none(scheduler) -> str | None:
     config = getattr(scheduler, "config", None)
     if getattr(config, "use_karras_sigmas", False):
         return KARRAS
+    if getattr(config, "use_beta_sigmas", False):
+        return BETA
     return EXPONENTIAL if getattr(config, "use_exponential_sigmas", False) else None
 
 
