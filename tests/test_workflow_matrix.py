@@ -71,8 +71,8 @@ def expected_schedule(sampler: str, scheduler: str, part: str) -> str | None:
         return "part of karras"
     if scheduler in ("exponential", "kl_optimal"):  # read from the levels: the plans lose the picture there
         return scheduler
-    if scheduler == "beta":  # read from the levels where they end the schedule (not a head: its end is elsewhere)
-        return None if part == "head" else "beta"
+    if scheduler == "beta":  # read from the levels, whole or a stretch
+        return "beta"
     if scheduler != "karras":
         return None
     if sampler in DISCARD:  # without the lowest level: a stretch of a Karras schedule, whatever the pass

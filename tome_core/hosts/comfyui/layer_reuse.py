@@ -202,19 +202,29 @@ def schedule_name(guider, sigmas) -> str | None:
 
 
 def _beta_or_none(model_sampling, sigmas: torch.Tensor) -> str | None:
-    """``BETA`` where ``sigmas`` are ComfyUI's beta schedule or its last stretch (denoise down to a quarter)."""
-    try:
-        from comfy.samplers import beta_scheduler
-    except ImportError:
-        return None
+    """``BETA`` where ``sigmas`` are ComfyUI's beta schedule or a stretch of it (its start, or its end from denoise down
+    to a quarter): its levels are the model's own, so other schedules are ruled out at once."""
+    table = getattr(model_sampling, "sigmas", None)
     levels = sigmas.detach().float().cpu().flatten()
     steps = levels.numel() - 1
-    if steps < 2 or not hasattr(model_sampling, "sigmas"):
+    if steps < 2 or not isinstance(table, torch.Tensor):
         return None
-    for total in range(steps, 4 * steps + 1):
-        whole = beta_scheduler(model_sampling, total)
-        if whole.numel() >= levels.numel() and torch.allclose(whole[-levels.numel() :], levels, rtol=1e-4, atol=1e-6):
-            return BETA
+    inner = levels[levels > 0]
+    gap = (inner[:, None] - table.detach().float().cpu()[None, :]).abs().amin(dim=1)
+    if not bool((gap <= 1e-4 * inner).all()):
+        return None
+    try:
+        from comfy.samplers import beta_scheduler
+
+        for total in range(steps, 4 * steps + 1):
+            whole = beta_scheduler(model_sampling, total)
+            if whole.numel() < levels.numel():
+                continue
+            for part in (whole[-levels.numel() :], whole[: levels.numel()]):
+                if torch.allclose(part, levels, rtol=1e-4, atol=1e-6):
+                    return BETA
+    except (ImportError, IndexError, ValueError, TypeError, RuntimeError):
+        return None
     return None
 
 
