@@ -22,6 +22,7 @@ from tome_core.calibration import (
     tensors_fingerprint,
 )
 from tome_core.calibration.fingerprint import patches_fingerprint
+from tome_core.calibration.search import MARGIN
 from tome_core.calibration.store import SetAsideError
 from tome_core.reuse import Spacing
 
@@ -65,9 +66,10 @@ def test_the_search_keeps_the_fewest_computed_steps_at_the_target_in_at_most_six
     result = calibration.run(sampler_whose_picture_grows_with_the_computed_steps(reference, 25, seen))
     assert seen[0] is None and len(seen) == result.runs <= MAX_RUNS
     scores = dict(result.tried)
-    assert result.spacing is not None and result.worst >= 0.9 and scores[result.computed] == result.worst
-    # every count it tried below the kept one missed the target, and the next count down was tried
-    assert all(score < 0.9 for count, score in result.tried if count < result.computed)
+    asked = 0.9 + MARGIN
+    assert result.spacing is not None and result.worst >= asked and scores[result.computed] == result.worst
+    # every count it tried below the kept one missed the target and its margin, and the next count down was tried
+    assert all(score < asked for count, score in result.tried if count < result.computed)
     counts = [spacing.schedule(spacing.every).full_steps(25) for spacing in calibration.candidates]
     below = [count for count in counts if count < result.computed]
     assert not below or max(below) in scores
@@ -169,25 +171,26 @@ def test_the_picture_shows_both_latents_their_difference_and_the_computed_steps(
     assert bottom[step_width + 1, 0] == 1.0 and bottom[2 * step_width + 1, 0] < 0.5  # step 1 computed, step 2 not
 
 
-def test_placements_are_ranked_by_the_lines_miss_on_the_unpatched_run():
-    from tome_core.calibration.search import candidates, line_miss
+def test_a_count_that_keeps_the_target_but_not_its_margin_is_not_kept():
+    reference = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    sample = sampler_whose_picture_grows_with_the_computed_steps(reference, 25, [])
+    plain = Calibration(EULER, 25, target=0.9, margin=0.0).run(sample)
+    scores = dict(plain.tried)
+    # the margin asks for more than the plain result's score: that count is no longer enough
+    margin = plain.worst - 0.9 + 0.001
+    strict = Calibration(EULER, 25, target=0.9, margin=margin).run(sample)
+    assert strict.computed > plain.computed and strict.worst >= 0.9 + margin
+    assert scores[plain.computed] < 0.9 + margin
+    assert strict.margin == margin and f"margin {margin}" in strict.words()
+    assert CalibrationResult.from_dict(strict.as_dict()).margin == margin
 
-    steps = 25
-    levels = [14.0 * (1 - step / steps) ** 3 + 0.03 for step in range(steps)]
-    # A denoised image that settles early and then moves once more late (a detail forming at low noise).
-    denoised = [torch.full((1, 2, 4, 4), 1.0 - 0.5 * (level / 14.0)) for level in levels]
-    for step in range(18, 21):
-        denoised[step] = denoised[step] + 0.3 * (step - 17)
-    every_step = Spacing(0.15, 0, every=1)
-    assert line_miss(denoised, levels, every_step) == 0.0
-    ranked = candidates(EULER, steps, miss=lambda spacing: line_miss(denoised, levels, spacing))
-    shaped = candidates(EULER, steps)
-    assert [s.schedule(s.every).full_steps(steps) for s in ranked] == [
-        s.schedule(s.every).full_steps(steps) for s in shaped
-    ]
-    # the default's own placement stays for its count; at the others the ranked one misses no more than the
-    # placement nearest the default's shape
-    own = Spacing(0.15, 3, every=3)
-    assert own in ranked and own in shaped
-    for chosen, nearest in zip(ranked, shaped, strict=True):
-        assert line_miss(denoised, levels, chosen) <= line_miss(denoised, levels, nearest)
+
+def test_each_count_is_tried_at_the_placement_nearest_the_plans_own():
+    from tome_core.calibration.search import candidates
+
+    chosen = candidates(EULER, 25)
+    counts = [spacing.schedule(spacing.every).full_steps(25) for spacing in chosen]
+    assert counts == sorted(set(counts)) and max(counts) < 25
+    assert Spacing(0.15, 3, every=3) in chosen  # the default's own, for its count (13 of 25)
+    for spacing in chosen:  # the default's first share and last steps where the count allows
+        assert abs(spacing.full_start - 0.15) <= 0.05 + 1e-9

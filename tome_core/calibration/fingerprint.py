@@ -9,6 +9,8 @@ from collections.abc import Iterable
 
 import torch
 
+from .search import SEARCH
+
 SAMPLE = 1024  # values read from each tensor, evenly strided
 MAX_DEPTH = 6
 
@@ -78,6 +80,7 @@ def calibration_key(model: str, patches: str, sampler: str | None, sigmas, cfg: 
         "cfg": None if cfg is None else round(float(cfg), 4),
         "shape": [int(size) for size in shape],
         "version": version,
+        "search": SEARCH,
         "extra": sorted(extra),
     }
 
