@@ -252,3 +252,136 @@ def test_the_file_is_in_the_cache_folder_unless_the_environment_names_one(monkey
     assert door.store_path() == tmp_path / ".cache" / "tome_patch" / "calibrations.json"
     monkeypatch.setenv(door.ENVIRONMENT, str(tmp_path / "mine.json"))
     assert door.store_path() == tmp_path / "mine.json"
+
+
+# --- the picture: the report as an image, beside the kept file ---
+
+
+def schedulers_own_denoised(pipe) -> list[torch.Tensor]:
+    """An unpatched run's denoised image per step of its first sample, as the scheduler itself states it: the step's
+    ``pred_original_sample`` (Euler, DDIM), else the model output DPM++ 2M converted (its ``model_outputs[-1]``)."""
+    scheduler, seen = pipe.scheduler, []
+    original = type(scheduler).step
+
+    def step(*args, **kwargs):
+        out = original(scheduler, *args, **{**kwargs, "return_dict": True})
+        own = getattr(out, "pred_original_sample", None)
+        seen.append((own if own is not None else scheduler.model_outputs[-1])[:1].float().cpu().clone())
+        return out if kwargs.get("return_dict", True) else (out.prev_sample,)
+
+    scheduler.__dict__["step"] = step
+    try:
+        H.run(pipe, "txt2img", steps=STEPS)
+    finally:
+        del scheduler.__dict__["step"]
+    return seen
+
+
+def not_wrapped(scheduler) -> bool:
+    return "step" not in scheduler.__dict__ and scheduler.step.__func__ is type(scheduler).step
+
+
+def chart_colour(picture, step: int, steps: int) -> tuple[int, ...]:
+    """The colour of ``step``'s bar at the chart's bottom row (every bar is at least one pixel high)."""
+    width, height = picture.size
+    return picture.getpixel((step * width // steps, height - 1))
+
+
+def as_pixels(colour) -> tuple[int, ...]:
+    return tuple(round(channel * 255) for channel in colour)
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "options"),
+    [
+        ("EulerDiscreteScheduler", {}),
+        ("DDIMScheduler", {}),
+        ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
+    ],
+    ids=("euler", "ddim", "dpmpp-2m-karras"),
+)
+def test_the_report_has_the_calibrations_picture_saved_beside_the_kept_file(pipe, kept_file, quick, scheduler, options):
+    """The picture: three square panels (the latents are square) over the chart, one bar per step, orange where the
+    kept plan computes; the chart's changes are those of the scheduler's own denoised image per step."""
+    import diffusers
+    from PIL import Image
+
+    from tome_core.calibration.report import CHART, COMPUTED, GAP, HEIGHT, SKIPPED, step_changes
+
+    pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config, **options)
+    own = step_changes(schedulers_own_denoised(pipe))
+    tome_core.apply_patch(pipe, **CALIBRATED)
+    with torch.no_grad():
+        report = tome_core.calibrate(pipe, **H.call_arguments("txt2img", STEPS))
+    result, picture = report.result, report.picture
+    assert result is not None and isinstance(picture, Image.Image) and picture.mode == "RGB"
+    assert picture.size == (3 * HEIGHT + 2 * GAP, HEIGHT + GAP + CHART)
+    assert len(result.changes) == STEPS and all(change > 0 for change in result.changes[1:])
+    assert result.changes == pytest.approx(own, rel=1e-3, abs=1e-6)
+    schedule = result.schedule()
+    for step in range(STEPS):
+        computed = schedule is None or schedule.is_full(step, STEPS)
+        assert chart_colour(picture, step, STEPS) == as_pixels(COMPUTED if computed else SKIPPED)
+    reports = kept_file.parent / door.REPORTS
+    assert report.picture_path == reports / f"{report.key_id}.png"
+    assert sorted(path.name for path in reports.iterdir()) == sorted([f"{report.key_id}.png", door.LATEST])
+    for path in reports.iterdir():
+        with Image.open(path) as saved:
+            assert np.array_equal(np.asarray(saved.convert("RGB")), np.asarray(picture))
+    assert str(report.picture_path) in report.words()
+    assert not_wrapped(pipe.scheduler)
+
+
+def test_the_calibrating_call_names_its_picture_and_the_kept_plans_call_draws_none(pipe, kept_file, quick, caplog):
+    tome_core.apply_patch(pipe, **CALIBRATED)
+    arguments = H.call_arguments("txt2img", STEPS)
+    with caplog.at_level(logging.INFO, logger="tome_patch"), torch.no_grad():
+        first = door.Job.call(pipe, (), dict(arguments))
+    assert first.result is not None and first.picture is not None and first.picture_path.exists()
+    assert f"its picture: {first.picture_path}" in caplog.text
+    written = first.picture_path.stat().st_mtime_ns
+    with torch.no_grad():
+        kept = door.Job.call(pipe, (), H.call_arguments("txt2img", STEPS))
+    assert kept.calibration is None and kept.result is None and kept.picture is None and kept.picture_path is None
+    assert first.picture_path.stat().st_mtime_ns == written
+    assert len(list(first.picture_path.parent.iterdir())) == 2  # its picture and latest.png
+    assert not_wrapped(pipe.scheduler)
+
+
+def test_a_call_that_cannot_calibrate_has_no_picture(pipe, kept_file):
+    import diffusers
+
+    pipe.scheduler = diffusers.HeunDiscreteScheduler.from_config(pipe.scheduler.config)
+    tome_core.apply_patch(pipe, **CALIBRATED)
+    with torch.no_grad():
+        report = tome_core.calibrate(pipe, **H.call_arguments("txt2img", STEPS))
+    assert report.result is None and report.picture is None and report.picture_path is None
+    assert not (kept_file.parent / door.REPORTS).exists()
+    assert not_wrapped(pipe.scheduler)
+
+
+@pytest.mark.parametrize("where", ["unpatched run", "search"])
+def test_an_interrupted_calibration_leaves_the_scheduler_unwrapped_and_draws_nothing(pipe, kept_file, monkeypatch,
+                                                                                     where):  # fmt: skip
+    from tome_core.calibration import search
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    extra, real = {}, search.latent_ssim
+    if where == "search":
+        monkeypatch.setattr(search, "latent_ssim", interrupted)
+    else:  # the user's own callback stops the user's run half way, the scheduler's step wrapped
+        extra["callback_on_step_end"] = lambda pipe, step, *_: interrupted() if step == STEPS // 2 else {}
+    tome_core.apply_patch(pipe, **CALIBRATED)
+    with pytest.raises(KeyboardInterrupt):
+        counted(pipe, **extra)
+    assert not_wrapped(pipe.scheduler)
+    assert not kept_file.exists() and not (kept_file.parent / door.REPORTS).exists()
+    owner = layer_reuse.installed(pipe.unet)
+    assert owner.plan == "calibrated" and not owner.suspended
+    monkeypatch.setattr(search, "latent_ssim", real)
+    monkeypatch.setattr(door, "MAX_RUNS", 2)
+    with torch.no_grad():
+        report = tome_core.calibrate(pipe, **H.call_arguments("txt2img", STEPS))
+    assert len(report.result.changes) == STEPS and report.picture_path.exists()  # nothing left of the stopped one

@@ -1,8 +1,8 @@
 """diffusers' door to ``reuse_plan`` "calibrated": the patched pipeline's class gets a ``__call__`` that, at the
 run's first UNet call, keys the job (the UNet's weights by content with its adapters and their scalings, the
 scheduler and its config, the run's noise levels, guidance, latent shape, strength, the patch's settings) and runs
-the kept plan, or runs unpatched (the user's picture) and then calibrates on the same noise. docs/calibration.md,
-'diffusers'."""
+the kept plan, or runs unpatched (the user's picture) and then calibrates on the same noise, and draws the
+calibration's picture beside the kept file. docs/calibration.md, 'diffusers'."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import logging
 import math
 import os
 import random
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,14 +27,19 @@ from ...calibration.fingerprint import SAMPLE, UnreadableModelError, patches_fin
 from ...calibration.store import SetAsideError
 from ...reuse import FORECAST, KARRAS, KARRAS_PART, Spacing, decide, kept_plan
 from ...reuse.samplers import noise_added
+from ...reuse.whole_step import denoised_of
 from ...version import __version__
 from .layer_reuse import _Schedule, _sigma_of, calling_pipeline, installed, karras_or_none, scheduler_name, takes_eta
 from .whole_step import WholeStepReuse, v_prediction
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 log = logging.getLogger("tome_patch")
 
 ENVIRONMENT = "TOME_PATCH_CALIBRATIONS"  # a file path that overrides the cache folder's file
 FILE = os.path.join("tome_patch", "calibrations.json")
+REPORTS, LATEST = "reports", "latest.png"  # the pictures' folder beside the kept file, and the last one's copy
 _STATE = "_tome_patch_calibration"  # on the pipeline: its ``Calibrated``
 _PARENT = "_tome_patch_calibration_parent"  # on our pipeline subclasses: the class they replace
 _subclasses: dict[type, type] = {}
@@ -47,21 +54,46 @@ def store_path() -> Path:
     return Path(cache) / FILE
 
 
+def save_picture(picture: Image.Image, folder: Path, identity: str) -> Path:
+    """``picture`` as ``folder/reports/<identity>.png`` and ``folder/reports/latest.png``, each written whole (a
+    temporary file renamed over it); returns the first's path."""
+    reports = folder / REPORTS
+    reports.mkdir(parents=True, exist_ok=True)
+    path = reports / f"{identity}.png"
+    for target in (path, reports / LATEST):
+        handle, temporary = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".png", dir=reports)
+        try:
+            with os.fdopen(handle, "wb") as file:
+                picture.save(file, format="PNG")
+            os.replace(temporary, target)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+    return path
+
+
 @dataclass
 class CalibrationReport:
     """What ``tome_core.calibrate`` did: the ``result`` kept in ``path`` under ``key_id`` and the unpatched run's
-    ``output``; ``result`` None where the call could not calibrate (``why``: it ran as ``forecast v3``)."""
+    ``output``; ``result`` None where the call could not calibrate (``why``: it ran as ``forecast v3``). ``picture``:
+    the calibration's picture (a PIL image: the first sample's unpatched and calibrated latents, their difference
+    amplified, the unpatched run's change per step with the computed steps in orange), saved as ``picture_path``
+    (``reports/<key_id>.png`` beside the kept file; None where it could not be written); None where nothing
+    calibrated."""
 
     result: CalibrationResult | None
     path: Path | None
     key_id: str | None
     output: object
     why: str | None = None
+    picture: Image.Image | None = None
+    picture_path: Path | None = None
 
     def words(self) -> str:
         if self.result is None:
             return f"not calibrated: {self.why}"
-        return f"{self.result.words()} ({self.result.runs} runs), kept in {self.path}"
+        where = f"; its picture: {self.picture_path}" if self.picture_path is not None else ""
+        return f"{self.result.words()} ({self.result.runs} runs), kept in {self.path}{where}"
 
 
 @dataclass
@@ -120,7 +152,9 @@ def calibrate(pipe, args: tuple, kwargs: dict) -> CalibrationReport:
         )
     job = Job.call(pipe, args, kwargs, force=True)
     why = job.why or (None if job.result is not None else "the pipeline never called its UNet")
-    return CalibrationReport(job.result, job.path, job.key_id, job.output, why)
+    return CalibrationReport(
+        job.result, job.path, job.key_id, job.output, why, picture=job.picture, picture_path=job.picture_path
+    )
 
 
 def _owner(pipe):
@@ -175,6 +209,10 @@ class Job:
         self.run_plan = None  # (sampler, schedule) names of the run, for a candidate's plan
         self.probed = False
         self.latents: list[torch.Tensor] = []
+        self.levels: list[float] | None = None  # the run's noise levels per step, from its first
+        self.denoised: list[torch.Tensor] = []  # the unpatched run's denoised image per step, its first sample
+        self.restore_step = None  # undoes ``_observe``
+        self.picture = self.picture_path = None
 
     @classmethod
     def call(cls, pipe, args: tuple, kwargs: dict, force: bool = False) -> Job:
@@ -291,6 +329,7 @@ class Job:
             self.output, user_latents = self._run(original, self.arguments, states, generators, False)
         finally:
             probe.remove()
+            self._unobserve()
             owner.plan, owner.suspended = plan, False
         if self.calibration is None:
             return
@@ -315,7 +354,7 @@ class Job:
             return torch.cat(parts)
 
         try:
-            self.result = self.calibration.run(sample)
+            self.result = self.calibration.run(sample, observed=self._observed)
         finally:
             owner.plan, owner.suspended = plan, False
             for generator, state in zip(generators, after, strict=True):
@@ -324,7 +363,65 @@ class Job:
         record = {"metric": "latent SSIM, worst sample", "seeds": seeds, "host": "diffusers",
                   "date": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
         KeptCalibrations(self.path).put(self.key_id, self.key, self.result, record)
-        log.info("ToMe calibration: kept in %s: %s (%d runs).", self.path, self.result.words(), self.result.runs)
+        self.picture, self.picture_path = self._draw()
+        log.info("ToMe calibration: kept in %s: %s (%d runs); its picture: %s.", self.path, self.result.words(),
+                 self.result.runs, self.picture_path or "not saved")  # fmt: skip
+
+    def _draw(self) -> tuple[Image.Image, Path | None]:
+        """The calibration's picture, and where it was saved (None: it could not be, with one warning)."""
+        from PIL import Image
+
+        image = self.calibration.picture(self.result)
+        picture = Image.fromarray((image.clamp(0, 1) * 255).round().to(torch.uint8).numpy())
+        try:
+            return picture, save_picture(picture, self.path.parent, self.key_id)
+        except OSError as err:
+            log.warning("ToMe calibration: its picture could not be saved in %s (%s).", self.path.parent / REPORTS,
+                        err)  # fmt: skip
+            return picture, None
+
+    # --- the unpatched run's denoised image per step: the picture's chart, and the candidates' placement ---
+
+    def _observe(self, scheduler) -> None:
+        """Wrap ``scheduler.step`` (on the instance, for the unpatched run only: ``_unobserve`` undoes it) to keep
+        the first sample's denoised image at each step, from the guided model output the step is handed and the
+        scheduler's unit-variance input (``scale_model_input``) at the step's noise level, as the forecast reads a
+        UNet call's: every scheduler the calibration runs on has it, ``pred_original_sample`` or not (DPM++ 2M)."""
+        original, saved = scheduler.step, scheduler.__dict__.get("step")
+        signature, levels, sink = inspect.signature(original), self.levels, self.denoised
+        predicts_v, calls = bool(v_prediction(scheduler)), [0]
+
+        @functools.wraps(original)  # the pipelines read the step's parameters (eta, generator) by its signature
+        def step(*args, **kwargs):
+            call, calls[0] = calls[0], calls[0] + 1
+            try:
+                arguments = signature.bind(*args, **kwargs).arguments
+            except TypeError:
+                arguments = {}
+            output, sample = arguments.get("model_output"), arguments.get("sample")
+            if (call == len(sink) < len(levels) and isinstance(output, torch.Tensor)
+                    and isinstance(sample, torch.Tensor) and output.shape[1:] == sample.shape[1:]):  # fmt: skip
+                x = scheduler.scale_model_input(sample[:1], arguments.get("timestep")).float()
+                sink.append(denoised_of(output[:1].float(), x, levels[call], predicts_v).cpu())
+            return original(*args, **kwargs)
+
+        scheduler.__dict__["step"] = step
+
+        def restore():
+            if saved is None:
+                scheduler.__dict__.pop("step", None)
+            else:
+                scheduler.__dict__["step"] = saved
+
+        self.restore_step = restore
+
+    def _unobserve(self) -> None:
+        restore, self.restore_step = self.restore_step, None
+        if restore is not None:
+            restore()
+
+    def _observed(self) -> tuple[list[torch.Tensor], list[float]]:
+        return self.denoised, self.levels or []
 
     @staticmethod
     def _generators_of(arguments: dict) -> list[torch.Generator]:
@@ -369,6 +466,7 @@ class Job:
             self.calibration = None
             return None
         self.owner.suspended = True
+        self._observe(scheduler)
         log.info("ToMe calibration: a new job for this UNet; up to %d runs (the first unpatched: this call's "
                  "picture); the result is kept in %s.", self.calibration.max_runs, self.path)  # fmt: skip
         return None
@@ -400,7 +498,7 @@ class Job:
         calibration = Calibration(decision.schedule.for_run(steps), steps, self.calibrated.target, MAX_RUNS)
         if not calibration.candidates:
             return f"a run of {steps} steps (under 10 forecasts nothing)"
-        self.calibration, self.run_plan = calibration, (name, sigmas)
+        self.calibration, self.run_plan, self.levels = calibration, (name, sigmas), levels
         return None
 
     @staticmethod
