@@ -19,6 +19,7 @@ from __future__ import annotations
 from modules import script_callbacks, scripts
 
 from tome_core.hosts.webui import args as webui_args
+from tome_core.hosts.webui import calibrate as webui_calibrate
 from tome_core.hosts.webui import layer_reuse as webui_layer_reuse
 from tome_core.hosts.webui.patch import (
     JOB,
@@ -59,8 +60,11 @@ class ToMePatchScript(scripts.Script):
             job.warn_once(f"not applied because of an error: {err!r}")
 
     def postprocess(self, p, processed, *args):
-        end_job(p, getattr(p, JOB, None))
+        job = getattr(p, JOB, None)
+        end_job(p, job)
         remove_everywhere(getattr(p, "sd_model", None))
+        # A job that calibrated, with "Show the calibration's picture" ticked: the picture after the job's images.
+        webui_calibrate.show_picture(job, processed)
 
 
 def _infotext_fields(components):
@@ -118,6 +122,7 @@ def add_xyz_axes() -> bool:
             _xyz_apply("reuse_plan"),
             choices=lambda: list(webui_args.ARGS[webui_args.ARG_NAMES.index("reuse_plan")].choices),
         ),
+        xyz.AxisOption(f"[{TITLE}] Calibration target", float, _xyz_apply("calibration_target")),
     ]
     xyz.axis_options.extend(axis for axis in new_axes if axis.label not in labels)
     return True
@@ -129,3 +134,6 @@ script_callbacks.on_before_ui(add_xyz_axes)
 # The step of each model call, for reuse across steps (modules/script_callbacks.py, v1.10.1 and Forge).
 script_callbacks.on_cfg_denoiser(webui_layer_reuse.on_cfg_denoiser)
 script_callbacks.on_cfg_after_cfg(webui_layer_reuse.on_cfg_after_cfg)
+# The denoised image per step of a calibration's unpatched run (its picture's chart).
+script_callbacks.on_cfg_denoiser(webui_calibrate.on_cfg_denoiser)
+script_callbacks.on_cfg_after_cfg(webui_calibrate.on_cfg_after_cfg)

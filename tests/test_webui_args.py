@@ -50,6 +50,13 @@ def test_ui_returns_the_documented_order_with_engine_defaults_and_ranges(host):
     assert webui_args.ARG_NAMES[18] == "scope" and by_name["scope"].kwargs["choices"] == ["self-attention", "block"]
     assert by_name["scope"].kwargs["value"] == "self-attention" and by_name["scope"].kind == "Dropdown"
     assert webui_args.ARG_NAMES[19] == "reuse_interval" and by_name["reuse_interval"].kind == "Slider"
+    # Appended after the reuse plan (20): a request naming the first 21 keeps its meaning.
+    assert webui_args.ARG_NAMES[21:] == ("calibration_target", "calibration_picture")
+    target = by_name["calibration_target"]
+    assert target.kind == "Slider" and by_name["calibration_picture"].kind == "Checkbox"
+    assert (target.kwargs["minimum"], target.kwargs["maximum"], target.kwargs["step"]) == (0.8, 0.999, 0.001)
+    assert target.kwargs["value"] == SPECS["calibration_target"].default == 0.98
+    assert by_name["calibration_picture"].kwargs["value"] is False
     reuse = by_name["reuse_interval"].kwargs
     assert (reuse["minimum"], reuse["maximum"], reuse["step"], reuse["value"]) == (1, 16, 1, 3)
     # The shipped default: ToDo, factor 2, with reuse every third step (README "Which setting to use").
@@ -81,6 +88,10 @@ def test_api_args_from_json_are_cast(host, sd1):
         (18, "all", ['"Scope (ToMe)"', "'self-attention', 'block'", "'all'"]),
         (19, 17, ['"Reuse interval (across steps)"', "from 1 to 16"]),
         (19, 2.5, ['"Reuse interval (across steps)"', "whole number"]),
+        (21, 0.5, ['"Calibration target (same-seed SSIM)"', "(calibration_target)", "from 0.8 to 0.999", "0.5"]),
+        (21, 1, ["(calibration_target)", "from 0.8 to 0.999"]),
+        (21, "high", ["(calibration_target)", "from 0.8 to 0.999", "'high'"]),
+        (22, "maybe", ['"Show the calibration\'s picture"', "true or false"]),
     ],
 )
 def test_bad_api_args_are_rejected_with_a_clear_message(host, sd1, baseline, capsys, position, value, words):
@@ -137,6 +148,7 @@ def _paste(components, fields, params):
         dict(scope="block", max_downsample="4"),
         dict(method="ToDo", downsample_factor=1, reuse_interval=3),  # reuse alone: the reduction does nothing
         dict(reuse_interval=8, ratio=0.3),
+        dict(method="ToDo", downsample_factor=1, reuse_interval=3, reuse_plan="calibrated", calibration_target=0.95),
     ],
 )
 def test_infotext_round_trip(host, sd1, values):
@@ -192,6 +204,30 @@ def test_an_infotext_without_a_reuse_plan_pastes_back_one_step_in_n(host):
     assert _paste(components, script.infotext_fields, _parse(_infotext(off)))[index] == "forecast v3"  # the default
 
 
+def test_the_calibration_target_is_written_where_a_calibration_reads_it_and_pastes_back(host):
+    """Written with reuse plan calibrated (reuse on) and a target other than 0.98, which an infotext without it
+    means; pasted back as written, 0.98 when absent; the picture box is not a parameter of the picture."""
+    script = host.script()
+    components = host.ui(script)
+    index = webui_args.ARG_NAMES.index("calibration_target")
+    base = dict(method="ToDo", reuse_interval=3, reuse_plan="calibrated")
+    for target, written in ((0.9, 0.9), (0.999, 0.999), (0.98, None)):
+        args = webui_args.parse_args(script_args(**base, calibration_target=target, calibration_picture=True))
+        params = webui_args.infotext_params(args)
+        assert params.get(webui_args.KEY_CALIBRATION_TARGET) == written
+        pasted = _paste(components, script.infotext_fields, _parse(_infotext(params)))
+        assert pasted[index] == target
+        assert webui_args.parse_args(pasted).settings_for_pass(False, 0) == args.settings_for_pass(False, 0)
+        assert pasted[index + 1] is False  # the picture box: unchanged by a paste
+    for other in (dict(reuse_plan="forecast v3"), dict(reuse_interval=1)):  # no calibration reads it
+        args = webui_args.parse_args(script_args(**{**base, **other}, calibration_target=0.9))
+        assert webui_args.KEY_CALIBRATION_TARGET not in webui_args.infotext_params(args)
+    older = "Steps: 25, ToMe method: ToDo, ToMe reuse interval: 3, ToMe reuse plan: calibrated"
+    assert _paste(components, script.infotext_fields, _parse(older))[index] == 0.98
+    unreadable = _parse("Steps: 25, ToMe method: ToDo, ToMe calibration target: 2")  # out of range: unchanged
+    assert webui_args.ui_values_from_infotext(unreadable)["calibration_target"] is None
+
+
 def test_api_args_left_out_take_the_new_defaults_and_saved_ones_keep_theirs():
     """An API call that leaves the trailing args out gets today's defaults (reuse every 3 with ToDo 2); one that
     names all 20 as the script took them before keeps reuse off (and the plan, the 21st, does not act then)."""
@@ -219,8 +255,9 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
         "[ToMe Patch] Scope",
         "[ToMe Patch] Reuse interval",
         "[ToMe Patch] Reuse plan",
+        "[ToMe Patch] Calibration target",
     ]
-    method_axis, ratio_axis, _, scope_axis, reuse_axis, plan_axis = host.xyz.axis_options
+    method_axis, ratio_axis, _, scope_axis, reuse_axis, plan_axis, target_axis = host.xyz.axis_options
     assert plan_axis.choices() == ["forecast v3", "forecast v2", "forecast", "auto", "every N", "calibrated"]
     assert method_axis.choices() == ["ToMe", "ToDo"]
     assert scope_axis.choices() == ["self-attention", "block"]
@@ -258,6 +295,14 @@ def test_xyz_axes_are_added_once_and_apply(host, sd1, baseline):
         with torch.no_grad():
             process_images(host, p)
         assert p.extra_generation_params.get("ToMe reuse plan") == written
+    # The target axis: its value reaches the settings (a calibration's run: tests/test_webui_calibration.py).
+    p = Processing(sd1, script_args(enabled=False, reuse_interval=3, reuse_plan="forecast v3"))
+    target_axis.apply(p, 0.95, [0.95, 0.99])
+    parsed = webui_args.with_overrides(webui_args.parse_args(p.script_args[1:]), p._tome_patch_overrides)
+    assert parsed.enabled and parsed.settings_for_pass(False, 0).calibration_target == 0.95
+    target_axis.apply(p, 1.5, [1.5])
+    with pytest.raises(ValueError, match=r"\(calibration_target\) must be a number from 0.8 to 0.999, got 1.5"):
+        webui_args.with_overrides(webui_args.parse_args(p.script_args[1:]), p._tome_patch_overrides)
     # Without the X/Y/Z script (e.g. disabled), nothing is added and nothing fails.
     assert Host().script() is not None
 

@@ -1,8 +1,10 @@
 """The A1111 WebUI: ``reuse_plan`` "calibrated" on the ldm UNet, in jobs run the way the WebUI runs them
 (webui_host.py): the first job with a key runs unpatched (its picture the user's), then ``p.sample`` again on the
 same seeds with the candidates, at most ``MAX_RUNS`` runs of two seeds; the next jobs run the kept plan, the same
-picture every time; another CFG, step count or weight changed in place is another key; an interrupted calibration
-keeps nothing; Forge and highres fix run forecast v3; nothing stays patched."""
+picture every time; another CFG, step count, weight changed in place or target is another key; the target comes
+from its control (0.98 where a request leaves it out) or an X/Y/Z axis; the calibrating job's picture is saved
+beside the kept file and, when asked, added to the gallery once; an interrupted calibration keeps nothing; Forge
+and highres fix run forecast v3; nothing stays patched."""
 
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ import json
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
-from hosts.webui_host import ForgeSDModel, Host, SDModel, make_unet, run_job, script_args
+from hosts.webui_host import ForgeSDModel, Host, Processing, SDModel, make_unet, process_images, run_job, script_args
+from PIL import Image
 from test_webui_layer_reuse import assert_clean
 
 from tome_core.calibration import MAX_RUNS
+from tome_core.hosts.webui import args as webui_args
 from tome_core.hosts.webui import calibrate as webui_calibrate
 
 STEPS = tuple(range(999, 0, -50))  # 20 DDPM timesteps
@@ -138,9 +143,10 @@ def test_an_interrupted_calibration_keeps_nothing(host, sd_model, kept_file, sto
                 raise RuntimeError("out of memory")
             host.state.interrupted = True
 
-    out, _, runs, _ = counted(host, sd_model, script_args(**CALIBRATED), on_step=on_step)
+    out, p, runs, _ = counted(host, sd_model, script_args(**CALIBRATED, calibration_picture=True), on_step=on_step)
     assert torch.equal(out, plain) and runs == 3
     assert not kept_file.exists()
+    assert p.processed.extra_images == [] and not (kept_file.parent / webui_calibrate.REPORTS).exists()
     said = "stopped (Interrupt or Skip)" if stop == "interrupt" else "failed (RuntimeError('out of memory'))"
     assert f"calibration: {said}; nothing is kept" in capsys.readouterr().out
     assert not host.console
@@ -156,3 +162,117 @@ def test_highres_fix_and_forge_run_forecast_v3_with_one_line(host, kept_file, ca
     assert not kept_file.exists()
     assert capsys.readouterr().out.count("Forge runs its plan uncalibrated (forecast v3's)") == 1
     assert not host.console
+
+
+def reports(path) -> list[str]:
+    folder = path.parent / webui_calibrate.REPORTS
+    return sorted(item.name for item in folder.iterdir()) if folder.exists() else []
+
+
+@pytest.fixture
+def targets(monkeypatch):
+    """The target each calibration of the test was made with (what the engine's search compares against)."""
+    made = []
+    real = webui_calibrate.Calibration
+
+    def spying(base, steps, target, *args, **kwargs):
+        made.append(target)
+        return real(base, steps, target, *args, **kwargs)
+
+    monkeypatch.setattr(webui_calibrate, "Calibration", spying)
+    return made
+
+
+def test_the_target_control_reaches_the_search_the_key_and_the_infotext(host, kept_file, targets):
+    sd_model = SDModel(make_unet("sd1", seed=5))
+    _, p, _, _ = counted(host, sd_model, script_args(**CALIBRATED, calibration_target=0.9))
+    assert targets == [0.9]
+    (entry,) = kept(kept_file).values()
+    assert entry["result"]["target"] == 0.9
+    assert p.extra_generation_params[webui_args.KEY_CALIBRATION_TARGET] == 0.9
+    # The same job at the default target is another key: it calibrates again, and says no target (0.98).
+    _, p, runs, _ = counted(host, sd_model, script_args(**CALIBRATED))
+    assert targets == [0.9, 0.98] and runs > 1 and len(kept(kept_file)) == 2
+    assert webui_args.KEY_CALIBRATION_TARGET not in p.extra_generation_params
+    # Each target's next job runs its kept plan at once.
+    for target in (0.9, 0.98):
+        _, p, runs, _ = counted(host, sd_model, script_args(**CALIBRATED, calibration_target=target))
+        assert runs == 1 and p.extra_generation_params[webui_calibrate.KEY_CALIBRATED].endswith("steps")
+    assert targets == [0.9, 0.98] and len(kept(kept_file)) == 2
+
+
+def test_the_x_y_z_plots_target_axis_calibrates_at_its_value(kept_file, targets):
+    host = Host(with_xyz=True)
+    host.fire("before_ui")
+    (axis,) = [option for option in host.xyz.axis_options if option.label == "[ToMe Patch] Calibration target"]
+    p = Processing(SDModel(make_unet("sd1", seed=6)), script_args(enabled=False, **CALIBRATED))
+    p.steps = STEPS
+    axis.apply(p, 0.95, [0.95, 0.99])  # a plot cell: the axis value turns the patch on
+    with torch.no_grad(), host:  # the WebUI's modules importable for the whole job, as in run_job
+        process_images(host, p)
+    (entry,) = kept(kept_file).values()
+    assert targets == [0.95] and entry["result"]["target"] == 0.95
+    assert p.extra_generation_params[webui_args.KEY_CALIBRATION_TARGET] == 0.95
+
+
+def test_a_request_without_the_new_fields_calibrates_at_0_98_and_a_bad_target_is_named(
+    host, kept_file, targets, capsys
+):
+    """An API request (or a saved one) written before the target and picture fields names 21 args: the target is
+    the default and no picture is added; a target out of range is one console line naming the setting and its
+    range, and the job runs without the patch."""
+    sd_model = SDModel(make_unet("sd1", seed=7))
+    older = script_args(**CALIBRATED)[:21]
+    assert webui_args.parse_args(older).calibration_target == 0.98
+    _, p, runs, _ = counted(host, sd_model, older)
+    assert targets == [0.98] and runs > 1
+    (identity,) = kept(kept_file)
+    assert kept(kept_file)[identity]["result"]["target"] == 0.98
+    assert p.processed.extra_images == [] and len(p.processed.images) == 1
+    assert reports(kept_file) == [f"{identity}.png", "latest.png"]  # saved beside the kept file all the same
+    capsys.readouterr()
+    plain, _, _, _ = counted(host, sd_model, script_args(enabled=False))
+    bad = script_args(**CALIBRATED)
+    bad[webui_args.ARG_NAMES.index("calibration_target")] = 0.5
+    out, p, runs, _ = counted(host, sd_model, bad)
+    console = capsys.readouterr().out
+    assert "(calibration_target) must be a number from 0.8 to 0.999, got 0.5" in console
+    assert console.count("[ToMe Patch]") == 1 and torch.equal(out, plain) and runs == 1
+    assert targets == [0.98] and len(kept(kept_file)) == 1 and not host.console
+
+
+def test_the_picture_is_added_once_on_the_job_that_calibrates_when_asked(host, kept_file):
+    sd_model = SDModel(make_unet("sd1", seed=8))
+    shown = script_args(**CALIBRATED, calibration_picture=True)
+    _, p, _, _ = counted(host, sd_model, shown)
+    (identity,) = kept(kept_file)
+    (picture,) = p.processed.extra_images  # after the job's images (WebUI v1.8+), which stay as they were
+    assert isinstance(picture, Image.Image) and picture.mode == "RGB"
+    assert len(p.processed.images) == len(p.processed.infotexts) == 1
+    assert reports(kept_file) == [f"{identity}.png", "latest.png"]
+    with Image.open(kept_file.parent / webui_calibrate.REPORTS / f"{identity}.png") as saved:
+        assert np.array_equal(np.asarray(saved.convert("RGB")), np.asarray(picture))
+    # The chart: the unpatched run's change per step, recorded from the WebUI's CFG callbacks.
+    changes = kept(kept_file)[identity]["result"]["changes"]
+    assert len(changes) == len(STEPS) and changes[0] == 0 and all(change > 0 for change in changes[1:])
+    # The next job runs the kept plan: no picture.
+    _, p, runs, _ = counted(host, sd_model, shown)
+    assert runs == 1 and p.processed.extra_images == []
+    # Unticked, a job that calibrates (another CFG, another key) saves its picture and adds none.
+    _, p, runs, _ = counted(host, sd_model, script_args(**CALIBRATED), cfg_scale=4.0)
+    assert runs > 1 and len(kept(kept_file)) == 2 and p.processed.extra_images == []
+    assert len(reports(kept_file)) == 3
+    assert not host.console
+
+
+def test_before_webui_1_8_the_picture_follows_the_images_with_an_infotext(host, kept_file):
+    """A WebUI without ``Processed.extra_images``: the picture is appended to the images and an infotext naming
+    it to the infotexts (so that the gallery's index of each picture still finds its own)."""
+    args = script_args(**CALIBRATED, calibration_picture=True)
+    _, p, _, _ = counted(host, SDModel(make_unet("sd1", seed=9)), args, batch_size=2, processed_extra_images=False)
+    (identity,) = kept(kept_file)
+    assert not hasattr(p.processed, "extra_images")
+    assert len(p.processed.images) == len(p.processed.infotexts) == 3
+    assert isinstance(p.processed.images[2], Image.Image)
+    assert p.processed.infotexts[2].startswith("ToMe Patch calibration: ")
+    assert p.processed.infotexts[2].endswith(f"{webui_calibrate.REPORTS}/{identity}.png")

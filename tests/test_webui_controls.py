@@ -41,6 +41,8 @@ ALWAYS_SHOWN = {
     "skip_when_slower",
     "reuse_interval",
     "reuse_plan",
+    "calibration_target",
+    "calibration_picture",
 }
 
 # A valid value other than the default for each control that may be hidden.
@@ -102,10 +104,10 @@ def test_every_setting_says_which_method_reads_it():
         "scope": "ToMe",
         "reuse_interval": "ToMe and ToDo",
         "reuse_plan": "ToMe and ToDo",
+        "calibration_target": "ToMe and ToDo",
     }
-    # dit_settings is read on DiTs only (ComfyUI, diffusers): the WebUI's script patches UNets; calibration_target
-    # has no control in the WebUI yet (its calibrations keep the default target).
-    assert set(expected) == set(SPECS) - {"method", "dit_settings", "calibration_target"}
+    # dit_settings is read on DiTs only (ComfyUI, diffusers): the WebUI's script patches UNets.
+    assert set(expected) == set(SPECS) - {"method", "dit_settings"}
     for name, words in expected.items():
         assert SPECS[name].applies_to == words
         assert SPECS[name].tooltip.startswith(words + ": "), name

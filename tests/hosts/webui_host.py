@@ -8,8 +8,8 @@ What is reproduced (file and line numbers of WebUI v1.10.1, tag commit 82a973c):
 - Job order, modules/processing.py:
     ``process_images`` (819-860): ``before_process`` (821) -> built-in token merging applied (841) ->
     ``process_images_inner`` (847) in a ``try`` whose ``finally`` removes the built-in patch (849-850).
-    ``process_images_inner`` (863): ``process`` (915) -> per batch ``p.sample`` -> ``postprocess`` (1148), NOT in
-    a ``finally``: an exception while sampling skips it.
+    ``process_images_inner`` (863): ``process`` (915) -> per batch ``p.sample`` -> ``postprocess`` (1148) with the
+    ``Processed`` result, NOT in a ``finally``: an exception while sampling skips it.
     txt2img ``sample`` (1307): ``process_before_every_sampling`` (1338) -> sampler -> highres checkpoint reload
     (1359-1360) -> ``sample_hr_pass`` (1364): ``is_hr_pass = True`` (1368) -> built-in highres ratio (1442) ->
     ``before_hr`` (1445) -> ``process_before_every_sampling`` (1446) -> sampler -> built-in first-pass ratio back
@@ -521,6 +521,9 @@ class Processing:
         self.s_churn = None
         # An API request's options for this job only (``set_config`` in ``process_images``, restored after it).
         self.override_settings = {}
+        self.extra_result_images = []  # v1.8+: images a script adds to the gallery while processing
+        self.processed_extra_images = True  # False: a WebUI before v1.8 (no ``Processed.extra_images``)
+        self.processed = None  # what ``process_images`` returned (a ``Processed``), for the tests
 
     def comment(self, text):
         self.comments[text] = 1
@@ -572,8 +575,23 @@ def _process_images_inner(host, p):
         conditioning=cond, unconditional_conditioning=uncond, seeds=p.seeds, subseeds=p.subseeds,
         subseed_strength=p.subseed_strength, prompts=[""] * p.batch_size,
     )  # fmt: skip
-    host.run_hook(p, "postprocess", samples)  # 1148, not in a finally
+    p.processed = Processed(p, samples)
+    host.run_hook(p, "postprocess", p.processed)  # 1148, not in a finally
     return samples
+
+
+class Processed:
+    """modules/processing.py ``Processed`` as a script's ``postprocess`` gets it: the gallery's ``images`` (here the
+    latents of the batch, one per image) with one infotext each, and (v1.8+) ``extra_images``, ``p.extra_result_images``
+    at its making, which the txt2img and img2img tabs show after the images (modules/txt2img.py returns
+    ``processed.images + processed.extra_images``) and do not save; ``p.processed_extra_images`` False: a WebUI
+    before v1.8, without them."""
+
+    def __init__(self, p, samples):
+        self.images = [sample for sample in samples]
+        self.infotexts = [str(p.extra_generation_params)] * len(self.images)
+        if p.processed_extra_images:
+            self.extra_images = p.extra_result_images
 
 
 def _sample(host, p, noise, cond, uncond):
@@ -848,6 +866,7 @@ def run_job(host: Host, sd_model, args, **kwargs):
     settable = (
         *("token_merging_ratio", "token_merging_ratio_hr", "on_step", "steps", "hr_steps", "sampler", "scheduler"),
         *("hr_sampler_name", "hr_scheduler", "prompt_edit", "eta", "s_churn", "override_settings", "cfg_scale"),
+        "processed_extra_images",
     )
     attributes = {k: kwargs.pop(k) for k in list(kwargs) if k in (*settable, "batch_cond_uncond")}
     p = Processing(sd_model, args, **kwargs)

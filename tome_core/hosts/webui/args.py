@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ...reuse import REUSE_PLANS
 from ...settings import IMPLIED_WHEN_ABSENT, METHOD_LABELS, SPECS, PatchSettings
 
 MAX_DOWNSAMPLE_LABELS = ("auto", "1", "2", "4", "8")  # "auto" is the engine's 0
@@ -122,6 +123,22 @@ ARGS: tuple[Arg, ...] = (
     _from_spec("scope", "Scope (ToMe)"),
     _from_spec("reuse_interval", "Reuse interval (across steps)"),
     _from_spec("reuse_plan", "Reuse plan (across steps)"),
+    _from_spec(
+        "calibration_target",
+        "Calibration target (same-seed SSIM)",
+        tooltip="ToMe and ToDo: with reuse plan calibrated, the same-seed SSIM of the final latent against the "
+        "unpatched one that the calibration of a new job keeps at the fewest computed steps (0.8 to 0.999; higher "
+        "keeps more steps). Another target is another kept plan: the next job calibrates again.",
+    ),
+    Arg(
+        "calibration_picture",
+        "Show the calibration's picture",
+        "bool",
+        False,
+        "ToMe and ToDo: with reuse plan calibrated, the job that calibrates adds the calibration's picture to the "
+        "gallery (the unpatched and the calibrated latent, their difference amplified, the change per step with the "
+        "computed steps in orange). It is saved beside the kept file in any case (reports/<key>.png).",
+    ),
 )
 ARG_NAMES = tuple(arg.name for arg in ARGS)
 _BY_NAME = {arg.name: arg for arg in ARGS}
@@ -187,6 +204,8 @@ class ScriptArgs:
     scope: str
     reuse_interval: int
     reuse_plan: str
+    calibration_target: float
+    calibration_picture: bool  # the host's: the gallery gets the calibration's picture (not an engine setting)
 
     def settings_for_pass(self, is_hr_pass: bool, seed: int = 0) -> PatchSettings | None:
         """The engine settings for one sampling pass, or None where this pass must stay unpatched."""
@@ -211,6 +230,7 @@ class ScriptArgs:
             "scope": self.scope,
             "reuse_interval": self.reuse_interval,
             "reuse_plan": self.reuse_plan,
+            "calibration_target": self.calibration_target,
         }
         settings = PatchSettings.from_values(**values)
         return None if settings.is_noop else settings
@@ -333,6 +353,10 @@ KEY_SKIP = "ToMe skip when slower"
 KEY_SCOPE = "ToMe scope"
 KEY_REUSE = "ToMe reuse interval"
 KEY_REUSE_PLAN = "ToMe reuse plan"
+KEY_CALIBRATION_TARGET = "ToMe calibration target"
+# What an infotext with reuse plan calibrated and no target meant: the default when the key came (the picture it
+# describes was calibrated at it).
+TARGET_WHEN_ABSENT = 0.98
 # On a DiT (Forge Neo): the family whose default ran (reuse across steps at its measured setting, no ToDo). Not a
 # control's value: pasting the other keys gives the same job, which runs the loaded family's default again.
 KEY_DIT = "ToMe DiT"
@@ -353,6 +377,7 @@ INFOTEXT_KEYS = (
     KEY_SCOPE,
     KEY_REUSE,
     KEY_REUSE_PLAN,
+    KEY_CALIBRATION_TARGET,
 )
 _MERGE_PARTS = (("attn", "merge_attn"), ("crossattn", "merge_crossattn"), ("mlp", "merge_mlp"))
 
@@ -396,7 +421,14 @@ def infotext_params(args: ScriptArgs) -> dict[str, Any]:
     # Written where it acts, unless it is what an infotext without it means.
     if args.reuse_interval > 1 and args.reuse_plan != IMPLIED_WHEN_ABSENT["reuse_plan"]:
         params[KEY_REUSE_PLAN] = args.reuse_plan
+    # Written where a calibration reads it, unless it is what an infotext without it means.
+    if _calibrates(args) and args.calibration_target != TARGET_WHEN_ABSENT:
+        params[KEY_CALIBRATION_TARGET] = args.calibration_target
     return params
+
+
+def _calibrates(args: ScriptArgs) -> bool:
+    return args.reuse_interval > 1 and REUSE_PLANS[args.reuse_plan].calibrates
 
 
 def dit_infotext_params(args: ScriptArgs, family: str) -> dict[str, Any]:
@@ -448,6 +480,12 @@ def ui_values_from_infotext(params: dict) -> dict[str, Any]:
     # With reuse off the plan does not act, and the control keeps today's default for the next reuse.
     plan_absent = IMPLIED_WHEN_ABSENT["reuse_plan"] if KEY_REUSE in params else d.reuse_plan
     values["reuse_plan"] = read(KEY_REUSE_PLAN, "reuse_plan", plan_absent)
+    # Where no calibration reads it, the control keeps today's default for the next calibration.
+    plan = REUSE_PLANS.get(values["reuse_plan"])
+    calibrated = (values["reuse_interval"] or 1) > 1 and plan is not None and plan.calibrates
+    target_absent = TARGET_WHEN_ABSENT if calibrated else d.calibration_target
+    values["calibration_target"] = read(KEY_CALIBRATION_TARGET, "calibration_target", target_absent)
+    values["calibration_picture"] = None  # not a parameter of the picture: a paste leaves the box as it is
     return values
 
 

@@ -1,7 +1,9 @@
 """The A1111 WebUI's door to ``reuse_plan`` "calibrated" (the ldm UNet): the key at each job's first pass (the UNet's
 weights by content as they are, the Lora extension's networks and strengths, sampler, schedule, steps, denoise,
-CFG, latent shape); a key without a kept plan runs its pass unpatched (the user's picture), then ``p.sample`` runs
-again on the same seeds with the candidates and the result is kept for the next job. docs/calibration.md, 'WebUI'."""
+CFG, latent shape, the target); a key without a kept plan runs its pass unpatched (the user's picture, its denoised
+image per step recorded from the CFG callbacks for the report's chart), then ``p.sample`` runs again on the same
+seeds with the candidates and the result is kept for the next job; its picture is saved beside the kept file and,
+where asked, added to the job's gallery at ``postprocess``. docs/calibration.md, 'WebUI'."""
 
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ from ...calibration.store import SetAsideError
 from ...reuse import decide, kept_plan
 from ...version import __version__
 from . import layer_reuse as webui_layer_reuse
+from .whole_step import _call_sigma
 
 ENV = "TOME_PATCH_CALIBRATIONS"  # a file of the user's choosing, as in diffusers
 DEFAULT_FILE = Path(__file__).resolve().parents[3] / "calibrations" / "calibrations.json"  # next to scripts/
 KEY_CALIBRATED = "ToMe calibrated"  # the infotext's kept computed steps (not a control's value)
+REPORTS = "reports"  # beside the kept file: each calibration's picture, ``<key>.png`` and ``latest.png``
+LATEST = "latest.png"
 _NOT_FORCED = object()
 _BACKUPS = {"weight": "network_weights_backup", "bias": "network_bias_backup"}  # the Lora extension's names
 
@@ -42,6 +47,54 @@ class JobCalibration:
         self.original_sample = original_sample
         self.forced = _NOT_FORCED
         self.pending: tuple | None = None  # (key, the plan's own schedule, target)
+        self.picture = None  # the calibration's picture (a PIL image) where this job calibrated
+        self.picture_words = ""  # what it shows, for an infotext
+
+
+class _Recorder:
+    """The unpatched run's denoised image (its first sample) and noise level at each step, from the WebUI's CFG
+    callbacks (``cfg_denoiser`` names the step, ``cfg_after_cfg`` carries the denoised image after CFG); the first
+    call of each step only (a second-order sampler calls twice)."""
+
+    def __init__(self, p):
+        self.p = p
+        self.denoised: list[torch.Tensor] = []
+        self.levels: list[float] = []
+        self.level: float | None = None
+        self.recording = False
+
+    def on_cfg_denoiser(self, params) -> None:
+        owner_p = getattr(getattr(params, "denoiser", None), "p", None)
+        found = webui_layer_reuse.denoiser_step(params) if owner_p is None or owner_p is self.p else None
+        self.recording = found is not None and found[0] == len(self.denoised)
+        self.level = _call_sigma(params) if self.recording else None
+
+    def on_cfg_after_cfg(self, params) -> None:
+        x = getattr(params, "x", None)
+        if self.recording and isinstance(x, torch.Tensor) and x.dim() >= 1:
+            self.denoised.append(x[:1].detach().float().cpu())
+            self.levels.append(float("nan") if self.level is None else self.level)
+        self.recording = False
+
+
+_recorder: _Recorder | None = None  # the calibrating pass in progress (a WebUI process samples one pass at a time)
+
+
+def _record(p) -> None:
+    global _recorder
+    _recorder = _Recorder(p)
+
+
+def on_cfg_denoiser(params) -> None:
+    """``script_callbacks.on_cfg_denoiser``: a denoiser call of the pass that calibrates starts."""
+    if _recorder is not None:
+        _recorder.on_cfg_denoiser(params)
+
+
+def on_cfg_after_cfg(params) -> None:
+    """``script_callbacks.on_cfg_after_cfg``: its denoised image."""
+    if _recorder is not None:
+        _recorder.on_cfg_after_cfg(params)
 
 
 def install(p, job) -> None:
@@ -171,6 +224,7 @@ def schedule_for_pass(p, job, settings, decision, unet, latent):
         return decision.schedule
     if kept is None:
         calibration.pending = (key, decision.schedule, settings.calibration_target)
+        _record(p)  # this pass is the calibration's unpatched run: its chart
         return None
     p.extra_generation_params.update(infotext(kept))
     job.warn_once(f"calibration: the plan kept for this job in {kept_calibrations.path}: {kept.words()}.")
@@ -203,15 +257,19 @@ def _noise_for(rng, seeds):
 def sample(p, job, args, kwargs):
     """``p.sample`` under "calibrated": the job's own run, then, where its first pass found no kept plan, the
     calibration on the same seeds; returns the job's own (unpatched) latent."""
+    global _recorder
     calibration = job.calibration
     calibration.pending = None
     rng = getattr(p, "rng", None)
-    out = calibration.original_sample(*args, **kwargs)
+    try:
+        out = calibration.original_sample(*args, **kwargs)
+    finally:
+        recorder, _recorder = _recorder, None
     pending, calibration.pending = calibration.pending, None
     if pending is None:
         return out
     try:
-        _calibrate(p, job, args, kwargs, out, pending, rng)
+        _calibrate(p, job, args, kwargs, out, pending, rng, recorder)
     except _StoppedError:
         job.say("calibration: stopped (Interrupt or Skip); nothing is kept, the next job calibrates again.")
     except Exception as err:  # the user's picture is made: a failed candidate run costs only the calibration
@@ -223,7 +281,7 @@ def sample(p, job, args, kwargs):
     return out
 
 
-def _calibrate(p, job, args, kwargs, out, pending, rng) -> None:
+def _calibrate(p, job, args, kwargs, out, pending, rng, recorder: _Recorder | None = None) -> None:
     calibration = job.calibration
     key, base, target = pending
     _, state = _opts()
@@ -263,11 +321,63 @@ def _calibrate(p, job, args, kwargs, out, pending, rng) -> None:
         first = out if schedule is None else run(schedule, seeds)
         return first if second is None else torch.cat([first, run(schedule, second)])
 
-    result = search.run(candidate)
+    # The chart's change per step (without the callbacks' record, or with another count of steps, it shows zeros).
+    observed = None if recorder is None else (lambda: (recorder.denoised, recorder.levels))
+    result = search.run(candidate, observed=observed)
     kept_calibrations = store()
-    kept_calibrations.put(key_id(key), key, result, {"metric": "latent SSIM, worst sample", "seeds": 2})
+    identity = key_id(key)
+    kept_calibrations.put(identity, key, result, {"metric": "latent SSIM, worst sample", "seeds": 2})
     p.extra_generation_params.update(infotext(result, calibrating=True))
     job.say(f"calibration: kept in {kept_calibrations.path}: {result.words()} ({result.runs} runs).")
+    calibration.picture_words = f"ToMe Patch calibration: {result.words()}"
+    try:  # the plan is kept: a picture that cannot be made or saved costs only the picture
+        calibration.picture = as_image(search.picture(result))
+        path = save_picture(calibration.picture, kept_calibrations.path.parent, identity)
+    except Exception as err:
+        job.say(f"calibration: its picture could not be made or saved ({err!r}).")
+        return
+    calibration.picture_words += f"; its picture: {path}"
+    job.say(f"calibration: its picture: {path}.")
+
+
+def as_image(image: torch.Tensor):
+    """The engine's picture (height, width, 3 floats in [0, 1]) as a PIL image, as the WebUI's gallery takes it."""
+    from PIL import Image
+
+    return Image.fromarray((image.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8).numpy())
+
+
+def save_picture(picture, folder, identity: str) -> Path:
+    """``picture`` as ``reports/<key>.png`` (and ``reports/latest.png``) in ``folder``; returns the first."""
+    reports = Path(folder) / REPORTS
+    reports.mkdir(parents=True, exist_ok=True)
+    path = reports / f"{identity}.png"
+    picture.save(path)
+    picture.save(reports / LATEST)
+    return path
+
+
+def show_picture(job, processed) -> bool:
+    """At ``postprocess``: the calibration's picture of this job, where it calibrated and the box is ticked, after
+    the gallery's images. WebUI v1.8+ shows ``processed.extra_images`` after the images (not saved with them, no
+    infotext of their own); an older one gets it in ``processed.images`` with an infotext, as extensions did there."""
+    calibration = getattr(job, "calibration", None)
+    picture = getattr(calibration, "picture", None)
+    args = getattr(job, "args", None)
+    if picture is None or args is None or not args.calibration_picture or processed is None:
+        return False
+    calibration.picture = None  # once
+    extra = getattr(processed, "extra_images", None)
+    if isinstance(extra, (list, tuple)):
+        processed.extra_images = [*extra, picture]  # a new list: never one another job may share
+        return True
+    images, infotexts = getattr(processed, "images", None), getattr(processed, "infotexts", None)
+    if not isinstance(images, list):
+        return False
+    images.append(picture)
+    if isinstance(infotexts, list):
+        infotexts.append(calibration.picture_words)
+    return True
 
 
 def infotext(result, calibrating: bool = False) -> dict:

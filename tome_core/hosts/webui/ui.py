@@ -20,6 +20,8 @@ ADVANCED = (
     "skip_when_slower",
     "reuse_interval",
     "reuse_plan",
+    "calibration_target",
+    "calibration_picture",
     "scope",
     "sx",
     "sy",
