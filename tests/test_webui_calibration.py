@@ -3,8 +3,8 @@
 same seeds with the candidates, at most ``MAX_RUNS`` runs of two seeds; the next jobs run the kept plan, the same
 picture every time; another CFG, step count, weight changed in place or target is another key; the target comes
 from its control (0.98 where a request leaves it out) or an X/Y/Z axis; the calibrating job's picture is saved
-beside the kept file and, when asked, added to the gallery once; an interrupted calibration keeps nothing; Forge
-and highres fix run forecast v3; nothing stays patched."""
+beside the kept file and, when asked, added to the gallery once; an interrupted calibration keeps nothing;
+highres fix runs forecast v3; nothing stays patched. Forge and Forge Neo: tests/test_forge_calibration.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from hosts.webui_host import ForgeSDModel, Host, Processing, SDModel, make_unet, process_images, run_job, script_args
+from hosts.webui_host import Host, Processing, SDModel, make_unet, process_images, run_job, script_args
 from PIL import Image
 from test_webui_layer_reuse import assert_clean
 
@@ -152,15 +152,12 @@ def test_an_interrupted_calibration_keeps_nothing(host, sd_model, kept_file, sto
     assert not host.console
 
 
-def test_highres_fix_and_forge_run_forecast_v3_with_one_line(host, kept_file, capsys):
+def test_highres_fix_runs_forecast_v3_with_one_line(host, kept_file, capsys):
+    """(Forge and Forge Neo calibrate too: tests/test_forge_calibration.py.)"""
     unet = make_unet("sd1", seed=4)
     _, _, runs, _ = counted(host, SDModel(unet), script_args(**CALIBRATED), enable_hr=True)
     assert runs == 2 and not kept_file.exists()  # the two passes, once
     assert capsys.readouterr().out.count("runs forecast v3 for this job: highres fix is on") == 1
-    forge = ForgeSDModel(make_unet("sd1", seed=4))
-    run_job(host, forge, script_args(**CALIBRATED), steps=STEPS)
-    assert not kept_file.exists()
-    assert capsys.readouterr().out.count("Forge runs its plan uncalibrated (forecast v3's)") == 1
     assert not host.console
 
 

@@ -22,6 +22,13 @@ What is reproduced:
   ``cfg_after_cfg`` callbacks around each denoiser call (``modules/sd_samplers_cfg_denoiser.py``); k-diffusion's
   Euler over ComfyUI's ``normal`` schedule, from the empty latent as ComfyUI's KSampler prepares it, so that a pass
   here computes what ComfyUI's KSampler computes for the same model, seed and steps.
+- Neo's SD1.5 and SDXL UNet jobs (``neo_unet_model``): the WebUI's job order and ``p.sample`` of ``webui_host``
+  (Neo's ``modules/processing.py`` keeps them: ``forge_objects`` copied from ``forge_objects_after_applying_lora``
+  in ``sample`` before ``process_before_every_sampling``), its Euler loop and CFG denoiser, over Neo's
+  ``UnetPatcher`` (``backend/patcher/unet.py`` over ``base.py``, ComfyUI's ``ModelPatcher``: a LoRA is
+  ``add_patches``' entries in ``patches``, merged into the weights in place when the clone is loaded, the weights
+  it replaced kept in ``backup``, a dict its clones share) and ComfyUI's UNet classes (Neo's ``backend/nn/unet.py``
+  is a port of them).
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ import types
 import comfy.ldm.chroma.model
 import comfy.ldm.cosmos.predict2
 import comfy.ldm.flux.model
+import comfy.model_patcher
 import comfy.sample
 import comfy.samplers
+import comfy.supported_models
 import torch
 
 from hosts import (
@@ -100,6 +109,52 @@ def forge_processing(patcher, script_args, steps: int = 28, sampler=None):
     p.neo_steps, p.neo_cfg, p.neo_refiner = steps, 1.0, None
     p.forge = True
     return p
+
+
+class NeoUnetPatcher(comfy.model_patcher.ModelPatcher):
+    """Neo's ``UnetPatcher`` for SD1.5 and SDXL, loaded for a pass as ``webui_host.forge_load_models_gpu`` loads
+    Forge's (Neo's memory management is ComfyUI's: ``patch_model`` applies the weight and object patches in place,
+    ``unpatch_model`` takes them back), and called as Neo's ``sampling_function`` calls the model: the call's
+    ``cond_or_uncond`` and ``sigmas`` in ``transformer_options``, the scaled latent and the DDPM timestep into the
+    UNet (``BaseModel._apply_model``; SDXL's class embedding from zeros here)."""
+
+    def forge_patch_model(self, target_device=None):
+        return self.patch_model()
+
+    def forge_unpatch_model(self, target_device=None):
+        self.unpatch_model()
+
+    def apply_model(self, x, t, context, sigma, cond_or_uncond=(0, 1)):
+        options = dict(self.model_options["transformer_options"])
+        options["cond_or_uncond"] = list(cond_or_uncond)
+        options["sigmas"] = torch.full((x.shape[0],), sigma)
+        unet = self.model.diffusion_model
+        extra = {}
+        if unet.num_classes is not None:
+            extra["y"] = torch.zeros(x.shape[0], unet.label_emb[0][0].in_features)
+        return unet(x, t, context=context, transformer_options=options, **extra)
+
+
+class NeoUnetSDModel:
+    """``p.sd_model`` of a Neo SD1.5 or SDXL job: ``forge_objects.unet`` copied from ``forge_unet_original`` (the
+    patcher after the LoRAs, ``forge_objects_after_applying_lora``) before every pass (``webui_host._reset_forge``)."""
+
+    def __init__(self, patcher):
+        self.forge_unet_original = patcher
+        self.forge_objects = types.SimpleNamespace(unet=patcher)
+
+
+def neo_unet_model(family: str = "sd15", seed: int = 0) -> NeoUnetSDModel:
+    """A Neo SD1.5 or SDXL model: ComfyUI's tiny UNet (``comfy_host``) with the WebUI stand-in's context width."""
+    tiny = {"sd15": comfy_host.SD15_TINY, "sdxl": comfy_host.SDXL_TINY}[family]
+    config = {"sd15": comfy.supported_models.SD15, "sdxl": comfy.supported_models.SDXL}[family](
+        {**tiny, "context_dim": 32}
+    )
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({})
+    comfy_host.initialise(model.diffusion_model, seed)
+    model.eval()
+    return NeoUnetSDModel(NeoUnetPatcher(model, load_device=comfy_host.CPU, offload_device=comfy_host.CPU))
 
 
 def neo_model(family: str = "flux", **config):

@@ -732,16 +732,56 @@ def forge_load_models_gpu(patcher):
         _forge_loaded.remove(loaded)
         loaded.forge_unpatch_model()
     patcher.forge_patch_model()
+    if hasattr(patcher, "refresh_loras"):  # LoadedModel.model_load (488-518): the LoRAs merged after the patches
+        patcher.refresh_loras()
     _forge_loaded.insert(0, patcher)
 
 
+class ForgeLoraLoader:
+    """backend/patcher/lora.py ``LoraLoader`` (344-460), one per model (``model.lora_loader``, base.py 63-66):
+    ``refresh`` does nothing when the patchers' LoRA identifiers are the ones merged; else it puts back the weights
+    it kept in ``backup`` and merges each key's patches into the weight in place, keeping the weight it replaced
+    (the offline mode; only the "diff" patch type, ``weight * strength_model + strength_patch * diff``)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.backup = {}
+        self.loaded_hash = str([])
+
+    def refresh(self, lora_patches):
+        hashes = str(list(lora_patches.keys()))
+        if hashes == self.loaded_hash:
+            return
+        for key, weight in self.backup.items():
+            _set_attr_raw(self.model, key, torch.nn.Parameter(weight, requires_grad=False))
+        self.backup = {}
+        merged = {}
+        for patches in lora_patches.values():
+            for key, entries in patches.items():
+                merged[key] = merged.get(key, []) + entries
+        for key, entries in merged.items():
+            weight = _get_attr(self.model, key)
+            self.backup.setdefault(key, weight.detach().clone())
+            value = weight.detach().float()
+            for strength_patch, patch, strength_model, _offset, _function in entries:
+                kind, (diff,) = patch
+                assert kind == "diff"
+                value = value * strength_model + strength_patch * diff.float()
+            _set_attr_raw(self.model, key, torch.nn.Parameter(value.to(weight.dtype), requires_grad=False))
+        self.loaded_hash = hashes
+
+
 class ForgePatcher:
-    """Forge's UnetPatcher as far as patches go (backend/patcher/base.py 79-205, 241-271)."""
+    """Forge's UnetPatcher as far as patches go (backend/patcher/base.py 79-205, 241-271), and its LoRA patches
+    (``add_patches`` 91-117: ``lora_patches[(filename, strength_patch, strength_model, online_mode)]`` -> key ->
+    entries; ``refresh_loras`` 125-127, called when the patcher is loaded for sampling)."""
 
     def __init__(self, unet):
         self.model = types.SimpleNamespace(
             diffusion_model=unet, predictor=types.SimpleNamespace(percent_to_sigma=sigma_of_percent)
         )
+        self.model.lora_loader = ForgeLoraLoader(self.model)
+        self.lora_patches = {}
         self.model_options = {"transformer_options": {}}
         self.object_patches = {}
         self.object_patches_backup = {}
@@ -762,7 +802,19 @@ class ForgePatcher:
         clone.model_options = copy.deepcopy(self.model_options)
         clone.object_patches = self.object_patches.copy()
         clone.object_patches_backup = {}
+        clone.lora_patches = self.lora_patches.copy()
         return clone
+
+    def add_patches(self, *, filename, patches, strength_patch=1.0, strength_model=1.0, online_mode=False):
+        """base.py 91-117: the keys of ``patches`` that are the model's parameters, under this LoRA's identifier."""
+        names = {name for name, _ in self.model.diffusion_model.named_parameters()}
+        ours = {key: [[strength_patch, patch, strength_model, None, None]] for key, patch in patches.items()
+                if key.removeprefix("diffusion_model.") in names}  # fmt: skip
+        self.lora_patches[(filename, strength_patch, strength_model, online_mode)] = ours
+        return set(ours)
+
+    def refresh_loras(self):
+        self.model.lora_loader.refresh(self.lora_patches)
 
     def is_clone(self, other):
         return getattr(other, "model", None) is self.model

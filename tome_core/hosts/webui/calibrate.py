@@ -1,9 +1,12 @@
-"""The A1111 WebUI's door to ``reuse_plan`` "calibrated" (the ldm UNet): the key at each job's first pass (the UNet's
-weights by content as they are, the Lora extension's networks and strengths, sampler, schedule, steps, denoise,
-CFG, latent shape, the target); a key without a kept plan runs its pass unpatched (the user's picture, its denoised
+"""The WebUI family's door to ``reuse_plan`` "calibrated" on a UNet: the key at each job's first pass (the UNet's
+weights by content as they are, the LoRAs and their strengths, sampler, schedule, steps, denoise, CFG, latent shape,
+the target); a key without a kept plan runs its pass unpatched (the user's picture, its denoised
 image per step recorded from the CFG callbacks for the report's chart), then ``p.sample`` runs again on the same
 seeds with the candidates and the result is kept for the next job; its picture is saved beside the kept file and,
-where asked, added to the job's gallery at ``postprocess``. docs/calibration.md, 'WebUI'."""
+where asked, added to the job's gallery at ``postprocess``. The A1111 WebUI's ldm UNet is keyed by its modules and
+the Lora extension's networks (``ldm_fingerprints``); lllyasviel's Forge's and Forge Neo's by the patcher in
+``p.sd_model.forge_objects.unet``, its weights as loaded and its LoRA patches with their strengths
+(``forge_fingerprints``). Everything else is shared. docs/calibration.md, 'WebUI'."""
 
 from __future__ import annotations
 
@@ -98,7 +101,9 @@ def on_cfg_after_cfg(params) -> None:
 
 
 def install(p, job) -> None:
-    """Run ``p.sample`` (called once per batch by ``process_images``) through ``sample`` for this job."""
+    """Run ``p.sample`` (called once per batch by ``process_images``) through ``sample`` for this job. Forge's and
+    Neo's ``p.sample`` copy ``forge_objects`` from the patcher after the LoRAs and call
+    ``process_before_every_sampling`` at each call: a candidate's run gets its forced schedule on a fresh clone."""
     original = getattr(p, "sample", None)
     if original is None or getattr(p, "sd_model", None) is None:
         return
@@ -163,11 +168,68 @@ def _opts():
     return getattr(shared, "opts", None), getattr(shared, "state", None)
 
 
-def job_key(p, unet, settings, sampler, schedule, latent) -> dict:
+def ldm_fingerprints(unet):
+    """The A1111 WebUI's keying of ``unet`` (an ldm UNet): ``() -> (weights, patches, extra)``."""
+    return lambda: (_unet_fingerprint(unet), _networks_fingerprint(), ["host:webui"])
+
+
+_PREFIX = "diffusion_model."  # the patchers' weight keys are the model's, the UNet's under this name
+
+
+def _forge_weights_backup(patcher) -> dict:
+    """The weights a LoRA was merged into in place, as they were before: lllyasviel's Forge keeps them in the
+    model's ``lora_loader.backup`` (key -> tensor; merged when the patcher is loaded for sampling, kept merged
+    until other LoRAs are asked); Forge Neo's patcher, ComfyUI's ``ModelPatcher``, in ``backup`` (key -> a
+    ``(weight, inplace_update)`` tuple, shared by its clones)."""
+    saved = {}
+    loader = getattr(patcher, "lora_loader", None) or getattr(getattr(patcher, "model", None), "lora_loader", None)
+    for name, weight in (getattr(loader, "backup", None) or {}).items():
+        saved[name] = weight
+    for name, entry in (getattr(patcher, "backup", None) or {}).items():
+        saved[name] = getattr(entry, "weight", entry)
+    return saved
+
+
+def _forge_unet_fingerprint(patcher) -> str:
+    """Forge's UNet (``patcher.model.diffusion_model``) as loaded from its file: a weight merged in place is read
+    from its backup, since the patches are keyed apart (``_forge_patches_fingerprint``)."""
+    saved = _forge_weights_backup(patcher)
+    named = []
+    for name, tensor in patcher.model.diffusion_model.state_dict(keep_vars=True).items():
+        backup = saved.get(_PREFIX + name)
+        named.append((name, backup if isinstance(backup, torch.Tensor) else tensor))
+    return tensors_fingerprint(named)
+
+
+def _forge_patches_fingerprint(patcher) -> str:
+    """The weight patches the job's LoRAs put in the patcher, by content and strength: lllyasviel's Forge's
+    ``lora_patches`` (``(filename, strength_patch, strength_model, online_mode)`` -> key -> patch entries), Neo's
+    ``patches`` (ComfyUI's: key -> ``(strength_patch, patch, strength_model, offset, function)`` entries)."""
+    forge = [[repr(identifier), patches_fingerprint(patches)]
+             for identifier, patches in (getattr(patcher, "lora_patches", None) or {}).items()]  # fmt: skip
+    return patches_fingerprint({"lora_patches": forge, "patches": getattr(patcher, "patches", None) or {}})
+
+
+def forge_fingerprints(patcher, v_prediction):
+    """lllyasviel's Forge's and Forge Neo's keying of ``patcher`` (``p.sd_model.forge_objects.unet`` as the job
+    made it, LoRAs applied): its weights, its LoRA patches, and by name the other patches extensions set on it."""
+    options = getattr(patcher, "model_options", None) or {}
+    transformer = options.get("transformer_options", {})
+    others = [f"patch:{name}" for name in transformer.get("patches", {})]
+    others += [f"replace:{name}" for name in transformer.get("patches_replace", {})]
+    others += [f"object:{name}" for name in getattr(patcher, "object_patches", None) or {}]
+    others += [f"option:{name}" for name in options if name != "transformer_options"]
+    host = ["host:forge", f"v_prediction:{v_prediction}", *others]
+    return lambda: (_forge_unet_fingerprint(patcher), _forge_patches_fingerprint(patcher), host)
+
+
+def job_key(p, fingerprints, settings, sampler, schedule, latent) -> dict:
+    """The key of this pass; ``fingerprints()``: the model's weights, its patches and the host's own fields."""
     opts, _ = _opts()
     img2img = hasattr(p, "init_images")
+    model, patches, host = fingerprints()
     extra = [
-        "host:webui",
+        *host,
         f"schedule:{schedule}",
         f"steps:{p.steps}",
         f"denoise:{getattr(p, 'denoising_strength', 1.0) if img2img else 1.0}",
@@ -179,8 +241,8 @@ def job_key(p, unet, settings, sampler, schedule, latent) -> dict:
             extra.append(f"{option}:{getattr(opts, option)}")
     shape = latent.shape[1:] if isinstance(latent, torch.Tensor) else ()
     return calibration_key(
-        model=_unet_fingerprint(unet),
-        patches=_networks_fingerprint(),
+        model=model,
+        patches=patches,
         sampler=sampler,
         sigmas=[],
         cfg=getattr(p, "cfg_scale", None),
@@ -199,9 +261,10 @@ def _highres_or_refiner(p) -> str | None:
     return None
 
 
-def schedule_for_pass(p, job, settings, decision, unet, latent):
+def schedule_for_pass(p, job, settings, decision, fingerprints, latent):
     """The forecast schedule of a pass under "calibrated" (None: every step in full): a candidate run's, the kept
-    plan's, or none while the key has no plan yet (the pass runs unpatched and ``sample`` then calibrates)."""
+    plan's, or none while the key has no plan yet (the pass runs unpatched and ``sample`` then calibrates).
+    ``fingerprints``: the host's keying of the model (``ldm_fingerprints``, ``forge_fingerprints``)."""
     calibration = getattr(job, "calibration", None)
     if calibration is not None and calibration.forced is not _NOT_FORCED:
         return calibration.forced
@@ -214,7 +277,7 @@ def schedule_for_pass(p, job, settings, decision, unet, latent):
     sampler, schedule = webui_layer_reuse.sampler_and_schedule(p)
     kept_calibrations = store()
     try:
-        key = job_key(p, unet, settings, sampler, schedule, latent)
+        key = job_key(p, fingerprints, settings, sampler, schedule, latent)
         kept = kept_calibrations.get(key_id(key))
     except UnreadableModelError as err:
         job.warn_once(f"reuse_plan 'calibrated': this model cannot be keyed by its content ({err}); running "

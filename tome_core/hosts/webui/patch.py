@@ -32,7 +32,7 @@ class Job:
         self.infotext_written = False
         self.reuse_runs: list = []
         self.dit_family: str | None = None  # the DiT family whose default a pass ran (Forge Neo), for the infotext
-        self.calibration = None  # reuse_plan "calibrated" on the WebUI's ldm UNet (``calibrate.JobCalibration``)
+        self.calibration = None  # reuse_plan "calibrated" on a UNet (``calibrate.JobCalibration``)
 
     def warn_once(self, message: str) -> None:
         if message not in self.warned:
@@ -109,8 +109,7 @@ def start_job(p, args) -> Job:
     setattr(p, JOB, job)
     args = job.args
     if args is not None and args.reuse_interval > 1 and REUSE_PLANS[args.reuse_plan].calibrates:
-        if getattr(getattr(p, "sd_model", None), "forge_objects", None) is None:
-            webui_calibrate.install(p, job)
+        webui_calibrate.install(p, job)  # A1111's ldm UNet and Forge's (a DiT's pass never asks it to calibrate)
     return job
 
 
@@ -149,7 +148,7 @@ def patch_for_pass(p, job: Job, latent=None) -> None:
         )
         return
     if forge_objects is not None:
-        patched = _patch_forge(p, forge_objects, settings, job)
+        patched = _patch_forge(p, forge_objects, settings, job, latent)
     else:
         patched = _patch_ldm(p, sd_model, settings, job, latent)
     if patched and not job.infotext_written:
@@ -180,7 +179,8 @@ def _patch_ldm(p, sd_model, settings, job: Job, latent=None) -> bool:
         schedule = decision.schedule
         calibrates = REUSE_PLANS[settings.reuse_plan].calibrates
         if calibrates:
-            schedule = webui_calibrate.schedule_for_pass(p, job, settings, decision, unet, latent)
+            fingerprints = webui_calibrate.ldm_fingerprints(unet)
+            schedule = webui_calibrate.schedule_for_pass(p, job, settings, decision, fingerprints, latent)
         # A calibrating job's own pass runs every step; its infotext still says "calibrated".
         reusing = webui_whole_step.install_ldm(unet, settings, p, schedule, v_prediction) is not None or calibrates
     else:
@@ -190,12 +190,9 @@ def _patch_ldm(p, sd_model, settings, job: Job, latent=None) -> bool:
     return reduced or reusing
 
 
-def _decision(p, settings, job: Job, forge: bool = False):
+def _decision(p, settings, job: Job):
     """The pass's decision (``plans.decide``), with one warning where it runs every step though reuse is asked."""
     decision = webui_layer_reuse.decision_for(settings, p)
-    if forge and settings.reuse_interval > 1 and REUSE_PLANS[settings.reuse_plan].calibrates:
-        job.warn_once(f"reuse_plan {settings.reuse_plan!r} calibrates in ComfyUI, diffusers and the A1111 WebUI; "
-                      "Forge runs its plan uncalibrated (forecast v3's).")  # fmt: skip
     if settings.reuse_interval > 1 and decision.runs == FULL:
         job.warn_once(
             f"reuse across steps is off: {decision.why}; every step runs in full, the token reduction still applies."
@@ -203,7 +200,7 @@ def _decision(p, settings, job: Job, forge: bool = False):
     return decision
 
 
-def _patch_forge(p, forge_objects, settings, job: Job) -> bool:
+def _patch_forge(p, forge_objects, settings, job: Job, latent=None) -> bool:
     unet = forge_objects.unet
     percent_to_sigma = _forge_percent_to_sigma(unet)
     if percent_to_sigma is None:
@@ -215,10 +212,15 @@ def _patch_forge(p, forge_objects, settings, job: Job) -> bool:
     except NotAUNetError as err:
         return _patch_dit(p, forge_objects, settings, percent_to_sigma, job, str(err))
     # The step comes from the WebUI's callbacks: its samplers never run a ComfyUI-style sampler wrapper.
-    decision = _decision(p, settings, job, forge=True)
+    decision = _decision(p, settings, job)
     v_prediction = webui_whole_step.forge_v_prediction(clone)
     if decision.runs == FORECAST and v_prediction is not None:
-        webui_whole_step.install_forge(clone, settings, p, percent_to_sigma, decision.schedule, v_prediction)
+        schedule = decision.schedule
+        if REUSE_PLANS[settings.reuse_plan].calibrates:  # keyed by the job's own patcher, LoRAs in, ours not
+            fingerprints = webui_calibrate.forge_fingerprints(unet, v_prediction)
+            schedule = webui_calibrate.schedule_for_pass(p, job, settings, decision, fingerprints, latent)
+        # None (a calibrating job's own pass, or a kept plan of every step): every step in full.
+        webui_whole_step.install_forge(clone, settings, p, percent_to_sigma, schedule, v_prediction)
     else:
         layers = decision.fallback or decision
         schedule = webui_layer_reuse.schedule_for(settings, clone.model.diffusion_model, layers)
