@@ -140,11 +140,11 @@ class Calibration:
 
     def run(self, sample: Callable[[IntervalSchedule | None], torch.Tensor], observed=None) -> CalibrationResult:
         """The search: a candidate is kept where its worst sample reaches the target plus the margin.
-        ``observed()`` after the unpatched run gives its denoised image and noise level per step (the chart)."""
+        ``observed()`` after the unpatched run gives its denoised image per step (the picture's chart)."""
         self.reference = self.kept = sample(None)
         changes = ()
         if observed is not None:
-            denoised, _ = observed()
+            denoised = observed()
             if len(denoised) == self.steps:
                 changes = tuple(step_changes(denoised))
         runs, tried, kept = 1, [], None

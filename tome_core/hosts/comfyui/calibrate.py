@@ -127,8 +127,7 @@ def _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, ke
             return executor(*args[:5], recording, *args[6:], **kwargs)
         return run_with(schedule, args, kwargs)
 
-    levels = [float(level) for level in call_sigmas(args[3])]
-    result = calibration.run(sample, observed=lambda: (denoised, levels))
+    result = calibration.run(sample, observed=lambda: denoised)
     identity = key_id(key)
     kept_calibrations.put(identity, key, result, {"metric": "latent SSIM, worst sample", "seeds": 2})
     picture = save_picture(calibration.picture(result), kept_calibrations.path.parent, identity)

@@ -420,8 +420,8 @@ class Job:
         if restore is not None:
             restore()
 
-    def _observed(self) -> tuple[list[torch.Tensor], list[float]]:
-        return self.denoised, self.levels or []
+    def _observed(self) -> list[torch.Tensor]:
+        return self.denoised
 
     @staticmethod
     def _generators_of(arguments: dict) -> list[torch.Generator]:

@@ -23,7 +23,6 @@ from ...calibration.store import SetAsideError
 from ...reuse import decide, kept_plan
 from ...version import __version__
 from . import layer_reuse as webui_layer_reuse
-from .whole_step import _call_sigma
 
 ENV = "TOME_PATCH_CALIBRATIONS"  # a file of the user's choosing, as in diffusers
 DEFAULT_FILE = Path(__file__).resolve().parents[3] / "calibrations" / "calibrations.json"  # next to scripts/
@@ -55,28 +54,24 @@ class JobCalibration:
 
 
 class _Recorder:
-    """The unpatched run's denoised image (its first sample) and noise level at each step, from the WebUI's CFG
+    """The unpatched run's denoised image (its first sample) at each step, from the WebUI's CFG
     callbacks (``cfg_denoiser`` names the step, ``cfg_after_cfg`` carries the denoised image after CFG); the first
     call of each step only (a second-order sampler calls twice)."""
 
     def __init__(self, p):
         self.p = p
         self.denoised: list[torch.Tensor] = []
-        self.levels: list[float] = []
-        self.level: float | None = None
         self.recording = False
 
     def on_cfg_denoiser(self, params) -> None:
         owner_p = getattr(getattr(params, "denoiser", None), "p", None)
         found = webui_layer_reuse.denoiser_step(params) if owner_p is None or owner_p is self.p else None
         self.recording = found is not None and found[0] == len(self.denoised)
-        self.level = _call_sigma(params) if self.recording else None
 
     def on_cfg_after_cfg(self, params) -> None:
         x = getattr(params, "x", None)
         if self.recording and isinstance(x, torch.Tensor) and x.dim() >= 1:
             self.denoised.append(x[:1].detach().float().cpu())
-            self.levels.append(float("nan") if self.level is None else self.level)
         self.recording = False
 
 
@@ -385,7 +380,7 @@ def _calibrate(p, job, args, kwargs, out, pending, rng, recorder: _Recorder | No
         return first if second is None else torch.cat([first, run(schedule, second)])
 
     # The chart's change per step (without the callbacks' record, or with another count of steps, it shows zeros).
-    observed = None if recorder is None else (lambda: (recorder.denoised, recorder.levels))
+    observed = None if recorder is None else (lambda: recorder.denoised)
     result = search.run(candidate, observed=observed)
     kept_calibrations = store()
     identity = key_id(key)
