@@ -1,7 +1,9 @@
 """The calibration's evidence on the trained references (docs/calibration.md, 'Measured'): per model and sampler,
 calibrate ``reuse_plan`` "calibrated" on ONE prompt and seed of set A through the node, then report on the 16
 prompts of set B against the unpatched run, beside the fixed default (same-seed SSIM, mean and lowest image, and
-the share of model calls computed); no ToDo, as a GPU runs these sizes.
+the share of model calls computed); no ToDo, as a GPU runs these sizes. Beside them at equal calls: Spectrum
+computing the kept count and ComfyUI's EasyCache at two thresholds. A model name ending in ``+lora`` is that
+reference with a LoRA-like weight patch (``lora_like``): another key, calibrated on its own.
 
     python -m tools.fidelity.calibration --models ref-sd1,ref-sd1-v2,ref-sdxl,ref-sdxl-v2 \\
         --runs euler:normal:25,dpmpp_2m:karras:25
@@ -23,6 +25,8 @@ from tools.common.machine import machine
 from tools.fidelity.row import load_our_nodes, ours
 
 SET_A_FIRST, SET_B_FIRST, CFG = 16, 0, 4.0
+LORA = "+lora"
+EASYCACHE_THRESHOLDS = (0.1, 0.2)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,6 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=16, help="set B's prompts reported on")
     parser.add_argument("--scale", type=int, default=2, help="the size as a multiple of the training size")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default="results/calibration.json")
     return parser.parse_args(argv)
 
@@ -52,6 +57,35 @@ def sample(model, patcher, positive, negative, shape, run) -> tuple[torch.Tensor
     return patcher.model.process_latent_in(out["samples"]), sum(calls)
 
 
+def lora_like(patcher, rank: int = 4, share: float = 0.15) -> None:
+    """A LoRA-like patch on every attention projection (strength 1): a rank-``rank`` change of ``share`` of each
+    weight's norm, from a fixed seed, added the way ComfyUI adds a LoRA (``add_patches``)."""
+    generator = torch.Generator().manual_seed(7)
+    patches = {}
+    for name, weight in patcher.model.diffusion_model.state_dict().items():
+        if weight.dim() != 2 or not any(part in name for part in (".to_q.", ".to_k.", ".to_v.", ".to_out.0.")):
+            continue
+        down = torch.randn(rank, weight.shape[1], generator=generator)
+        up = torch.randn(weight.shape[0], rank, generator=generator)
+        change = up @ down
+        patches[f"diffusion_model.{name}"] = (change * (share * weight.norm() / change.norm()),)
+    patcher.add_patches(patches, strength_patch=1.0)
+
+
+def peers(steps: int, computed: int) -> list:
+    """Spectrum computing ``computed`` of ``steps`` and EasyCache at ``EASYCACHE_THRESHOLDS``."""
+    from tools.fidelity import spectrum
+    from tools.fidelity.peer_rows import step_cache_rows
+    from tools.fidelity.row import FidelityRow
+
+    rows = [row for row in step_cache_rows(EASYCACHE_THRESHOLDS) if row.name.startswith("EasyCache")]
+    try:
+        settings = spectrum.settings_computing(steps, computed)
+    except ValueError:
+        return rows
+    return [FidelityRow(f"Spectrum {computed} of {steps}", "peer", spectrum.spectrum_patch(settings)), *rows]
+
+
 def measure(name: str, runs: list[tuple[str, str, int]], args, log) -> list[dict]:
     import comfy.model_patcher
     import folder_paths
@@ -59,15 +93,18 @@ def measure(name: str, runs: list[tuple[str, str, int]], args, log) -> list[dict
     from tools.fidelity.reference import models
     from tools.fidelity.run import benchmark_prompts, conditioning, image_metrics
 
-    base, encoder = models.load_reference(name)
+    reference = name.removesuffix(LORA)
+    base, encoder = models.load_reference(reference)
     cpu = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
-    size = models.train_size(name) * args.scale
+    if name.endswith(LORA):
+        lora_like(patcher)
+    size = models.train_size(reference) * args.scale
     nodes = load_our_nodes()
-    negative = conditioning(name, base, encoder, models.PromptEncoder.empty(1), size)
-    set_a = conditioning(name, base, encoder, benchmark_prompts(SET_A_FIRST, 1), size)
-    set_b = conditioning(name, base, encoder, benchmark_prompts(SET_B_FIRST, args.prompts), size)
-    one, shape = models.latent_shape(name, 1, size), models.latent_shape(name, args.prompts, size)
+    negative = conditioning(reference, base, encoder, models.PromptEncoder.empty(1), size)
+    set_a = conditioning(reference, base, encoder, benchmark_prompts(SET_A_FIRST, 1), size)
+    set_b = conditioning(reference, base, encoder, benchmark_prompts(SET_B_FIRST, args.prompts), size)
+    one, shape = models.latent_shape(reference, 1, size), models.latent_shape(reference, args.prompts, size)
     rows = []
     for run in runs:
         with tempfile.TemporaryDirectory() as user:
@@ -78,13 +115,25 @@ def measure(name: str, runs: list[tuple[str, str, int]], args, log) -> list[dict
             started = time.perf_counter()
             _, calibration_calls = sample(model, patcher, set_a, negative, one, run)
             calibration_s = time.perf_counter() - started
-            (entry,) = json.loads((Path(user) / "tome_patch" / "calibrations.json").read_text())["entries"].values()
+            kept = Path(user) / "tome_patch" / "calibrations.json"
+            entries = json.loads(kept.read_text())["entries"] if kept.exists() else {}
             plain, plain_calls = sample(patcher, patcher, set_b, negative, shape, run)
-            row = {"model": name, "run": list(run), "calibration": entry["result"], "calibration_s": round(
-                calibration_s, 1), "calibration_calls": calibration_calls * args.prompts / plain_calls}  # fmt: skip
+            row = {"model": name, "run": list(run), "calibration": next(iter(entries.values()))["result"] if entries
+                   else None, "calibration_s": round(calibration_s, 1), "calibration_calls": calibration_calls *
+                   args.prompts / plain_calls}  # fmt: skip
             default = ours(nodes, "default", method="todo", downsample_factor=1.0, reuse_interval=3).patch(patcher)
-            for label, patched in (("calibrated", model), ("default", default)):
-                images, calls = sample(patched, patcher, set_b, negative, shape, run)
+            compared = [("calibrated", model, None), ("default", default, None)]
+            if args.peers and row["calibration"] is not None:
+                kept_count = row["calibration"]["computed"]
+                compared += [(peer.name, peer.patch(patcher), peer) for peer in peers(run[2], kept_count)]
+            for label, patched, peer in compared:
+                if peer is not None:
+                    peer.enter()
+                try:
+                    images, calls = sample(patched, patcher, set_b, negative, shape, run)
+                finally:
+                    if peer is not None:
+                        peer.leave()
                 metrics = image_metrics(images, plain)
                 latent = latent_ssim(images, plain)
                 row[label] = {"ssim": metrics["ssim"], "ssim_min": metrics["ssim_min"], "calls": calls / plain_calls,
@@ -94,18 +143,30 @@ def measure(name: str, runs: list[tuple[str, str, int]], args, log) -> list[dict
     return rows
 
 
+def _cell(result: dict | None) -> str:
+    return "" if result is None else f"{result['ssim']:.3f} ({result['ssim_min']:.3f}) at {result['calls']:.2f}"
+
+
 def table(rows: list[dict]) -> str:
     lines = [
-        "| model | run | calibrated: computed (search's score) | set B, calibrated | set B, default | runs, s |",
-        "|---|---|---|---|---|---|",
+        "| model | run | calibrated: computed (search's score), runs, s | set B, calibrated | set B, default | "
+        "Spectrum, same count | EasyCache 0.1 | EasyCache 0.2 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        kept, cal, fixed = row["calibration"], row["calibrated"], row["default"]
+        kept = row["calibration"]
+        searched = (
+            "not calibrated: the default's plan"
+            if kept is None
+            else (
+                f"{kept['computed']} of {kept['steps']} ({kept['worst']:.3f}), {kept['runs']}, {row['calibration_s']}"
+            )
+        )
+        spectrum = next((value for key, value in row.items() if key.startswith("Spectrum")), None)
         lines.append(
-            f"| `{row['model']}` | {' '.join(map(str, row['run']))} | {kept['computed']} of "
-            f"{kept['steps']} ({kept['worst']:.3f}) | {cal['ssim']:.3f} ({cal['ssim_min']:.3f}) at {cal['calls']:.2f}"
-            f" | {fixed['ssim']:.3f} ({fixed['ssim_min']:.3f}) at {fixed['calls']:.2f} | {kept['runs']}, "
-            f"{row['calibration_s']} |"
+            f"| `{row['model']}` | {' '.join(map(str, row['run']))} | {searched} | {_cell(row['calibrated'])} | "
+            f"{_cell(row['default'])} | {_cell(spectrum)} | {_cell(row.get('EasyCache 0.1'))} | "
+            f"{_cell(row.get('EasyCache 0.2'))} |"
         )
     return "\n".join(lines)
 
