@@ -22,7 +22,7 @@ from tome_core.calibration import (
     tensors_fingerprint,
 )
 from tome_core.calibration.fingerprint import patches_fingerprint
-from tome_core.calibration.search import MARGIN
+from tome_core.calibration.search import asked_of_samples
 from tome_core.calibration.store import SetAsideError
 from tome_core.reuse import Spacing
 
@@ -66,9 +66,10 @@ def test_the_search_keeps_the_fewest_computed_steps_at_the_target_in_at_most_six
     result = calibration.run(sampler_whose_picture_grows_with_the_computed_steps(reference, 25, seen))
     assert seen[0] is None and len(seen) == result.runs <= MAX_RUNS
     scores = dict(result.tried)
-    asked = 0.9 + MARGIN
+    asked = asked_of_samples(0.9)
+    assert 0.9 < asked < 1.0 and result.asked == asked
     assert result.spacing is not None and result.worst >= asked and scores[result.computed] == result.worst
-    # every count it tried below the kept one missed the target and its margin, and the next count down was tried
+    # every count it tried below the kept one missed what is asked, and the next count down was tried
     assert all(score < asked for count, score in result.tried if count < result.computed)
     counts = [spacing.schedule(spacing.every).full_steps(25) for spacing in calibration.candidates]
     below = [count for count in counts if count < result.computed]
@@ -171,18 +172,20 @@ def test_the_picture_shows_both_latents_their_difference_and_the_computed_steps(
     assert bottom[step_width + 1, 0] == 1.0 and bottom[2 * step_width + 1, 0] < 0.5  # step 1 computed, step 2 not
 
 
-def test_a_count_that_keeps_the_target_but_not_its_margin_is_not_kept():
+def test_a_count_that_keeps_the_target_but_not_what_is_asked_of_the_samples_is_not_kept():
     reference = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(0))
     sample = sampler_whose_picture_grows_with_the_computed_steps(reference, 25, [])
-    plain = Calibration(EULER, 25, target=0.9, margin=0.0).run(sample)
+    plain = Calibration(EULER, 25, target=0.9, share=1.0).run(sample)  # the samples asked for the target itself
+    assert plain.asked == pytest.approx(0.9) and plain.worst >= 0.9
     scores = dict(plain.tried)
-    # the margin asks for more than the plain result's score: that count is no longer enough
-    margin = plain.worst - 0.9 + 0.001
-    strict = Calibration(EULER, 25, target=0.9, margin=margin).run(sample)
-    assert strict.computed > plain.computed and strict.worst >= 0.9 + margin
-    assert scores[plain.computed] < 0.9 + margin
-    assert strict.margin == margin and f"margin {margin}" in strict.words()
-    assert CalibrationResult.from_dict(strict.as_dict()).margin == margin
+    # a share that asks for more than the plain result's score: that count is no longer enough
+    share = (1.0 - plain.worst - 0.001) / 0.1
+    strict = Calibration(EULER, 25, target=0.9, share=share).run(sample)
+    assert strict.computed > plain.computed and strict.worst >= strict.asked > scores[plain.computed]
+    assert f"asked {strict.asked:.4f}" in strict.words()
+    assert CalibrationResult.from_dict(strict.as_dict()).asked == strict.asked
+    # a loss share asks for more as the target rises, and never for more than a perfect score
+    assert asked_of_samples(0.95) < asked_of_samples(0.98) < asked_of_samples(0.999) < 1.0
 
 
 def test_each_count_is_tried_at_the_placement_nearest_the_plans_own():

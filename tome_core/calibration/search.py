@@ -16,10 +16,10 @@ from .report import draw_report, step_changes
 DEFAULT_TARGET = 0.98
 TARGET_RANGE = (0.8, 0.999)
 MAX_RUNS = 6  # whole runs per calibration, the unpatched one included
-# What the calibration samples must keep above the target: one prompt's score overstates others' (docs/calibration.md,
-# 'The margin').
-MARGIN = 0.01
-SEARCH = f"nearest-shape spacings, margin {MARGIN}"  # in every key: another search keeps nothing for this one
+# The calibration samples may lose this share of what the target lets the picture lose: one prompt's score
+# overstates the others' (docs/calibration.md, 'The margin').
+LOSS_SHARE = 0.25
+SEARCH = f"nearest-shape spacings, loss share {LOSS_SHARE}"  # in every key: another search keeps nothing of this one
 MIN_STEPS = 10  # shorter runs forecast nothing (``IntervalSchedule.min_steps``)
 EVERY = (2, 3, 4, 5, 6)
 FULL_START = (0.1, 0.15, 0.2)
@@ -33,6 +33,11 @@ def check_target(target: float) -> float:
     if not isinstance(target, int | float) or not low <= float(target) <= high:
         raise ValueError(f"calibration_target must be a number from {low} to {high}, got {target!r}")
     return float(target)
+
+
+def asked_of_samples(target: float, share: float = LOSS_SHARE) -> float:
+    """The score the calibration samples must keep for ``target`` on the prompts they stand for."""
+    return 1.0 - (1.0 - target) * share
 
 
 def as_spacing(schedule: IntervalSchedule, steps: int) -> Spacing:
@@ -71,7 +76,7 @@ class CalibrationResult:
     runs: int
     tried: tuple[tuple[int, float], ...] = field(default=())  # (computed steps, worst score) per candidate run
     changes: tuple[float, ...] = field(default=())  # the unpatched run's change per step (``report.step_changes``)
-    margin: float = 0.0  # what the calibration samples kept above the target
+    asked: float | None = None  # the score asked of the calibration samples (``asked_of_samples``)
 
     def schedule(self) -> IntervalSchedule | None:
         return None if self.spacing is None else self.spacing.schedule(self.spacing.every or 1)
@@ -87,7 +92,7 @@ class CalibrationResult:
             "runs": self.runs,
             "tried": [list(item) for item in self.tried],
             "changes": [round(change, 5) for change in self.changes],
-            "margin": self.margin,
+            "asked": self.asked,
         }
 
     @classmethod
@@ -102,17 +107,22 @@ class CalibrationResult:
             runs=int(data["runs"]),
             tried=tuple((int(c), float(s)) for c, s in data.get("tried", ())),
             changes=tuple(float(change) for change in data.get("changes", ())),
-            margin=float(data.get("margin", 0.0)),
+            asked=None if data.get("asked") is None else float(data["asked"]),
         )
 
     def words(self) -> str:
         if self.spacing is None:
             return (
-                f"no candidate kept the target {self.target}{f' + margin {self.margin}' if self.margin else ''} (best: "
+                f"no candidate kept the target {self.target}{self._asked()} (best tried: "
                 f"{max((s for _, s in self.tried), default=0):.3f}): every step runs in full"
             )
-        asked = f"target {self.target}" + (f" + margin {self.margin}" if self.margin else "")
-        return f"{self.computed} of {self.steps} steps computed, worst sample {self.worst:.3f} ({asked})"
+        return (
+            f"{self.computed} of {self.steps} steps computed, worst sample {self.worst:.4f} (target "
+            f"{self.target}{self._asked()})"
+        )
+
+    def _asked(self) -> str:
+        return "" if self.asked is None else f", asked {self.asked:.4f} of the calibration samples"
 
 
 class Calibration:
@@ -125,10 +135,10 @@ class Calibration:
         steps: int,
         target: float = DEFAULT_TARGET,
         max_runs: int = MAX_RUNS,
-        margin: float = MARGIN,
+        share: float = LOSS_SHARE,
     ):
         self.target = check_target(target)
-        self.margin = margin
+        self.asked = asked_of_samples(self.target, share)
         self.steps = steps
         self.max_runs = max_runs
         self.candidates = candidates(base, steps) if steps >= MIN_STEPS else []
@@ -139,7 +149,7 @@ class Calibration:
         self.kept: torch.Tensor | None = None  # the kept candidate's latent (the reference where none is kept)
 
     def run(self, sample: Callable[[IntervalSchedule | None], torch.Tensor], observed=None) -> CalibrationResult:
-        """The search: a candidate is kept where its worst sample reaches the target plus the margin.
+        """The search: a candidate is kept where its worst sample keeps ``asked`` (``asked_of_samples``).
         ``observed()`` after the unpatched run gives its denoised image per step (the picture's chart)."""
         self.reference = self.kept = sample(None)
         changes = ()
@@ -156,7 +166,7 @@ class Calibration:
             worst = float(latent_ssim(latent, self.reference).min())
             runs += 1
             tried.append((schedule.full_steps(self.steps), worst))
-            if worst >= self.target + self.margin:
+            if worst >= self.asked:
                 kept, high = (spacing, schedule.full_steps(self.steps), worst), probe - 1
                 self.kept = latent
             else:
@@ -164,7 +174,7 @@ class Calibration:
             probe = (low + high) // 2
         spacing, computed, worst = kept or (None, self.steps, 1.0)
         return CalibrationResult(
-            self.steps, self.target, spacing, computed, worst, runs, tuple(tried), changes, self.margin
+            self.steps, self.target, spacing, computed, worst, runs, tuple(tried), changes, self.asked
         )
 
     def picture(self, result: CalibrationResult) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The calibration's margin, measured on set A (docs/calibration.md, 'The margin'): every candidate the search can
 try runs on set A's 16 prompts once; then the engine's own search (``Calibration.run``) is replayed with each prompt
-alone as the calibration sample, and the kept plan is scored on the 15 other prompts, at each margin. One sample
+alone as the calibration sample, and the kept plan is scored on the 15 other prompts, at each loss share (the share
+of what the target lets the picture lose that the calibration sample may lose). One sample
 alone is the conservative case: the shipped calibration keeps the worse of two, which passes less often.
 
     python -m tools.fidelity.calibration_margin --models ref-sd1,ref-sd1-v2,ref-sdxl,ref-sdxl-v2 \\
@@ -29,7 +30,7 @@ from tools.common.host import setup_comfy
 from tools.fidelity.calibration import CFG, sample
 
 SET_A_FIRST = 16
-MARGINS = (0.0, 0.005, 0.01, 0.015, 0.02, 0.03)
+SHARES = (1.0, 0.5, 0.375, 0.25, 0.125)
 TARGET = 0.98
 
 
@@ -100,15 +101,15 @@ def measure(name: str, run: tuple[str, str, int], args, out: Path, log) -> None:
     torch.save(latents, out / f"{stem}.pt")
 
 
-def replay(cell: dict, latents: dict, margin: float) -> list[dict]:
-    """Per calibration prompt: what the engine's search keeps at ``TARGET`` + ``margin`` and its picture on the
-    others (None where no candidate kept it: every step)."""
+def replay(cell: dict, latents: dict, share: float) -> list[dict]:
+    """Per calibration prompt: what the engine's search keeps at ``TARGET`` with the loss ``share`` asked of the
+    calibration sample, and its picture on the others (every step where no candidate kept it)."""
     steps = cell["run"][2]
     by_count = {entry["computed"]: entry for entry in cell["candidates"]}
     base = decide("forecast v3", cell["run"][0], cell["run"][1], 3).schedule.for_run(steps)
     outcomes = []
     for prompt in range(len(latents["plain"])):
-        calibration = Calibration(base, steps, TARGET, margin=margin)
+        calibration = Calibration(base, steps, TARGET, share=share)
 
         def one(schedule, prompt=prompt):
             if schedule is None:
@@ -131,8 +132,8 @@ def replay(cell: dict, latents: dict, margin: float) -> list[dict]:
 
 
 def table(folder: Path) -> str:
-    head = "| cell | default | " + " | ".join(f"margin {m}" for m in MARGINS) + " |"
-    lines = [head, "|---" * (len(MARGINS) + 2) + "|"]
+    head = "| cell | default | " + " | ".join(f"share {share} (asks {1 - 0.02 * share:.4f})" for share in SHARES)
+    lines = [head + " |", "|---" * (len(SHARES) + 2) + "|"]
     for path in sorted(folder.glob("*.json")):
         cell = json.loads(path.read_text())
         latents = torch.load(path.with_suffix(".pt"))
@@ -140,8 +141,8 @@ def table(folder: Path) -> str:
         scores = default["ssim"] if default else [0.0]
         fixed = f"{cell['default']}: {mean(scores):.3f} ({min(scores):.3f})"
         row = [f"`{cell['model']}` {' '.join(map(str, cell['run']))}", fixed]
-        for margin in MARGINS:
-            outcomes = replay(cell, latents, margin)
+        for share in SHARES:
+            outcomes = replay(cell, latents, share)
             failing = sum(o["mean"] < 0.97 or o["lowest"] < 0.93 for o in outcomes)
             worst_mean = min(o["mean"] for o in outcomes)
             worst_low = min(o["lowest"] for o in outcomes)
