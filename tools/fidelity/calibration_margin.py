@@ -1,8 +1,9 @@
 """The calibration's margin, measured on set A (docs/calibration.md, 'The margin'): every candidate the search can
 try runs on set A's 16 prompts once; then the engine's own search (``Calibration.run``) is replayed with each prompt
-alone as the calibration sample, and the kept plan is scored on the 15 other prompts, at each loss share (the share
-of what the target lets the picture lose that the calibration sample may lose). One sample
-alone is the conservative case: the shipped calibration keeps the worse of two, which passes less often.
+and the next one as the two calibration samples (``--samples``), and the kept plan is scored on the 14 other
+prompts, at each loss share (the share of what the target lets the picture lose that the samples may lose). The
+shipped calibration's second sample is another seed of the same prompt: two prompts differ more, one prompt alone
+(``--samples 1``) less.
 
     python -m tools.fidelity.calibration_margin --models ref-sd1,ref-sd1-v2,ref-sdxl,ref-sdxl-v2 \\
         --runs euler:normal:25,dpmpp_2m:karras:25
@@ -44,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fewest", type=int, default=0, help="leave out candidates computing fewer steps")
     parser.add_argument("--out", default="results/calibration-margin")
     parser.add_argument("--replay", help="a folder of measured cells: print the margins' table only")
+    parser.add_argument("--samples", type=int, default=2, help="calibration samples per replayed calibration")
     return parser.parse_args(argv)
 
 
@@ -101,26 +103,28 @@ def measure(name: str, run: tuple[str, str, int], args, out: Path, log) -> None:
     torch.save(latents, out / f"{stem}.pt")
 
 
-def replay(cell: dict, latents: dict, share: float) -> list[dict]:
+def replay(cell: dict, latents: dict, share: float, samples: int) -> list[dict]:
     """Per calibration prompt: what the engine's search keeps at ``TARGET`` with the loss ``share`` asked of the
     calibration sample, and its picture on the others (every step where no candidate kept it)."""
     steps = cell["run"][2]
     by_count = {entry["computed"]: entry for entry in cell["candidates"]}
     base = decide("forecast v3", cell["run"][0], cell["run"][1], 3).schedule.for_run(steps)
     outcomes = []
-    for prompt in range(len(latents["plain"])):
+    prompts = len(latents["plain"])
+    for prompt in range(prompts):
         calibration = Calibration(base, steps, TARGET, share=share)
+        chosen = [(prompt + offset) % prompts for offset in range(samples)]
 
-        def one(schedule, prompt=prompt):
+        def one(schedule, chosen=chosen):
             if schedule is None:
-                return latents["plain"][prompt : prompt + 1]
+                return latents["plain"][chosen]
             count = schedule.full_steps(steps)
             if count not in by_count:  # not measured (``--fewest``): counted as missing the target
-                return torch.zeros_like(latents["plain"][prompt : prompt + 1])
-            return latents[str(count)][prompt : prompt + 1]
+                return torch.zeros_like(latents["plain"][chosen])
+            return latents[str(count)][chosen]
 
         result = calibration.run(one)
-        others = [i for i in range(len(latents["plain"])) if i != prompt]
+        others = [i for i in range(prompts) if i not in chosen]
         if result.spacing is None:
             outcomes.append({"computed": steps, "calls": 1.0, "mean": 1.0, "lowest": 1.0, "runs": result.runs})
             continue
@@ -131,7 +135,7 @@ def replay(cell: dict, latents: dict, share: float) -> list[dict]:
     return outcomes
 
 
-def table(folder: Path) -> str:
+def table(folder: Path, samples: int) -> str:
     head = "| cell | default | " + " | ".join(f"share {share} (asks {1 - 0.02 * share:.4f})" for share in SHARES)
     lines = [head + " |", "|---" * (len(SHARES) + 2) + "|"]
     for path in sorted(folder.glob("*.json")):
@@ -142,13 +146,13 @@ def table(folder: Path) -> str:
         fixed = f"{cell['default']}: {mean(scores):.3f} ({min(scores):.3f})"
         row = [f"`{cell['model']}` {' '.join(map(str, cell['run']))}", fixed]
         for share in SHARES:
-            outcomes = replay(cell, latents, share)
+            outcomes = replay(cell, latents, share, samples)
             failing = sum(o["mean"] < 0.97 or o["lowest"] < 0.93 for o in outcomes)
             worst_mean = min(o["mean"] for o in outcomes)
             worst_low = min(o["lowest"] for o in outcomes)
             counts = sorted(o["computed"] for o in outcomes)
             row.append(f"{counts[0]}-{counts[len(counts) // 2]}-{counts[-1]}; {worst_mean:.3f} ({worst_low:.3f}); "
-                       f"miss {failing}/{len(outcomes)}")  # fmt: skip
+                       f"miss {failing}/{len(outcomes)}; calls {mean(o['calls'] for o in outcomes):.2f}")  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -156,7 +160,7 @@ def table(folder: Path) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.replay:
-        print(table(Path(args.replay)))
+        print(table(Path(args.replay), args.samples))
         return
     torch.set_num_threads(args.threads)
     setup_comfy("cpu")
@@ -173,7 +177,7 @@ def main(argv=None) -> None:
     for name in args.models.split(","):
         for sampler, scheduler, steps in (item.split(":") for item in args.runs.split(",")):
             measure(name, (sampler, scheduler, int(steps)), args, out, log)
-    print(table(out))
+    print(table(out, args.samples))
 
 
 if __name__ == "__main__":
