@@ -171,9 +171,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> list[dict]:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+def cpu_session(threads: int):
+    """ComfyUI on the CPU with ``threads`` threads and no progress bars; returns a log with the seconds since."""
+    torch.set_num_threads(threads)
     setup_comfy("cpu")
     import comfy.utils
 
@@ -183,6 +183,12 @@ def main(argv=None) -> list[dict]:
     def log(message):
         print(f"[{time.time() - started:6.0f} s] {message}", flush=True)
 
+    return log
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    log = cpu_session(args.threads)
     runs = [(s, c, int(n)) for s, c, n in (item.split(":") for item in args.runs.split(","))]
     rows = [row for name in args.models.split(",") for row in measure(name, runs, args, log)]
     out = Path(args.out)

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import sys
-import time
 from pathlib import Path
 from statistics import mean
 from unittest import mock
@@ -27,8 +26,7 @@ from tome_core.calibration import latent_ssim
 from tome_core.calibration.search import Calibration, candidates
 from tome_core.reuse import decide
 from tome_core.reuse.plans import FORECAST, Decision
-from tools.common.host import setup_comfy
-from tools.fidelity.calibration import CFG, sample
+from tools.fidelity.calibration import CFG, cpu_session, sample
 
 SET_A_FIRST = 16
 SHARES = (1.0, 0.5, 0.375, 0.25, 0.125)
@@ -162,16 +160,7 @@ def main(argv=None) -> None:
     if args.replay:
         print(table(Path(args.replay), args.samples))
         return
-    torch.set_num_threads(args.threads)
-    setup_comfy("cpu")
-    import comfy.utils
-
-    comfy.utils.PROGRESS_BAR_ENABLED = False
-    started = time.time()
-
-    def log(message):
-        print(f"[{time.time() - started:6.0f} s] {message}", flush=True)
-
+    log = cpu_session(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
