@@ -46,8 +46,9 @@ def sample(model, patcher, positive, negative, shape, run) -> tuple[torch.Tensor
     import nodes as comfy_nodes
 
     sampler, scheduler, steps = run
-    calls = []
-    handle = patcher.model.diffusion_model.register_forward_pre_hook(lambda module, args: calls.append(len(args[0])))
+    calls = []  # counted at the first convolution: a step cache that skips inside the model's wrapper runs none
+    first = patcher.model.diffusion_model.input_blocks[0][0]
+    handle = first.register_forward_pre_hook(lambda module, args: calls.append(len(args[0])))
     try:
         with torch.no_grad():
             (out,) = comfy_nodes.common_ksampler(model, 0, steps, CFG, sampler, scheduler, positive, negative,
