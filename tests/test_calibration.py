@@ -21,7 +21,7 @@ from tome_core.calibration import (
     latent_ssim,
     tensors_fingerprint,
 )
-from tome_core.calibration.fingerprint import patches_fingerprint
+from tome_core.calibration.fingerprint import kin_id, patches_fingerprint
 from tome_core.calibration.search import asked_of_samples
 from tome_core.calibration.store import SetAsideError
 from tome_core.reuse import Spacing
@@ -197,3 +197,53 @@ def test_each_count_is_tried_at_the_placement_nearest_the_plans_own():
     assert Spacing(0.15, 3, every=3) in chosen  # the default's own, for its count (13 of 25)
     for spacing in chosen:  # the default's first share and last steps where the count allows
         assert abs(spacing.full_start - 0.15) <= 0.05 + 1e-9
+
+
+def _key(sigmas, **changes) -> dict:
+    fields = dict(model="m", patches="p", sampler="euler", sigmas=sigmas, cfg=7.0, shape=(4, 64, 64), version="0.1")
+    return calibration_key(**{**fields, **changes})
+
+
+def _karras(steps: int, high: float = 14.6, low: float = 0.03, rho: float = 7.0) -> list[float]:
+    ramp = [i / (steps - 1) for i in range(steps)]
+    return [(high ** (1 / rho) + t * (low ** (1 / rho) - high ** (1 / rho))) ** rho for t in ramp] + [0.0]
+
+
+def test_another_step_count_of_the_same_job_is_kin_and_anything_else_is_not():
+    assert kin_id(_key(_karras(20))) == kin_id(_key(_karras(25))) == kin_id(_key(_karras(30)))
+    assert key_id(_key(_karras(20))) != key_id(_key(_karras(25)))
+    others = [_key(_karras(25), cfg=6.0), _key(_karras(25), patches="q"), _key(_karras(25, high=7.0)),
+              _key([14.6 * (1 - i / 25) for i in range(25)] + [0.0])]  # fmt: skip
+    assert all(kin_id(other) != kin_id(_key(_karras(20))) for other in others)
+
+
+def test_the_nearest_other_step_count_kept_is_offered_and_nothing_else(tmp_path):
+    store = KeptCalibrations(tmp_path / "calibrations.json")
+    assert store.nearest(_key(_karras(25)), 25) is None
+    far = CalibrationResult(40, 0.98, Spacing(0.15, 3, every=4), 16, 0.99, 4)
+    near = CalibrationResult(20, 0.98, Spacing(0.15, 3, every=3), 10, 0.99, 4)
+    none_kept = CalibrationResult(24, 0.98, None, 24, 1.0, 6)
+    for result in (far, near, none_kept):
+        store.put(key_id(_key(_karras(result.steps))), _key(_karras(result.steps)), result)
+    store.put("same count", _key(_karras(25)), RESULT)
+    store.put("other cfg", _key(_karras(26), cfg=5.0), CalibrationResult(26, 0.98, Spacing(0.15, 3), 9, 0.99, 4))
+    assert store.nearest(_key(_karras(25)), 25) == near  # not 24 (nothing kept), not 26 (another CFG)
+    assert store.nearest(_key(_karras(40)), 40) == RESULT
+
+
+def test_a_plan_from_another_step_count_is_tried_first_and_checked_at_its_neighbour():
+    reference = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    grows = sampler_whose_picture_grows_with_the_computed_steps
+    plain = Calibration(EULER, 25, target=0.9).run(grows(reference, 25, []))
+    other = CalibrationResult(20, 0.9, Spacing(0.15, 3), round(plain.computed * 20 / 25), 0.95, 5)
+    seen = []
+    calibration = Calibration(EULER, 25, target=0.9)
+    calibration.start_from(other)
+    result = calibration.run(grows(reference, 25, seen))
+    assert result.computed == plain.computed and result.spacing == plain.spacing
+    counts = [s.schedule(s.every).full_steps(25) for s in calibration.candidates]
+    assert seen[1] == min(counts, key=lambda count: abs(count - other.computed / 20 * 25))
+    assert result.runs <= 3 < plain.runs  # the plan transfers: its count and the one below it, after the unpatched run
+    wrong = Calibration(EULER, 25, target=0.9)
+    wrong.start_from(CalibrationResult(20, 0.9, Spacing(0.15, 3), 4, 0.95, 5))  # a plan far too sparse here
+    assert wrong.run(grows(reference, 25, [])).computed == plain.computed

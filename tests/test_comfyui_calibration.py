@@ -11,6 +11,9 @@ import pytest
 import torch
 from hosts import comfy_host as host  # noqa: I001  (before any ComfyUI import: sys.path, CPU mode)
 
+from tome_core.calibration import candidates
+from tome_core.reuse import Spacing
+
 STEPS = 20
 
 
@@ -115,3 +118,17 @@ def test_the_advanced_node_sets_the_target_and_refuses_one_out_of_range(node_cla
     assert entry["result"]["target"] == 0.9
     with pytest.raises(ValueError, match=r"calibration_target must be a number from 0.8 to 0.999, got 1.2"):
         host.patch_with_node(node_classes, model, advanced=True, reuse_plan="calibrated", calibration_target=1.2)
+
+
+def test_another_step_count_starts_from_the_plan_kept_for_this_one(node_classes, model, user_dir):
+    patched = host.patch_with_node(node_classes, model, advanced=True, reuse_plan="calibrated",
+                                   calibration_target=0.8, downsample_factor=1.0)  # fmt: skip
+    counted(patched)
+    (first,) = (entry["result"] for entry in kept(user_dir).values())
+    assert first["spacing"] is not None  # a target this low keeps a plan on the tiny model
+    counted(patched, steps=STEPS + 5)
+    (second,) = (entry["result"] for entry in kept(user_dir).values() if entry["result"]["steps"] == STEPS + 5)
+    wanted = first["computed"] / first["steps"] * (STEPS + 5)
+    counts = [s.schedule(s.every).full_steps(STEPS + 5) for s in candidates(Spacing(0.15, 3).schedule(3), STEPS + 5)]
+    # the first candidate tried is the kept plan's share of computed steps, as near as the candidates come
+    assert second["tried"][0][0] == min(counts, key=lambda count: abs(count - wanted))

@@ -87,3 +87,19 @@ def calibration_key(model: str, patches: str, sampler: str | None, sigmas, cfg: 
 
 def key_id(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def kin_id(key: dict) -> str:
+    """The same job at another step count: the key without its noise levels, with the levels' shape instead (the
+    first level and the one half way, which another count of the same schedule and denoise shares)."""
+    levels = [level for level in key.get("sigmas") or () if level > 0]
+    shape = [] if not levels else [levels[0], _halfway(levels)]
+    kin = {**{name: value for name, value in key.items() if name != "sigmas"}, "levels": [f"{v:.2g}" for v in shape]}
+    return key_id(kin)
+
+
+def _halfway(levels: list[float]) -> float:
+    position = (len(levels) - 1) / 2
+    low = int(position)
+    high = min(low + 1, len(levels) - 1)
+    return levels[low] + (levels[high] - levels[low]) * (position - low)

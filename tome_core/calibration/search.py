@@ -145,8 +145,20 @@ class Calibration:
         counts = [spacing.schedule(spacing.every).full_steps(steps) for spacing in self.candidates]
         base_count = base.full_steps(steps)
         self.first = min(range(len(counts)), key=lambda i: abs(counts[i] - base_count)) if counts else 0
+        self.started_from: CalibrationResult | None = None
         self.reference: torch.Tensor | None = None
         self.kept: torch.Tensor | None = None  # the kept candidate's latent (the reference where none is kept)
+
+    def start_from(self, other: CalibrationResult | None) -> None:
+        """Start from the plan kept for another step count of this job (``KeptCalibrations.nearest``): its share of
+        computed steps is tried first, then its neighbour, as a candidate like any other (docs/calibration.md,
+        'Another step count')."""
+        if other is None or other.spacing is None or other.steps == self.steps or not self.candidates:
+            return
+        share = other.computed / other.steps
+        counts = [spacing.schedule(spacing.every).full_steps(self.steps) for spacing in self.candidates]
+        self.first = min(range(len(counts)), key=lambda i: abs(counts[i] - share * self.steps))
+        self.started_from = other
 
     def run(self, sample: Callable[[IntervalSchedule | None], torch.Tensor], observed=None) -> CalibrationResult:
         """The search: a candidate is kept where its worst sample keeps ``asked`` (``asked_of_samples``).
@@ -171,7 +183,9 @@ class Calibration:
                 self.kept = latent
             else:
                 low = probe + 1
-            probe = (low + high) // 2
+            # From another step count's plan: its neighbour next, so a plan that transfers costs two runs.
+            neighbour = len(tried) == 1 and self.started_from is not None
+            probe = (high if kept else low) if neighbour else (low + high) // 2
         spacing, computed, worst = kept or (None, self.steps, 1.0)
         return CalibrationResult(
             self.steps, self.target, spacing, computed, worst, runs, tuple(tried), changes, self.asked

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from .fingerprint import kin_id
 from .search import CalibrationResult
 
 FORMAT, FORMAT_VERSION = "tome-patch calibrations", 1
@@ -57,6 +58,27 @@ class KeptCalibrations:
         except (KeyError, TypeError, ValueError, IndexError):
             return None
 
+    def nearest(self, key: dict, steps: int) -> CalibrationResult | None:
+        """The plan kept for the same job at the nearest other step count (``fingerprint.kin_id``), or None: only a
+        place for a calibration to start (``Calibration.start_from``), never used unchecked."""
+        kin = kin_id(key)
+        try:
+            with self.lock:
+                entries = self._read()
+        except SetAsideError:
+            return None
+        found = []
+        for entry in entries.values():
+            try:
+                if entry.get("kin") != kin:
+                    continue
+                result = CalibrationResult.from_dict(entry["result"])
+            except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+                continue
+            if result.steps != steps and result.spacing is not None:
+                found.append((abs(result.steps - steps), result.steps, result))
+        return min(found, key=lambda item: item[:2])[2] if found else None
+
     def put(self, key_id: str, key: dict, result: CalibrationResult, record: dict | None = None) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.lock:
@@ -64,7 +86,7 @@ class KeptCalibrations:
                 entries = self._read()
             except SetAsideError:
                 entries = {}
-            entries[key_id] = {"key": key, "result": result.as_dict(), **(record or {})}
+            entries[key_id] = {"key": key, "kin": kin_id(key), "result": result.as_dict(), **(record or {})}
             data = {"format": FORMAT, "format_version": FORMAT_VERSION, "entries": entries}
             handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
             try:

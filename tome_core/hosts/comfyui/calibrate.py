@@ -92,6 +92,7 @@ def sample_calibrated(hooks, executor, args, kwargs, sampler: str | None, schedu
     calibration = Calibration(base.for_run(steps), steps, hooks.target)
     if not calibration.candidates:
         return run_with(base)
+    calibration.start_from(kept_calibrations.nearest(key, steps))
     return _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, key, run_with)
 
 

@@ -465,6 +465,7 @@ class Job:
                 self.owner.plan = kept_plan(self.owner.plan, *self.run_plan, kept.spacing)
             self.calibration = None
             return None
+        self.calibration.start_from(KeptCalibrations(self.path).nearest(self.key, self.calibration.steps))
         self.owner.suspended = True
         self._observe(scheduler)
         log.info("ToMe calibration: a new job for this UNet; up to %d runs (the first unpatched: this call's "

@@ -353,6 +353,7 @@ def _calibrate(p, job, args, kwargs, out, pending, rng, recorder: _Recorder | No
     if search is None or not search.candidates:
         job.say(f"calibration: a run of {steps} steps forecasts nothing; every step runs, as under forecast v3.")
         return
+    search.start_from(store().nearest(key, steps))
     seeds = [int(seed) for seed in (getattr(p, "seeds", None) or [getattr(p, "seed", 0)])]
     # A plan kept from one picture transfers only in part (docs/calibration.md): a second seed where the batch has one.
     second = [seed + 1 for seed in seeds] if out.shape[0] < 2 else None
