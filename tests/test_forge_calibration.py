@@ -10,15 +10,15 @@ nothing; highres fix runs forecast v3 with one line; nothing stays patched."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from hosts import (
     comfy_host,  # noqa: F401,I001  (before any ComfyUI import: sys.path, CPU mode)
     neo_host,
 )
-from hosts.webui_host import ForgeSDModel, Host, make_unet, run_job, script_args
+from hosts.webui_host import ForgeSDModel, Host, make_unet, script_args
+from test_webui_calibration import counted as webui_counted
+from test_webui_calibration import kept
 from test_webui_layer_reuse import assert_clean, unet_of
 
 from tome_core.calibration import MAX_RUNS
@@ -65,26 +65,9 @@ def searches(monkeypatch):
     return made
 
 
-def kept(path) -> dict:
-    return json.loads(path.read_text())["entries"] if path.exists() else {}
-
-
 def counted(host, sd_model, args, on_step=None, **kwargs):
-    """One job: its latent, ``p``, the sampler runs it made and the UNet calls that ran its layers."""
-    runs, calls = [], []
-
-    def step(p, i):
-        runs.extend([1] if i == 0 else [])
-        if on_step is not None:
-            on_step(p, i, len(runs))
-
-    handle = unet_of(sd_model).out.register_forward_hook(lambda *_: calls.append(1))  # the UNet's last module
-    try:
-        out, p = run_job(host, sd_model, args, **{"steps": STEPS, "on_step": step, **kwargs})
-    finally:
-        handle.remove()
-    assert "sample" not in vars(p)  # p.sample is the host's own again
-    return out, p, len(runs), len(calls)
+    """``test_webui_calibration.counted``, the UNet calls counted at its last module."""
+    return webui_counted(host, sd_model, args, on_step, counted_at=unet_of(sd_model).out, clean=False, **kwargs)
 
 
 def assert_nothing_patched(host, sd_model):

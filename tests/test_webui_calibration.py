@@ -48,8 +48,9 @@ def kept(path) -> dict:
     return json.loads(path.read_text())["entries"] if path.exists() else {}
 
 
-def counted(host, sd_model, args, on_step=None, **kwargs):
-    """One job: its latent, ``p``, the sampler runs it made and the UNet calls that ran its layers."""
+def counted(host, sd_model, args, on_step=None, counted_at=None, clean=True, **kwargs):
+    """One job: its latent, ``p``, the sampler runs it made and the UNet calls that ran ``counted_at`` (by default
+    the middle block); ``clean``: no layer forward, hook or pass of ours stays after it."""
     runs, calls = [], []
 
     def step(p, i):
@@ -57,12 +58,14 @@ def counted(host, sd_model, args, on_step=None, **kwargs):
         if on_step is not None:
             on_step(p, i, len(runs))
 
-    handle = sd_model.model.diffusion_model.middle_block.register_forward_hook(lambda *_: calls.append(1))
+    module = counted_at if counted_at is not None else sd_model.model.diffusion_model.middle_block
+    handle = module.register_forward_hook(lambda *_: calls.append(1))
     try:
         out, p = run_job(host, sd_model, args, **{"steps": STEPS, "on_step": step, **kwargs})
     finally:
         handle.remove()
-    assert_clean(sd_model)
+    if clean:
+        assert_clean(sd_model)
     assert "sample" not in vars(p)  # p.sample is the WebUI's own again
     return out, p, len(runs), len(calls)
 
