@@ -18,12 +18,14 @@ import torch
 from hosts import diffusers_host as H
 
 import tome_core
-from tome_core.calibration import MAX_RUNS
+from tome_core.calibration import MAX_RUNS, candidates
 from tome_core.hosts.diffusers import calibrate as door
 from tome_core.hosts.diffusers import layer_reuse
+from tome_core.reuse import Spacing
 
 STEPS = 10
 CALIBRATED = {"reuse_plan": "calibrated", "method": "tome", "ratio": 0.0}  # reuse alone, no token merging
+EULER = Spacing(0.15, 3).schedule(3)  # the default's Euler plan: the candidates' counts
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +186,18 @@ def test_calibrate_calibrates_again_and_returns_the_report(pipe, kept_file, quic
     (entry,) = entries(kept_file).values()
     assert entry["result"] == report.result.as_dict() and report.key_id in entries(kept_file)
     assert "kept in" in report.words()
+
+
+def test_another_step_count_starts_from_the_plan_kept_for_this_one(pipe, kept_file):
+    tome_core.apply_patch(pipe, **CALIBRATED, calibration_target=0.8)
+    counted(pipe, steps=STEPS + 4)
+    (first,) = (entry["result"] for entry in entries(kept_file).values())
+    assert first["spacing"] is not None  # a target this low keeps a plan on the tiny pipeline
+    counted(pipe, steps=STEPS)
+    (second,) = (entry["result"] for entry in entries(kept_file).values() if entry["result"]["steps"] == STEPS)
+    wanted = first["computed"] / first["steps"] * STEPS
+    counts = [spacing.schedule(spacing.every).full_steps(STEPS) for spacing in candidates(EULER, STEPS)]
+    assert second["tried"][0][0] == min(counts, key=lambda count: abs(count - wanted))
 
 
 def test_a_target_out_of_range_or_a_bare_unet_is_refused(pipe):

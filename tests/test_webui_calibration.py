@@ -19,9 +19,10 @@ from hosts.webui_host import Host, Processing, SDModel, make_unet, process_image
 from PIL import Image
 from test_webui_layer_reuse import assert_clean
 
-from tome_core.calibration import MAX_RUNS
+from tome_core.calibration import MAX_RUNS, candidates
 from tome_core.hosts.webui import args as webui_args
 from tome_core.hosts.webui import calibrate as webui_calibrate
+from tome_core.reuse import Spacing
 
 STEPS = tuple(range(999, 0, -50))  # 20 DDPM timesteps
 CALIBRATED = {"method": "ToDo", "downsample_factor": 1.0, "reuse_interval": 3, "reuse_plan": "calibrated"}
@@ -102,6 +103,20 @@ def test_another_cfg_step_count_or_weight_is_another_key(host, kept_file):
     assert len(kept(kept_file)) == 4
     _, _, runs, _ = counted(host, sd_model, script_args(**CALIBRATED))
     assert runs == 1 and len(kept(kept_file)) == 4
+
+
+def test_another_step_count_starts_from_the_plan_kept_for_this_one(host, kept_file):
+    sd_model = SDModel(make_unet("sd1", seed=6))
+    counted(host, sd_model, script_args(**CALIBRATED, calibration_target=0.8))
+    (first,) = (entry["result"] for entry in kept(kept_file).values())
+    assert first["spacing"] is not None  # a target this low keeps a plan on the tiny model
+    longer = tuple(range(999, 0, -40))  # 25 timesteps
+    counted(host, sd_model, script_args(**CALIBRATED, calibration_target=0.8), steps=longer)
+    (second,) = (entry["result"] for entry in kept(kept_file).values() if entry["result"]["steps"] == len(longer))
+    wanted = first["computed"] / first["steps"] * len(longer)
+    grid = candidates(Spacing(0.15, 3).schedule(3), len(longer))
+    counts = [spacing.schedule(spacing.every).full_steps(len(longer)) for spacing in grid]
+    assert second["tried"][0][0] == min(counts, key=lambda count: abs(count - wanted))
 
 
 def test_a_batch_of_two_calibrates_on_its_own_seeds(host, kept_file):

@@ -68,15 +68,16 @@ def patches_fingerprint(patches: dict) -> str:
 
 
 def calibration_key(model: str, patches: str, sampler: str | None, sigmas, cfg: float | None, shape,
-                    version: str, extra: Iterable[str] = ()) -> dict:  # fmt: skip
+                    version: str, extra: Iterable[str] = (), steps: int | None = None) -> dict:  # fmt: skip
     """The fields a kept plan is looked up by: another model, patch strength, step count, denoise (the noise levels),
-    CFG or latent shape is another key."""
+    CFG or latent shape is another key. ``steps``: the step count where the noise levels are not known (empty)."""
     levels = [float(f"{float(level):.5g}") for level in sigmas]
     return {
         "model": model,
         "patches": patches,
         "sampler": sampler,
         "sigmas": levels,
+        "steps": steps,
         "cfg": None if cfg is None else round(float(cfg), 4),
         "shape": [int(size) for size in shape],
         "version": version,
@@ -90,11 +91,12 @@ def key_id(key: dict) -> str:
 
 
 def kin_id(key: dict) -> str:
-    """The same job at another step count: the key without its noise levels, with the levels' shape instead (the
+    """The same job at another step count: the key without its noise levels and step count, with the levels' shape (the
     first level and the one half way, which another count of the same schedule and denoise shares)."""
     levels = [level for level in key.get("sigmas") or () if level > 0]
     shape = [] if not levels else [levels[0], _halfway(levels)]
-    kin = {**{name: value for name, value in key.items() if name != "sigmas"}, "levels": [f"{v:.2g}" for v in shape]}
+    same = {name: value for name, value in key.items() if name not in ("sigmas", "steps")}
+    kin = {**same, "levels": [f"{v:.2g}" for v in shape]}
     return key_id(kin)
 
 

@@ -226,7 +226,6 @@ def job_key(p, fingerprints, settings, sampler, schedule, latent) -> dict:
     extra = [
         *host,
         f"schedule:{schedule}",
-        f"steps:{p.steps}",
         f"denoise:{getattr(p, 'denoising_strength', 1.0) if img2img else 1.0}",
         f"settings:{sorted((k, v) for k, v in dataclasses.asdict(settings).items() if k != 'seed')}",
         f"parameterization:{getattr(p.sd_model, 'parameterization', None)}",
@@ -240,6 +239,7 @@ def job_key(p, fingerprints, settings, sampler, schedule, latent) -> dict:
         patches=patches,
         sampler=sampler,
         sigmas=[],
+        steps=p.steps,
         cfg=getattr(p, "cfg_scale", None),
         shape=shape,
         version=__version__,
