@@ -34,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--models", default="ref-sd1,ref-sd1-v2,ref-sdxl,ref-sdxl-v2")
     parser.add_argument("--runs", default="euler:normal:25,dpmpp_2m:karras:25", help="sampler:scheduler:steps,...")
     parser.add_argument("--prompts", type=int, default=16, help="set B's prompts reported on")
+    parser.add_argument("--calibration-prompt", type=int, default=0, help="which of set A's prompts calibrates")
     parser.add_argument("--scale", type=int, default=2, help="the size as a multiple of the training size")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
@@ -103,7 +104,7 @@ def measure(name: str, runs: list[tuple[str, str, int]], args, log) -> list[dict
     size = models.train_size(reference) * args.scale
     nodes = load_our_nodes()
     negative = conditioning(reference, base, encoder, models.PromptEncoder.empty(1), size)
-    set_a = conditioning(reference, base, encoder, benchmark_prompts(SET_A_FIRST, 1), size)
+    set_a = conditioning(reference, base, encoder, benchmark_prompts(SET_A_FIRST + args.calibration_prompt, 1), size)
     set_b = conditioning(reference, base, encoder, benchmark_prompts(SET_B_FIRST, args.prompts), size)
     one, shape = models.latent_shape(reference, 1, size), models.latent_shape(reference, args.prompts, size)
     rows = []
@@ -119,9 +120,14 @@ def measure(name: str, runs: list[tuple[str, str, int]], args, log) -> list[dict
             kept = Path(user) / "tome_patch" / "calibrations.json"
             entries = json.loads(kept.read_text())["entries"] if kept.exists() else {}
             plain, plain_calls = sample(patcher, patcher, set_b, negative, shape, run)
-            row = {"model": name, "run": list(run), "calibration": next(iter(entries.values()))["result"] if entries
-                   else None, "calibration_s": round(calibration_s, 1), "calibration_calls": calibration_calls *
-                   args.prompts / plain_calls}  # fmt: skip
+            row = {
+                "model": name,
+                "run": list(run),
+                "calibration_prompt": args.calibration_prompt,
+                "calibration": next(iter(entries.values()))["result"] if entries else None,
+                "calibration_s": round(calibration_s, 1),
+                "calibration_calls": calibration_calls * args.prompts / plain_calls,  # in whole runs of one image
+            }
             default = ours(nodes, "default", method="todo", downsample_factor=1.0, reuse_interval=3).patch(patcher)
             compared = [("calibrated", model, None), ("default", default, None)]
             if args.peers and row["calibration"] is not None:
