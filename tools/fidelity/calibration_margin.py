@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default="results/calibration-margin")
     parser.add_argument("--replay", help="a folder of measured cells: print the margins' table only")
     parser.add_argument("--samples", type=int, default=2, help="calibration samples per replayed calibration")
+    parser.add_argument("--last", type=int, default=0, help="placements nearest the default with this many last steps")
     return parser.parse_args(argv)
 
 
@@ -73,11 +75,12 @@ def measure(name: str, run: tuple[str, str, int], args, out: Path, log) -> None:
     shape = models.latent_shape(name, args.prompts, size)
     plain, plain_calls = sample(patcher, patcher, prompts, negative, shape, run)
     default = decide("forecast v3", sampler, scheduler, 3).schedule.for_run(steps)
-    cell = {"model": name, "run": list(run), "cfg": CFG, "default": default.full_steps(steps), "candidates": []}
+    cell = {"model": name, "run": list(run), "cfg": CFG, "default": default.full_steps(steps), "candidates": [],
+            "last": args.last}  # fmt: skip
     latents = {"plain": plain}
     node = ours(load_our_nodes(), "lab", method="todo", downsample_factor=1.0, reuse_interval=3).patch(patcher)
     doors = [module for name, module in list(sys.modules.items()) if name.endswith("hosts.comfyui.layer_reuse")]
-    for spacing in candidates(default, steps):
+    for spacing in candidates(shaped(default, args.last), steps):
         schedule = spacing.schedule(spacing.every)
         count = schedule.full_steps(steps)
         if count < args.fewest:
@@ -96,9 +99,15 @@ def measure(name: str, run: tuple[str, str, int], args, out: Path, log) -> None:
             f"{name} {run}: {count} of {steps} ({len(doors)} doors, calls {entry['calls']:.2f}): "
             f"mean {mean(entry['ssim']):.3f}"
         )
-    stem = f"{name}-{sampler}-{scheduler}-{steps}"
+    stem = f"{name}-{sampler}-{scheduler}-{steps}" + (f"-last{args.last}" if args.last else "")
     (out / f"{stem}.json").write_text(json.dumps(cell) + "\n")
     torch.save(latents, out / f"{stem}.pt")
+
+
+def shaped(base, last: int):
+    """``base``, or with ``last`` > 0 the same plan computing at least its ``last`` last steps: the search's
+    candidates are then the placements nearest that shape (``candidates``)."""
+    return base if last <= 0 else dataclasses.replace(base, full_end=max(base.full_end, last))
 
 
 def replay(cell: dict, latents: dict, share: float, samples: int) -> list[dict]:
@@ -106,7 +115,7 @@ def replay(cell: dict, latents: dict, share: float, samples: int) -> list[dict]:
     calibration sample, and its picture on the others (every step where no candidate kept it)."""
     steps = cell["run"][2]
     by_count = {entry["computed"]: entry for entry in cell["candidates"]}
-    base = decide("forecast v3", cell["run"][0], cell["run"][1], 3).schedule.for_run(steps)
+    base = shaped(decide("forecast v3", cell["run"][0], cell["run"][1], 3).schedule.for_run(steps), cell.get("last", 0))
     outcomes = []
     prompts = len(latents["plain"])
     for prompt in range(prompts):
@@ -142,7 +151,8 @@ def table(folder: Path, samples: int) -> str:
         default = next((e for e in cell["candidates"] if e["computed"] == cell["default"]), None)
         scores = default["ssim"] if default else [0.0]
         fixed = f"{cell['default']}: {mean(scores):.3f} ({min(scores):.3f})"
-        row = [f"`{cell['model']}` {' '.join(map(str, cell['run']))}", fixed]
+        variant = f", last {cell['last']}" if cell.get("last") else ""
+        row = [f"`{cell['model']}` {' '.join(map(str, cell['run']))}{variant}", fixed]
         for share in SHARES:
             outcomes = replay(cell, latents, share, samples)
             failing = sum(o["mean"] < 0.97 or o["lowest"] < 0.93 for o in outcomes)
