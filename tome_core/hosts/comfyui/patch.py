@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from ...reuse import NoiseSpacedSchedule, unet_schedule
+from ...reuse import REUSE_PLANS, NoiseSpacedSchedule, unet_schedule
 from ...schedule import NoiseRange
 from ...settings import SPECS
 from ..shared import dit_families, model_patcher
@@ -62,6 +62,9 @@ def _patch_dit(model, settings, percent_to_sigma):
     layout = dit_reuse.layout_of(diffusion_model)  # None: reuse does not know its blocks
     name = layout.family if layout is not None else tokens.family
     schedule = None
+    if REUSE_PLANS[settings.reuse_plan].calibrates:
+        log.info("ToMe Patch: reuse_plan calibrated calibrates UNets (SD1.x, SD2.x, SDXL); %s runs its family's plan "
+                 "(docs/calibration.md, 'Not yet').", name)  # fmt: skip
     if settings.dit_family_default:
         record = dit_families.family(name)
         schedule = dit_families.auto_schedule(name) if layout is not None and not record.unchanged_by_default else None
