@@ -142,9 +142,8 @@ class Calibration:
         self.steps = steps
         self.max_runs = max_runs
         self.candidates = candidates(base, steps) if steps >= MIN_STEPS else []
-        counts = [spacing.schedule(spacing.every).full_steps(steps) for spacing in self.candidates]
-        base_count = base.full_steps(steps)
-        self.first = min(range(len(counts)), key=lambda i: abs(counts[i] - base_count)) if counts else 0
+        self.counts = [spacing.schedule(spacing.every).full_steps(steps) for spacing in self.candidates]
+        self.first = self._nearest(base.full_steps(steps))
         self.started_from: CalibrationResult | None = None
         self.reference: torch.Tensor | None = None
         self.kept: torch.Tensor | None = None  # the kept candidate's latent (the reference where none is kept)
@@ -155,10 +154,12 @@ class Calibration:
         'Another step count')."""
         if other is None or other.spacing is None or other.steps == self.steps or not self.candidates:
             return
-        share = other.computed / other.steps
-        counts = [spacing.schedule(spacing.every).full_steps(self.steps) for spacing in self.candidates]
-        self.first = min(range(len(counts)), key=lambda i: abs(counts[i] - share * self.steps))
+        self.first = self._nearest(other.computed / other.steps * self.steps)
         self.started_from = other
+
+    def _nearest(self, count: float) -> int:
+        """The index of the candidate whose computed steps are nearest ``count``."""
+        return min(range(len(self.counts)), key=lambda i: abs(self.counts[i] - count)) if self.counts else 0
 
     def run(self, sample: Callable[[IntervalSchedule | None], torch.Tensor], observed=None) -> CalibrationResult:
         """The search: a candidate is kept where its worst sample keeps ``asked`` (``asked_of_samples``).
