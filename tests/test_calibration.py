@@ -189,7 +189,7 @@ def test_a_count_that_keeps_the_target_but_not_what_is_asked_of_the_samples_is_n
 
 
 def test_each_count_is_tried_at_the_placement_nearest_the_plans_own():
-    from tome_core.calibration.search import candidates
+    from tome_core.calibration.candidates import candidates
 
     chosen = candidates(EULER, 25)
     counts = [spacing.schedule(spacing.every).full_steps(25) for spacing in chosen]

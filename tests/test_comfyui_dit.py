@@ -190,13 +190,6 @@ def test_tome_on_a_dit_is_refused_with_a_message(node_classes, dits, caplog):
     assert "method tome is not available for Flux" in caplog.text
 
 
-def test_calibrated_on_a_dit_says_it_runs_the_familys_plan(node_classes, dits, caplog):
-    with caplog.at_level(logging.INFO, logger="tome_patch"):
-        out = patch(node_classes, dits["flux"], reuse_plan="calibrated", dit_settings="auto")
-    assert out is not dits["flux"]
-    assert "reuse_plan calibrated calibrates UNets (SD1.x, SD2.x, SDXL); Flux runs its family's plan" in caplog.text
-
-
 def test_inputs_that_do_not_apply_are_named(node_classes, dits, caplog):
     with caplog.at_level(logging.WARNING, logger="tome_patch"):
         out = patch(node_classes, dits["sd3"], max_downsample="2")

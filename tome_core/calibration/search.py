@@ -1,5 +1,5 @@
-"""The candidates a calibration tries (forecast spacings, by their computed steps) and the bounded search for the
-fewest computed steps that keep the target. docs/calibration.md, 'The search'."""
+"""The bounded search for the fewest computed steps that keep the target, and what it keeps. docs/calibration.md,
+'The search'."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from ..reuse.plans import Spacing
 from ..reuse.schedules import IntervalSchedule
+from .candidates import Candidate, DitSchedule, dit_candidates, planned, unet_candidates
 from .metric import latent_ssim
 from .report import draw_report, step_changes
 
@@ -20,12 +21,6 @@ MAX_RUNS = 6  # whole runs per calibration, the unpatched one included
 # overstates the others' (docs/calibration.md, 'The margin').
 LOSS_SHARE = 0.25
 SEARCH = f"nearest-shape spacings, loss share {LOSS_SHARE}"  # in every key: another search keeps nothing of this one
-MIN_STEPS = 10  # shorter runs forecast nothing (``IntervalSchedule.min_steps``)
-EVERY = (2, 3, 4, 5, 6)
-FULL_START = (0.1, 0.15, 0.2)
-FULL_END = (1, 2, 3, 4, 6, 8, 12)
-
-Candidate = Spacing
 
 
 def check_target(target: float) -> float:
@@ -40,33 +35,10 @@ def asked_of_samples(target: float, share: float = LOSS_SHARE) -> float:
     return 1.0 - (1.0 - target) * share
 
 
-def as_spacing(schedule: IntervalSchedule, steps: int) -> Spacing:
-    """``schedule`` at a run of ``steps`` as a fixed spacing (a short run's interval is at most 2)."""
-    every = min(schedule.interval, 2) if steps < schedule.short_run else schedule.interval
-    return Spacing(schedule.full_start, schedule.full_end, every=every)
-
-
-def candidates(base: IntervalSchedule, steps: int) -> list[Spacing]:
-    """One spacing per count of computed steps under ``steps`` (ascending): ``base`` (the plan's own at this run
-    length) for its count, for the others the one nearest ``base`` in shape. (Placements ranked by the unpatched
-    run's own line lost the picture on unseen prompts: docs/calibration.md, 'The search'.)"""
-    own = as_spacing(base, steps)
-    best: dict[int, tuple[float, Spacing]] = {}
-    grid = [Spacing(start, end, every=every) for every in EVERY for start in FULL_START for end in FULL_END]
-    for spacing in [own, *grid]:
-        count = spacing.schedule(spacing.every).full_steps(steps)
-        if count >= steps:
-            continue
-        rank = abs(spacing.every - own.every) + abs(spacing.full_end - own.full_end) / 4
-        rank += abs(spacing.full_start - own.full_start) * 10
-        if count not in best or rank < best[count][0]:
-            best[count] = (rank, spacing)
-    return [best[count][1] for count in sorted(best)]
-
-
 @dataclass(frozen=True)
 class CalibrationResult:
-    """What a calibration kept: the spacing (None: every step), its computed steps and the worst sample's score."""
+    """What a calibration kept: a UNet's spacing or a DiT's interval (neither: every step), its computed steps and
+    the worst sample's score."""
 
     steps: int
     target: float
@@ -77,8 +49,15 @@ class CalibrationResult:
     tried: tuple[tuple[int, float], ...] = field(default=())  # (computed steps, worst score) per candidate run
     changes: tuple[float, ...] = field(default=())  # the unpatched run's change per step (``report.step_changes``)
     asked: float | None = None  # the score asked of the calibration samples (``asked_of_samples``)
+    interval: int | None = None  # a DiT's: its family's plan at this interval (``candidates.with_interval``)
+
+    @property
+    def kept(self) -> bool:
+        """Whether a plan was kept (else every step runs in full)."""
+        return self.spacing is not None or self.interval is not None
 
     def schedule(self) -> IntervalSchedule | None:
+        """A UNet's kept forecast schedule (None: every step, or a DiT's, which ``candidates.with_interval`` makes)."""
         return None if self.spacing is None else self.spacing.schedule(self.spacing.every or 1)
 
     def as_dict(self) -> dict:
@@ -87,6 +66,7 @@ class CalibrationResult:
             "steps": self.steps,
             "target": self.target,
             "spacing": None if spacing is None else [spacing.full_start, spacing.full_end, spacing.every],
+            "interval": self.interval,
             "computed": self.computed,
             "worst": round(self.worst, 5),
             "runs": self.runs,
@@ -97,7 +77,7 @@ class CalibrationResult:
 
     @classmethod
     def from_dict(cls, data: dict) -> CalibrationResult:
-        spacing = data["spacing"]
+        spacing, interval = data["spacing"], data.get("interval")
         return cls(
             steps=int(data["steps"]),
             target=float(data["target"]),
@@ -108,16 +88,18 @@ class CalibrationResult:
             tried=tuple((int(c), float(s)) for c, s in data.get("tried", ())),
             changes=tuple(float(change) for change in data.get("changes", ())),
             asked=None if data.get("asked") is None else float(data["asked"]),
+            interval=None if interval is None else int(interval),
         )
 
     def words(self) -> str:
-        if self.spacing is None:
+        if not self.kept:
             return (
                 f"no candidate kept the target {self.target}{self._asked()} (best tried: "
                 f"{max((s for _, s in self.tried), default=0):.3f}): every step runs in full"
             )
+        plan = "" if self.interval is None else f" (the family's plan at one step in {self.interval})"
         return (
-            f"{self.computed} of {self.steps} steps computed, worst sample {self.worst:.4f} (target "
+            f"{self.computed} of {self.steps} steps computed{plan}, worst sample {self.worst:.4f} (target "
             f"{self.target}{self._asked()})"
         )
 
@@ -127,32 +109,49 @@ class CalibrationResult:
 
 class Calibration:
     """One calibration: ``run(sample)`` with ``sample(None)`` the unpatched run's final latent and ``sample(schedule)``
-    the same job forecast on ``schedule``, on the same noise; at most ``max_runs`` runs in all."""
+    the same job on a candidate's ``schedule``, on the same noise; at most ``max_runs`` runs in all. A UNet's
+    candidates are forecasts of ``base`` (an ``IntervalSchedule``); ``for_dit`` makes a DiT's."""
 
     def __init__(
         self,
-        base: IntervalSchedule,
+        base: IntervalSchedule | None,
         steps: int,
         target: float = DEFAULT_TARGET,
         max_runs: int = MAX_RUNS,
         share: float = LOSS_SHARE,
+        tried: list[Candidate] | None = None,
+        own: int | None = None,
     ):
         self.target = check_target(target)
         self.asked = asked_of_samples(self.target, share)
         self.steps = steps
         self.max_runs = max_runs
-        self.candidates = candidates(base, steps) if steps >= MIN_STEPS else []
-        self.counts = [spacing.schedule(spacing.every).full_steps(steps) for spacing in self.candidates]
-        self.first = self._nearest(base.full_steps(steps))
+        self.options = unet_candidates(base, steps) if tried is None else tried
+        self.candidates = [candidate.kept for candidate in self.options]
+        self.counts = [candidate.count for candidate in self.options]
+        self.first = self._nearest(base.full_steps(steps) if own is None else own)
+        self.dit = tried is not None
+        self.noise_levels, self.full_below = None, 0.0  # where a DiT's planned steps lie (``for_dit``)
         self.started_from: CalibrationResult | None = None
         self.reference: torch.Tensor | None = None
         self.kept: torch.Tensor | None = None  # the kept candidate's latent (the reference where none is kept)
+        self.kept_schedule = None
+
+    @classmethod
+    def for_dit(
+        cls, base: DitSchedule, steps: int, noise_levels=None, full_below: float = 0.0, **options
+    ) -> Calibration:
+        """A DiT's calibration: its family's plan ``base`` at the intervals ``candidates.DIT_INTERVALS``."""
+        tried = dit_candidates(base, steps, noise_levels, full_below)
+        calibration = cls(None, steps, tried=tried, own=planned(base, steps, noise_levels, full_below), **options)
+        calibration.noise_levels, calibration.full_below = noise_levels, full_below
+        return calibration
 
     def start_from(self, other: CalibrationResult | None) -> None:
         """Start from the plan kept for another step count of this job (``KeptCalibrations.nearest``): its share of
         computed steps is tried first, then its neighbour, as a candidate like any other (docs/calibration.md,
         'Another step count')."""
-        if other is None or other.spacing is None or other.steps == self.steps or not self.candidates:
+        if other is None or not other.kept or other.steps == self.steps or not self.candidates:
             return
         self.first = self._nearest(other.computed / other.steps * self.steps)
         self.started_from = other
@@ -161,9 +160,15 @@ class Calibration:
         """The index of the candidate whose computed steps are nearest ``count``."""
         return min(range(len(self.counts)), key=lambda i: abs(self.counts[i] - count)) if self.counts else 0
 
-    def run(self, sample: Callable[[IntervalSchedule | None], torch.Tensor], observed=None) -> CalibrationResult:
+    def run(
+        self,
+        sample: Callable[[object], torch.Tensor],
+        observed: Callable[[], list] | None = None,
+        counted: Callable[[], int | None] | None = None,
+    ) -> CalibrationResult:
         """The search: a candidate is kept where its worst sample keeps ``asked`` (``asked_of_samples``).
-        ``observed()`` after the unpatched run gives its denoised image per step (the picture's chart)."""
+        ``observed()`` after the unpatched run gives its denoised image per step (the picture's chart);
+        ``counted()`` after a candidate's run the steps it computed, where a guard may add some (None: as planned)."""
         self.reference = self.kept = sample(None)
         changes = ()
         if observed is not None:
@@ -171,33 +176,42 @@ class Calibration:
             if len(denoised) == self.steps:
                 changes = tuple(step_changes(denoised))
         runs, tried, kept = 1, [], None
-        low, high, probe = 0, len(self.candidates) - 1, self.first
+        low, high, probe = 0, len(self.options) - 1, self.first
         while low <= high and runs < self.max_runs:
-            spacing = self.candidates[probe]
-            schedule = spacing.schedule(spacing.every)
-            latent = sample(schedule)
+            candidate = self.options[probe]
+            latent = sample(candidate.schedule)
             worst = float(latent_ssim(latent, self.reference).min())
+            computed = counted() if counted is not None else None
+            computed = candidate.count if computed is None else computed
             runs += 1
-            tried.append((schedule.full_steps(self.steps), worst))
+            tried.append((computed, worst))
             if worst >= self.asked:
-                kept, high = (spacing, schedule.full_steps(self.steps), worst), probe - 1
-                self.kept = latent
+                kept, high = (candidate, computed, worst), probe - 1
+                self.kept, self.kept_schedule = latent, candidate.schedule
             else:
                 low = probe + 1
             # From another step count's plan: its neighbour next, so a plan that transfers costs two runs.
             neighbour = len(tried) == 1 and self.started_from is not None
             probe = (high if kept else low) if neighbour else (low + high) // 2
-        spacing, computed, worst = kept or (None, self.steps, 1.0)
+        candidate, computed, worst = kept or (None, self.steps, 1.0)
+        kept_as = None if candidate is None else candidate.kept
         return CalibrationResult(
-            self.steps, self.target, spacing, computed, worst, runs, tuple(tried), changes, self.asked
+            self.steps,
+            self.target,
+            None if self.dit else kept_as,
+            computed,
+            worst,
+            runs,
+            tuple(tried),
+            changes,
+            self.asked,
+            interval=kept_as if self.dit else None,
         )
 
     def picture(self, result: CalibrationResult) -> torch.Tensor:
         """``report.draw_report`` of this calibration (after ``run``)."""
-        schedule = result.schedule()
-        computed = (
-            set(range(self.steps))
-            if schedule is None
-            else {step for step in range(self.steps) if schedule.is_full(step, self.steps)}
-        )
+        computed = set(range(self.steps))
+        if result.kept and self.kept_schedule is not None:
+            plan = self.kept_schedule.for_run(self.steps, self.noise_levels, self.full_below)
+            computed = {step for step in range(self.steps) if plan.is_full(step, self.steps)}
         return draw_report(self.reference, self.kept, list(result.changes) or [0.0] * self.steps, computed)

@@ -75,7 +75,7 @@ class KeptCalibrations:
                 result = CalibrationResult.from_dict(entry["result"])
             except (AttributeError, KeyError, TypeError, ValueError, IndexError):
                 continue
-            if result.steps != steps and result.spacing is not None:
+            if result.steps != steps and result.kept:
                 found.append((abs(result.steps - steps), result.steps, result))
         return min(found, key=lambda item: item[:2])[2] if found else None
 

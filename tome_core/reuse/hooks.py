@@ -29,16 +29,18 @@ class LayerReuse:
     def layer_run(self) -> LayerReuseRun | None:
         return self._current
 
-    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> LayerReuseRun:
-        schedule = self.schedule.for_run(steps, noise_levels, full_below)
-        reach = getattr(schedule, "extrapolate", None)
+    def new_run(self, steps: int, noise_levels=None, full_below: float = 0.0, schedule=None) -> LayerReuseRun:
+        """A run on this patch's schedule, or on ``schedule`` (a calibration's candidate or kept plan)."""
+        source = self.schedule if schedule is None else schedule
+        planned = source.for_run(steps, noise_levels, full_below)
+        reach = getattr(planned, "extrapolate", None)
         run = self.run_class(
-            schedule,
+            planned,
             steps,
             self.layers,
             self.extrapolate if reach is None else reach,
-            first_block_guard=getattr(self.schedule, "first_block_guard", None),
-            line_guard=getattr(self.schedule, "line_guard", None),
+            first_block_guard=getattr(source, "first_block_guard", None),
+            line_guard=getattr(source, "line_guard", None),
         )
         run.full_below = full_below
         if self.RUN_WORDS is not None:

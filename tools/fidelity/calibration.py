@@ -2,7 +2,8 @@
 calibrate ``reuse_plan`` "calibrated" on ONE prompt and seed of set A through the node, then report on the 16
 prompts of set B against the unpatched run, beside the fixed default (same-seed SSIM, mean and lowest image, and
 the share of model calls computed); no ToDo, as a GPU runs these sizes. Beside them at equal calls: Spectrum
-computing the kept count and ComfyUI's EasyCache at two thresholds. A model name ending in ``+lora`` is that
+computing the kept count and ComfyUI's EasyCache at two thresholds; on a DiT (``calibration_dit``) also MagCache
+calibrated on the same prompt and seed. A model name ending in ``+lora`` is that
 reference with a LoRA-like weight patch (``lora_like``): another key, calibrated on its own.
 
     python -m tools.fidelity.calibration --models ref-sd1,ref-sd1-v2,ref-sdxl,ref-sdxl-v2 \\
@@ -22,6 +23,7 @@ import torch
 from tome_core.calibration import latent_ssim
 from tools.common.host import setup_comfy
 from tools.common.machine import machine
+from tools.fidelity import calibration_dit
 from tools.fidelity.row import load_our_nodes, ours
 
 SET_A_FIRST, SET_B_FIRST, CFG = 16, 0, 4.0
@@ -47,9 +49,15 @@ def sample(model, patcher, positive, negative, shape, run) -> tuple[torch.Tensor
     import nodes as comfy_nodes
 
     sampler, scheduler, steps = run
-    calls = []  # counted at the first convolution: a step cache that skips inside the model's wrapper runs none
-    first = patcher.model.diffusion_model.input_blocks[0][0]
-    handle = first.register_forward_pre_hook(lambda module, args: calls.append(len(args[0])))
+    calls = []  # a UNet's first convolution, a DiT's last block: a step cache that skips the model runs neither
+    diffusion_model = patcher.model.diffusion_model
+    if hasattr(diffusion_model, "input_blocks"):
+        counted = diffusion_model.input_blocks[0][0]
+    else:
+        counted = calibration_dit.counted_block(diffusion_model)
+    handle = counted.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(calibration_dit.batch_of(args, kwargs)), with_kwargs=True
+    )
     try:
         with torch.no_grad():
             (out,) = comfy_nodes.common_ksampler(model, 0, steps, CFG, sampler, scheduler, positive, negative,
@@ -96,6 +104,8 @@ def measure(name: str, runs: list[tuple[str, str, int]], args, log) -> list[dict
     from tools.fidelity.run import benchmark_prompts, conditioning, image_metrics
 
     reference = name.removesuffix(LORA)
+    dit = models.is_dit(reference)
+    frames, _ = models.as_images(reference)
     base, encoder = models.load_reference(reference)
     cpu = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
@@ -111,9 +121,13 @@ def measure(name: str, runs: list[tuple[str, str, int]], args, log) -> list[dict
     for run in runs:
         with tempfile.TemporaryDirectory() as user:
             folder_paths.set_user_directory(user)
-            model = ours(
-                nodes, "calibrated", method="todo", downsample_factor=1.0, reuse_interval=3, reuse_plan="calibrated"
-            ).patch(patcher)
+            if dit:
+                calibrated_row, default_row = calibration_dit.calibrated_rows(nodes)
+            else:
+                calibrated_row = ours(nodes, "calibrated", method="todo", downsample_factor=1.0, reuse_interval=3,
+                                      reuse_plan="calibrated")  # fmt: skip
+                default_row = ours(nodes, "default", method="todo", downsample_factor=1.0, reuse_interval=3)
+            model = calibrated_row.patch(patcher)
             started = time.perf_counter()
             _, calibration_calls = sample(model, patcher, set_a, negative, one, run)
             calibration_s = time.perf_counter() - started
@@ -128,11 +142,15 @@ def measure(name: str, runs: list[tuple[str, str, int]], args, log) -> list[dict
                 "calibration_s": round(calibration_s, 1),
                 "calibration_calls": calibration_calls * args.prompts / plain_calls,  # in whole runs of one image
             }
-            default = ours(nodes, "default", method="todo", downsample_factor=1.0, reuse_interval=3).patch(patcher)
-            compared = [("calibrated", model, None), ("default", default, None)]
+            compared = [("calibrated", model, None), ("default", default_row.patch(patcher), None)]
             if args.peers and row["calibration"] is not None:
                 kept_count = row["calibration"]["computed"]
-                compared += [(peer.name, peer.patch(patcher), peer) for peer in peers(run[2], kept_count)]
+                if dit:  # MagCache calibrated the same way: on the calibration prompt and seed
+                    ratios = calibration_dit.magcache_ratios(patcher, set_a, negative, one, run, CFG)
+                    beside = calibration_dit.peers(run[2], kept_count, ratios)
+                else:
+                    beside = peers(run[2], kept_count)
+                compared += [(peer.name, peer.patch(patcher), peer) for peer in beside]
             for label, patched, peer in compared:
                 if peer is not None:
                     peer.enter()
@@ -141,7 +159,7 @@ def measure(name: str, runs: list[tuple[str, str, int]], args, log) -> list[dict
                 finally:
                     if peer is not None:
                         peer.leave()
-                metrics = image_metrics(images, plain)
+                metrics = image_metrics(frames(images), frames(plain))  # a clip's frames as images
                 latent = latent_ssim(images, plain)
                 row[label] = {"ssim": metrics["ssim"], "ssim_min": metrics["ssim_min"], "calls": calls / plain_calls,
                               "latent_ssim": float(latent.mean()), "latent_ssim_min": float(latent.min())}  # fmt: skip
@@ -173,10 +191,13 @@ def against_targets(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    magcache = sorted({key for row in rows for key in row if key.startswith("MagCache")})
     lines = [
         "| model | run | calibrated: computed (search's score), runs, s | set B, calibrated | set B, default | "
-        "Spectrum, same count | EasyCache 0.1 | EasyCache 0.2 | targets |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Spectrum, same count | EasyCache 0.1 | EasyCache 0.2 | "
+        + "".join(f"{key} | " for key in magcache)
+        + "targets |",
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(magcache) + "---|",
     ]
     for row in rows:
         kept = row["calibration"]
@@ -191,7 +212,9 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| `{row['model']}` | {' '.join(map(str, row['run']))} | {searched} | {_cell(row['calibrated'])} | "
             f"{_cell(row['default'])} | {_cell(spectrum)} | {_cell(row.get('EasyCache 0.1'))} | "
-            f"{_cell(row.get('EasyCache 0.2'))} | {against_targets(row)} |"
+            f"{_cell(row.get('EasyCache 0.2'))} | "
+            + "".join(f"{_cell(row.get(key))} | " for key in magcache)
+            + f"{against_targets(row)} |"
         )
     return "\n".join(lines)
 

@@ -24,7 +24,8 @@ from unittest import mock
 import torch
 
 from tome_core.calibration import latent_ssim
-from tome_core.calibration.search import Calibration, candidates
+from tome_core.calibration.candidates import candidates
+from tome_core.calibration.search import Calibration
 from tome_core.reuse import decide
 from tome_core.reuse.plans import FORECAST, Decision
 from tools.fidelity.calibration import CFG, cpu_session, sample

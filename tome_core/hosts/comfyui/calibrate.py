@@ -16,6 +16,7 @@ from ...calibration import (
     calibration_key,
     key_id,
     tensors_fingerprint,
+    with_interval,
 )
 from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
 from ...calibration.store import SetAsideError
@@ -46,7 +47,8 @@ def _model_fingerprint(patcher) -> str:
     return _WEIGHTS[model]
 
 
-def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tensor, target: float) -> dict:
+def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tensor, target: float, plan: str = ""
+            ) -> dict:  # fmt: skip
     patcher = guider.model_patcher
     options = guider.model_options.get("transformer_options", {})
     others = [f"patch:{name}" for name in options.get("patches", {})]
@@ -60,7 +62,7 @@ def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tens
         cfg=getattr(guider, "cfg", None),
         shape=noise.shape[1:],
         version=__version__,
-        extra=[*others, f"target:{target}"],
+        extra=[*others, f"target:{target}", *([f"plan:{plan}"] if plan else [])],
     )
 
 
@@ -96,7 +98,45 @@ def sample_calibrated(hooks, executor, args, kwargs, sampler: str | None, schedu
     return _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, key, run_with)
 
 
-def _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, key, run_with) -> object:
+def dit_plan_words(schedule) -> str:
+    """A DiT patch's own plan, in its key: a plan kept under one plan is never another's."""
+    return schedule.describe() if hasattr(schedule, "describe") else f"every {schedule.interval} by noise level"
+
+
+def sample_calibrated_dit(hooks, executor, args, kwargs, sampler: str | None, sigmas, full_below: float, run_with
+                          ) -> object:  # fmt: skip
+    """A DiT's job under "calibrated": its family's plan at the kept interval where one is kept; else calibrate over
+    the intervals (``Calibration.for_dit``); ``run_with(schedule or None)`` runs the job on ``schedule``."""
+    guider = executor.class_obj
+    noise, raw_sigmas = args[0], args[3]
+    base = hooks.schedule
+    try:
+        key = job_key(guider, sampler, raw_sigmas, noise, hooks.target, plan=dit_plan_words(base))
+        kept_calibrations = store()
+        kept = kept_calibrations.get(key_id(key))
+    except UnreadableModelError as err:
+        log.warning("ToMe calibration: this model cannot be keyed by its content (%s); running its family's plan.",
+                    err)  # fmt: skip
+        return run_with(base)
+    except SetAsideError:
+        return run_with(base)
+    if kept is not None:
+        log.info("ToMe calibration: the plan kept for this job in %s: %s.", kept_calibrations.path, kept.words())
+        return run_with(with_interval(base, kept.interval) if kept.interval is not None else None)
+    steps = len(sigmas)
+    calibration = Calibration.for_dit(base, steps, sigmas, full_below, target=hooks.target)
+    if not calibration.candidates:
+        return run_with(base)
+    calibration.start_from(kept_calibrations.nearest(key, steps))
+
+    def counted() -> int | None:  # the steps the last run computed: a guard may have added some
+        run = hooks.last_run
+        return None if run is None or not run.calls else round(steps * (1 - run.reused_calls / run.calls))
+
+    return _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, key, run_with, counted)
+
+
+def _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, key, run_with, counted=None) -> object:
     guider = executor.class_obj
     args = list(args)
     noise, latent = args[0], args[1]
@@ -128,7 +168,7 @@ def _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, ke
             return executor(*args[:5], recording, *args[6:], **kwargs)
         return run_with(schedule, args, kwargs)
 
-    result = calibration.run(sample, observed=lambda: denoised)
+    result = calibration.run(sample, observed=lambda: denoised, counted=counted)
     identity = key_id(key)
     kept_calibrations.put(identity, key, result, {"metric": "latent SSIM, worst sample", "seeds": 2})
     picture = save_picture(calibration.picture(result), kept_calibrations.path.parent, identity)

@@ -139,6 +139,7 @@ def install(clone, settings, noise_range, schedule) -> bool:
     span = keys[first : len(keys) - last]
     extrapolate = dit_families.family(layout.family).extrapolate
     hooks = DitReuseHooks(schedule, span, layout.streams, noise_range, extrapolate)
+    hooks.plan, hooks.target = settings.reuse_plan, settings.calibration_target
     if layout.hook == "dit":
         replaced = _replacements(clone)
         for position, (block_type, index) in enumerate(span):

@@ -27,7 +27,7 @@ from ...reuse.plans import Decision
 from ...reuse.samplers import BETA, noise_added
 from ...schedule import call_sigmas, step_of
 from ..shared.unet_layout import inner_layers
-from .calibrate import sample_calibrated
+from .calibrate import sample_calibrated, sample_calibrated_dit
 from .sampling_run import sample_with_run
 
 log = logging.getLogger("tome_patch")
@@ -90,6 +90,15 @@ class LayerReuseHooks(LayerReuse):
             )
             return executor(*args, **kwargs)
         sigmas = call_sigmas(raw_sigmas)
+        if self.DIT and REUSE_PLANS[self.plan].calibrates:
+
+            def run_dit_with(schedule, run_args=args, run_kwargs=kwargs):
+                if schedule is None:
+                    return executor(*run_args, **run_kwargs)
+                run = self.new_run(len(sigmas), sigmas, decision.full_below, schedule=schedule)
+                return sample_with_run(executor, run_args, run_kwargs, RUN_KEY, RunState(run, sigmas), run, self._ended)
+
+            return sample_calibrated_dit(self, executor, args, kwargs, name, sigmas, decision.full_below, run_dit_with)
         if decision.runs == FORECAST and REUSE_PLANS[self.plan].calibrates:
 
             def run_with(schedule, run_args=args, run_kwargs=kwargs):

@@ -62,9 +62,6 @@ def _patch_dit(model, settings, percent_to_sigma):
     layout = dit_reuse.layout_of(diffusion_model)  # None: reuse does not know its blocks
     name = layout.family if layout is not None else tokens.family
     schedule = None
-    if REUSE_PLANS[settings.reuse_plan].calibrates:
-        log.info("ToMe Patch: reuse_plan calibrated calibrates UNets (SD1.x, SD2.x, SDXL); %s runs its family's plan "
-                 "(docs/calibration.md, 'Not yet').", name)  # fmt: skip
     if settings.dit_family_default:
         record = dit_families.family(name)
         schedule = dit_families.auto_schedule(name) if layout is not None and not record.unchanged_by_default else None
@@ -105,14 +102,18 @@ def _patch_dit(model, settings, percent_to_sigma):
         dit.remove_patch(clone)
     dit_reuse.remove(clone)  # an earlier patch's, on the model it was given
     in_range = settings.start_percent < settings.end_percent
+    installed = False
     if in_range and (schedule is not None or settings.reuse_interval > 1):
         noise_range = NoiseRange(settings.start_percent, settings.end_percent, percent_to_sigma)
         schedule = schedule if schedule is not None else NoiseSpacedSchedule(settings.reuse_interval)
-        if not dit_reuse.install(clone, settings, noise_range, schedule):
+        installed = dit_reuse.install(clone, settings, noise_range, schedule)
+        if not installed:
             log.info(
                 "ToMe Patch: reuse across steps (reuse_interval) is not available for %s (%s): %s.",
                 name,
                 dit.describe(diffusion_model),
                 dit_reuse.why_not(diffusion_model),
             )
+    if REUSE_PLANS[settings.reuse_plan].calibrates and not installed:
+        log.info("ToMe Patch: reuse_plan calibrated has nothing to calibrate on %s: it reuses no step here.", name)
     return clone

@@ -1,0 +1,93 @@
+"""What a calibration tries: one plan per count of computed steps, fewest first. On a UNet the forecast spacings
+nearest the default's shape; on a DiT its family's plan at other intervals, its guards kept. docs/calibration.md,
+'The candidates'."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..reuse.plans import Spacing
+from ..reuse.schedules import IntervalSchedule, NoiseSpacedSchedule, StepCountSchedule
+
+MIN_STEPS = 10  # shorter runs reuse nothing (``IntervalSchedule.min_steps``)
+EVERY = (2, 3, 4, 5, 6)
+FULL_START = (0.1, 0.15, 0.2)
+FULL_END = (1, 2, 3, 4, 6, 8, 12)
+DIT_INTERVALS = (2, 3, 4, 5, 6, 7, 8)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan to try: what a result keeps (a UNet's ``Spacing``, a DiT's interval), the schedule a host runs, and
+    the computed steps it plans at this run (a DiT's guards may compute more)."""
+
+    kept: Spacing | int
+    schedule: object
+    count: int
+
+
+def as_spacing(schedule: IntervalSchedule, steps: int) -> Spacing:
+    """``schedule`` at a run of ``steps`` as a fixed spacing (a short run's interval is at most 2)."""
+    every = min(schedule.interval, 2) if steps < schedule.short_run else schedule.interval
+    return Spacing(schedule.full_start, schedule.full_end, every=every)
+
+
+def candidates(base: IntervalSchedule, steps: int) -> list[Spacing]:
+    """One spacing per count of computed steps under ``steps`` (ascending): ``base`` (the plan's own at this run
+    length) for its count, for the others the one nearest ``base`` in shape. (Placements ranked by the unpatched
+    run's own line lost the picture on unseen prompts: docs/calibration.md, 'The search'.)"""
+    own = as_spacing(base, steps)
+    best: dict[int, tuple[float, Spacing]] = {}
+    grid = [Spacing(start, end, every=every) for every in EVERY for start in FULL_START for end in FULL_END]
+    for spacing in [own, *grid]:
+        count = spacing.schedule(spacing.every).full_steps(steps)
+        if count >= steps:
+            continue
+        rank = abs(spacing.every - own.every) + abs(spacing.full_end - own.full_end) / 4
+        rank += abs(spacing.full_start - own.full_start) * 10
+        if count not in best or rank < best[count][0]:
+            best[count] = (rank, spacing)
+    return [best[count][1] for count in sorted(best)]
+
+
+def unet_candidates(base: IntervalSchedule, steps: int) -> list[Candidate]:
+    if steps < MIN_STEPS:
+        return []
+    return [
+        Candidate(spacing, schedule, schedule.full_steps(steps))
+        for spacing in candidates(base, steps)
+        for schedule in (spacing.schedule(spacing.every),)
+    ]
+
+
+DitSchedule = StepCountSchedule | NoiseSpacedSchedule
+
+
+def own_interval(base: DitSchedule, steps: int) -> int:
+    return base.interval(steps) if isinstance(base, StepCountSchedule) else base.interval
+
+
+def with_interval(base: DitSchedule, interval: int) -> DitSchedule:
+    """A DiT's plan ``base`` at ``interval`` at any run length, its curve and guards as they are."""
+    if isinstance(base, StepCountSchedule):
+        return replace(base, intervals=((0, interval),), short_run=0)
+    return replace(base, interval=interval, short_run=0)
+
+
+def planned(schedule: DitSchedule, steps: int, noise_levels=None, full_below: float = 0.0) -> int:
+    return schedule.for_run(steps, noise_levels, full_below).full_steps(steps)
+
+
+def dit_candidates(base: DitSchedule, steps: int, noise_levels=None, full_below: float = 0.0) -> list[Candidate]:
+    """One interval per count of planned computed steps under ``steps`` (ascending), the one nearest ``base``'s own
+    interval where two plan as many."""
+    if steps < MIN_STEPS:
+        return []
+    own = own_interval(base, steps)
+    best: dict[int, Candidate] = {}
+    for interval in sorted(DIT_INTERVALS, key=lambda k: abs(k - own)):
+        schedule = with_interval(base, interval)
+        count = planned(schedule, steps, noise_levels, full_below)
+        if count < steps and count not in best:
+            best[count] = Candidate(interval, schedule, count)
+    return [best[count] for count in sorted(best)]
