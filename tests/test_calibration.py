@@ -247,3 +247,47 @@ def test_a_plan_from_another_step_count_is_tried_first_and_checked_at_its_neighb
     wrong = Calibration(EULER, 25, target=0.9)
     wrong.start_from(CalibrationResult(20, 0.9, Spacing(0.15, 3), 4, 0.95, 5))  # a plan far too sparse here
     assert wrong.run(grows(reference, 25, [])).computed == plain.computed
+
+
+def test_a_dits_candidates_are_its_familys_plan_at_other_intervals_one_per_planned_count():
+    from tome_core.calibration.candidates import planned, with_interval
+    from tome_core.hosts.shared import dit_families
+
+    wan = dit_families_wan()
+    levels = [1.0 - step / 28 for step in range(28)]
+    calibration = Calibration.for_dit(wan, 28, levels)
+    assert calibration.counts == sorted(set(calibration.counts)) and max(calibration.counts) < 28
+    assert set(calibration.candidates) <= set(range(2, 9))
+    for interval, option in zip(calibration.candidates, calibration.options, strict=True):
+        assert option.schedule == with_interval(wan, interval)
+        assert (option.schedule.first_block_guard, option.schedule.line_guard) == (wan.first_block_guard, 0.1)
+    assert calibration.counts[calibration.first] == planned(wan, 28, levels)  # the family's own count first
+    # Flux caps runs under 25 steps at one in 2; a candidate's interval holds at any length.
+    flux = Calibration.for_dit(dit_families.auto_schedule("Flux"), 20)
+    assert len(flux.candidates) > 1 and min(flux.counts) < 10
+
+
+def test_a_dit_keeps_the_interval_that_computed_fewest_where_a_guard_adds_steps():
+    reference = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    calibration = Calibration.for_dit(dit_families_wan(), 28)
+    counts = dict(zip(calibration.candidates, calibration.counts, strict=True))
+    ran = []
+
+    def sample(schedule):
+        ran.append(schedule)
+        return reference.clone()  # every candidate keeps the picture
+
+    # The guards compute more on a sparser plan: the fewest planned steps computed the most.
+    fewest = min(counts, key=counts.get)
+    result = calibration.run(sample, counted=lambda: 27 if ran[-1].intervals[0][1] == fewest else None)
+    assert any(schedule is not None and schedule.intervals[0][1] == fewest for schedule in ran)
+    assert result.interval is not None and result.spacing is None and result.kept
+    assert result.computed == min(count for count, _ in result.tried) < 27
+    assert CalibrationResult.from_dict(json.loads(json.dumps(result.as_dict()))) == result
+    assert "the family's plan at one step in" in result.words()
+
+
+def dit_families_wan():
+    from tome_core.hosts.shared import dit_families
+
+    return dit_families.auto_schedule("Wan")  # every 6, with its first-block guards

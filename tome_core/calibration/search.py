@@ -186,8 +186,10 @@ class Calibration:
             runs += 1
             tried.append((computed, worst))
             if worst >= self.asked:
-                kept, high = (candidate, computed, worst), probe - 1
-                self.kept, self.kept_schedule = latent, candidate.schedule
+                high = probe - 1
+                if kept is None or computed <= kept[1]:  # a guard may compute more on a sparser plan
+                    kept = (candidate, computed, worst)
+                    self.kept, self.kept_schedule = latent, candidate.schedule
             else:
                 low = probe + 1
             # From another step count's plan: its neighbour next, so a plan that transfers costs two runs.
