@@ -14,14 +14,16 @@ EVERY = (2, 3, 4, 5, 6)
 FULL_START = (0.1, 0.15, 0.2)
 FULL_END = (1, 2, 3, 4, 6, 8, 12)
 DIT_INTERVALS = (2, 3, 4, 5, 6, 7, 8)
+# The share of the last steps in full: the counts between one in 2 and every step.
+DIT_FULL_END = (0.0, 0.1, 0.2, 0.3, 0.45, 0.6)
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One plan to try: what a result keeps (a UNet's ``Spacing``, a DiT's interval), the schedule a host runs, and
-    the computed steps it plans at this run (a DiT's guards may compute more)."""
+    """One plan to try: what a result keeps (a UNet's ``Spacing``; a DiT's interval and last full steps), the
+    schedule a host runs, and the computed steps it plans at this run (a DiT's guards may compute more)."""
 
-    kept: Spacing | int
+    kept: Spacing | tuple[int, int]
     schedule: object
     count: int
 
@@ -67,11 +69,12 @@ def own_interval(base: DitSchedule, steps: int) -> int:
     return base.interval(steps) if isinstance(base, StepCountSchedule) else base.interval
 
 
-def with_interval(base: DitSchedule, interval: int) -> DitSchedule:
-    """A DiT's plan ``base`` at ``interval`` at any run length, its curve and guards as they are."""
+def with_interval(base: DitSchedule, interval: int, full_end: int = 0) -> DitSchedule:
+    """A DiT's plan ``base`` at ``interval`` at any run length with its last ``full_end`` steps in full, its curve
+    and guards as they are."""
     if isinstance(base, StepCountSchedule):
-        return replace(base, intervals=((0, interval),), short_run=0)
-    return replace(base, interval=interval, short_run=0)
+        return replace(base, intervals=((0, interval),), short_run=0, full_end=full_end)
+    return replace(base, interval=interval, short_run=0, full_end=full_end)
 
 
 def planned(schedule: DitSchedule, steps: int, noise_levels=None, full_below: float = 0.0) -> int:
@@ -79,15 +82,18 @@ def planned(schedule: DitSchedule, steps: int, noise_levels=None, full_below: fl
 
 
 def dit_candidates(base: DitSchedule, steps: int, noise_levels=None, full_below: float = 0.0) -> list[Candidate]:
-    """One interval per count of planned computed steps under ``steps`` (ascending), the one nearest ``base``'s own
-    interval where two plan as many."""
+    """One plan per count of planned computed steps under ``steps`` (ascending): an interval of ``DIT_INTERVALS``
+    with a share ``DIT_FULL_END`` of the last steps in full, the one nearest ``base``'s own interval with the fewest
+    last steps where two plan as many."""
     if steps < MIN_STEPS:
         return []
     own = own_interval(base, steps)
-    best: dict[int, Candidate] = {}
-    for interval in sorted(DIT_INTERVALS, key=lambda k: abs(k - own)):
-        schedule = with_interval(base, interval)
-        count = planned(schedule, steps, noise_levels, full_below)
-        if count < steps and count not in best:
-            best[count] = Candidate(interval, schedule, count)
-    return [best[count] for count in sorted(best)]
+    best: dict[int, tuple[float, Candidate]] = {}
+    for interval in DIT_INTERVALS:
+        for full_end in sorted({round(share * steps) for share in DIT_FULL_END}):
+            schedule = with_interval(base, interval, full_end)
+            count = planned(schedule, steps, noise_levels, full_below)
+            rank = abs(interval - own) + full_end / 4
+            if count < steps and (count not in best or rank < best[count][0]):
+                best[count] = (rank, Candidate((interval, full_end), schedule, count))
+    return [best[count][1] for count in sorted(best)]

@@ -50,6 +50,7 @@ class CalibrationResult:
     changes: tuple[float, ...] = field(default=())  # the unpatched run's change per step (``report.step_changes``)
     asked: float | None = None  # the score asked of the calibration samples (``asked_of_samples``)
     interval: int | None = None  # a DiT's: its family's plan at this interval (``candidates.with_interval``)
+    last_full: int = 0  # a DiT's: and its last steps in full
 
     @property
     def kept(self) -> bool:
@@ -67,6 +68,7 @@ class CalibrationResult:
             "target": self.target,
             "spacing": None if spacing is None else [spacing.full_start, spacing.full_end, spacing.every],
             "interval": self.interval,
+            "last_full": self.last_full,
             "computed": self.computed,
             "worst": round(self.worst, 5),
             "runs": self.runs,
@@ -89,6 +91,7 @@ class CalibrationResult:
             changes=tuple(float(change) for change in data.get("changes", ())),
             asked=None if data.get("asked") is None else float(data["asked"]),
             interval=None if interval is None else int(interval),
+            last_full=int(data.get("last_full", 0)),
         )
 
     def words(self) -> str:
@@ -97,7 +100,8 @@ class CalibrationResult:
                 f"no candidate kept the target {self.target}{self._asked()} (best tried: "
                 f"{max((s for _, s in self.tried), default=0):.3f}): every step runs in full"
             )
-        plan = "" if self.interval is None else f" (the family's plan at one step in {self.interval})"
+        last = f" and the last {self.last_full}" if self.last_full else ""
+        plan = "" if self.interval is None else f" (the family's plan at one step in {self.interval}{last})"
         return (
             f"{self.computed} of {self.steps} steps computed{plan}, worst sample {self.worst:.4f} (target "
             f"{self.target}{self._asked()})"
@@ -141,7 +145,7 @@ class Calibration:
     def for_dit(
         cls, base: DitSchedule, steps: int, noise_levels=None, full_below: float = 0.0, **options
     ) -> Calibration:
-        """A DiT's calibration: its family's plan ``base`` at the intervals ``candidates.DIT_INTERVALS``."""
+        """A DiT's calibration: its family's plan ``base`` at other intervals (``candidates.dit_candidates``)."""
         tried = dit_candidates(base, steps, noise_levels, full_below)
         calibration = cls(None, steps, tried=tried, own=planned(base, steps, noise_levels, full_below), **options)
         calibration.noise_levels, calibration.full_below = noise_levels, full_below
@@ -207,7 +211,8 @@ class Calibration:
             tuple(tried),
             changes,
             self.asked,
-            interval=kept_as if self.dit else None,
+            interval=kept_as[0] if self.dit and kept_as else None,
+            last_full=kept_as[1] if self.dit and kept_as else 0,
         )
 
     def picture(self, result: CalibrationResult) -> torch.Tensor:

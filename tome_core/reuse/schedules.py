@@ -96,13 +96,14 @@ class NoiseSpacedSchedule:
     interval: int
     short_run: int = SHORT_RUN
     min_steps: int = 10
+    full_end: int = 0  # the last steps, full whatever the noise says (a calibration's denser candidates)
 
     def __post_init__(self):
         _check_run_rules(self)
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
         """The full steps of a run at ``noise_levels`` (None: evenly spaced), the first step always full."""
-        return self.plan(steps, noise_levels, full_below, first=1, end=0)
+        return self.plan(steps, noise_levels, full_below, first=1, end=self.full_end)
 
     def plan(self, steps: int, noise_levels, full_below: float, first: int, end: int) -> FullSteps:
         """``for_run`` with the first ``first`` and the last ``end`` steps full whatever the noise says."""
@@ -186,6 +187,7 @@ class StepCountSchedule:
     first_block_guard: float | None = None  # see ``LayerReuseRun.first_block_guard``; read by ``LayerReuse.new_run``
     line_guard: float | None = None  # see ``LayerReuseRun.line_guard``
     short_run: int = SHORT_RUN
+    full_end: int = 0  # see ``NoiseSpacedSchedule.full_end``
 
     def __post_init__(self):
         if not self.intervals or self.intervals[0][0] != 0:
@@ -204,6 +206,8 @@ class StepCountSchedule:
         """For the log: ``((0, 3), (40, 4))`` as "every 3 (every 4 from 40 steps)"."""
         later = [f"every {interval} from {start} steps" for start, interval in self.intervals[1:]]
         described = f"every {self.intervals[0][1]}" + (f" ({', '.join(later)})" if later else "")
+        if self.full_end:
+            described += f", the last {self.full_end} steps"
         if self.curve is not None:
             described += " and wherever the real model's published step-to-step change asks for a full step"
         guards = []
@@ -216,7 +220,8 @@ class StepCountSchedule:
         return described
 
     def for_run(self, steps: int, noise_levels=None, full_below: float = 0.0) -> FullSteps:
-        planned = NoiseSpacedSchedule(self.interval(steps), self.short_run).for_run(steps, noise_levels, full_below)
+        spaced = NoiseSpacedSchedule(self.interval(steps), self.short_run, full_end=self.full_end)
+        planned = spaced.for_run(steps, noise_levels, full_below)
         if self.curve is None:
             return planned
         return FullSteps(steps, self.curve.guard(planned.full, steps))

@@ -122,7 +122,7 @@ def sample_calibrated_dit(hooks, executor, args, kwargs, sampler: str | None, si
         return run_with(base)
     if kept is not None:
         log.info("ToMe calibration: the plan kept for this job in %s: %s.", kept_calibrations.path, kept.words())
-        return run_with(with_interval(base, kept.interval) if kept.interval is not None else None)
+        return run_with(with_interval(base, kept.interval, kept.last_full) if kept.interval is not None else None)
     steps = len(sigmas)
     calibration = Calibration.for_dit(base, steps, sigmas, full_below, target=hooks.target)
     if not calibration.candidates:
