@@ -161,8 +161,8 @@ _PLAN_LIST = (
         tooltip="calibrated (ComfyUI, the A1111 WebUI, diffusers): the first job with a model, its LoRAs, sampler, "
         "noise levels, CFG and size runs unpatched, then a few forecasts on the same noise, and keeps the fewest "
         "computed steps whose latent stays at calibration_target (SSIM, 0.98) or more; later jobs with all of these "
-        "the same run that plan; other samplers as forecast v3. On a DiT (ComfyUI) the candidates are its family's "
-        "plan at one step in 2 to 8.",
+        "the same run that plan; other samplers as forecast v3. On a DiT the candidates are its family's plan at one "
+        "step in 2 to 8 (and a share of the last steps in full).",
     ),
 )
 REUSE_PLANS: dict[str, ReusePlan] = {plan.name: plan for plan in _PLAN_LIST}

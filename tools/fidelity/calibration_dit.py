@@ -2,7 +2,7 @@
 the default (``dit_settings`` auto, its family's plan), and beside them at the calibrated plan's work: MagCache
 calibrated the same way (its step-to-step ratios from ONE unpatched run of the calibration prompt and seed at the
 job's own sampler and steps, as its authors calibrate a model, at three thresholds), ComfyUI's EasyCache and
-Spectrum computing the kept count."""
+Spectrum computing the kept count (or the nearest count its plans reach, within two steps)."""
 
 from __future__ import annotations
 
@@ -64,8 +64,10 @@ def peers(steps: int, computed: int, ratios: list[float]) -> list:
     for threshold in MAGCACHE_THRESHOLDS:
         patch = dit_peers.magcache_patch(threshold, lambda model: ratios)
         rows.append(FidelityRow(f"MagCache {threshold}", "peer", patch))
-    try:
-        settings = spectrum.settings_computing(steps, computed)
-    except ValueError:
-        return rows
-    return [FidelityRow(f"Spectrum {computed} of {steps}", "peer", spectrum.spectrum_patch(settings)), *rows]
+    for count in sorted(range(computed - 2, computed + 3), key=lambda c: abs(c - computed)):
+        try:  # the nearest count Spectrum's window-2 or -3 plans reach
+            settings = spectrum.settings_computing(steps, count)
+        except ValueError:
+            continue
+        return [FidelityRow(f"Spectrum {count} of {steps}", "peer", spectrum.spectrum_patch(settings)), *rows]
+    return rows

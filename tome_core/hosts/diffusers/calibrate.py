@@ -2,7 +2,9 @@
 run's first UNet call, keys the job (the UNet's weights by content with its adapters and their scalings, the
 scheduler and its config, the run's noise levels, guidance, latent shape, strength, the patch's settings) and runs
 the kept plan, or runs unpatched (the user's picture) and then calibrates on the same noise, and draws the
-calibration's picture beside the kept file. docs/calibration.md, 'diffusers'."""
+calibration's picture beside the kept file. A DiT pipeline's job (``DitJob``) is keyed the same way by its
+transformer, with the patch's own plan, and calibrates that plan's interval (``Calibration.for_dit``).
+docs/calibration.md, 'diffusers'."""
 
 from __future__ import annotations
 
@@ -22,13 +24,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...calibration import MAX_RUNS, Calibration, CalibrationResult, KeptCalibrations, calibration_key, key_id
+from ...calibration import (
+    MAX_RUNS,
+    Calibration,
+    CalibrationResult,
+    KeptCalibrations,
+    calibration_key,
+    key_id,
+    with_interval,
+)
 from ...calibration.fingerprint import SAMPLE, UnreadableModelError, patches_fingerprint
 from ...calibration.store import SetAsideError
-from ...reuse import FORECAST, KARRAS, KARRAS_PART, Spacing, decide, kept_plan
+from ...reuse import FORECAST, FULL, KARRAS, KARRAS_PART, Spacing, decide, kept_plan
 from ...reuse.samplers import noise_added
 from ...reuse.whole_step import denoised_of
 from ...version import __version__
+from . import dit_reuse
 from .layer_reuse import _Schedule, _sigma_of, calling_pipeline, installed, karras_or_none, scheduler_name, takes_eta
 from .whole_step import WholeStepReuse, v_prediction
 
@@ -75,7 +86,8 @@ def save_picture(picture: Image.Image, folder: Path, identity: str) -> Path:
 @dataclass
 class CalibrationReport:
     """What ``tome_core.calibrate`` did: the ``result`` kept in ``path`` under ``key_id`` and the unpatched run's
-    ``output``; ``result`` None where the call could not calibrate (``why``: it ran as ``forecast v3``). ``picture``:
+    ``output``; ``result`` None where the call could not calibrate (``why``: it ran as ``forecast v3``, a DiT as its
+    family's plan). ``picture``:
     the calibration's picture (a PIL image: the first sample's unpatched and calibrated latents, their difference
     amplified, the unpatched run's change per step with the computed steps in orange), saved as ``picture_path``
     (``reports/<key_id>.png`` beside the kept file; None where it could not be written); None where nothing
@@ -103,11 +115,14 @@ class Calibrated:
     target: float
     settings: str  # the patch's other settings: another ToDo factor is another key
     said: set
+    dit: bool = False  # a DiT pipeline's: its calls are ``DitJob``s
 
     def say(self, why: str) -> None:
+        """Log ``why`` a call cannot calibrate, once per reason: every call of the job would say it again."""
         if why not in self.said:
             self.said.add(why)
-            log.info("ToMe calibration: %s; running what forecast v3 runs for it.", why)
+            runs = "its family's plan" if self.dit else "what forecast v3 runs for it"
+            log.info("ToMe calibration: %s; running %s.", why, runs)
 
 
 def _original_class(pipe) -> type:
@@ -122,7 +137,7 @@ def _calibrating_class(cls: type) -> type:
 
         @functools.wraps(cls.__call__)
         def call(self, *args, **kwargs):
-            return Job.call(self, args, kwargs).output
+            return _job_class(self).call(self, args, kwargs).output
 
         members = {"__call__": call, _PARENT: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
         sub = type(cls.__name__, (cls,), members)
@@ -130,11 +145,18 @@ def _calibrating_class(cls: type) -> type:
     return sub
 
 
-def install(pipe, target: float, settings) -> None:
-    """Calibrate ``pipe``'s calls from now on (its UNet already patched under a calibrating plan)."""
+def _job_class(pipe) -> type[Job]:
+    """The job that runs a call of ``pipe``: a DiT pipeline's calibrates its transformer's reuse."""
+    calibrated = getattr(pipe, "__dict__", {}).get(_STATE)
+    return DitJob if calibrated is not None and calibrated.dit else Job
+
+
+def install(pipe, target: float, settings, dit: bool = False) -> None:
+    """Calibrate ``pipe``'s calls from now on (its UNet, or with ``dit`` its transformer, already patched under a
+    calibrating plan)."""
     others = {k: v for k, v in asdict(settings).items() if k not in ("reuse_plan", "calibration_target")}
     digest = hashlib.sha256(json.dumps(others, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    pipe.__dict__[_STATE] = Calibrated(target, digest, set())
+    pipe.__dict__[_STATE] = Calibrated(target, digest, set(), dit)
     pipe.__class__ = _calibrating_class(_original_class(pipe))
 
 
@@ -145,13 +167,15 @@ def remove(pipe) -> None:
 
 
 def calibrate(pipe, args: tuple, kwargs: dict) -> CalibrationReport:
-    if _STATE not in pipe.__dict__ or not isinstance(_owner(pipe), WholeStepReuse):
+    """``tome_core.calibrate``: run the call unpatched and calibrate its job anew, whatever is kept for it."""
+    job_class = _job_class(pipe)
+    if _STATE not in pipe.__dict__ or job_class.owner_of(pipe) is None:
         raise ValueError(
             "tome_core.calibrate needs a pipeline patched with tome_core.apply_patch(pipe, reuse_plan='calibrated') "
-            "whose UNet forecasts (reuse_interval above 1)"
+            "whose UNet forecasts (reuse_interval above 1) or whose DiT reuses steps"
         )
-    job = Job.call(pipe, args, kwargs, force=True)
-    why = job.why or (None if job.result is not None else "the pipeline never called its UNet")
+    job = job_class.call(pipe, args, kwargs, force=True)
+    why = job.why or (None if job.result is not None else f"the pipeline never called its {job_class.DENOISER}")
     return CalibrationReport(
         job.result, job.path, job.key_id, job.output, why, picture=job.picture, picture_path=job.picture_path
     )
@@ -162,9 +186,16 @@ def _owner(pipe):
     return installed(getattr(unet, "_orig_mod", unet)) if unet is not None else None
 
 
+def _transformer(pipe):
+    """The pipeline's transformer, out of a torch.compile wrapper (None: it has none)."""
+    transformer = getattr(pipe, "transformer", None)
+    return getattr(transformer, "_orig_mod", transformer)
+
+
 def weights_fingerprint(unet) -> str:
-    """The UNet's tensors (LoRA/PEFT adapters' included) by name, shape, dtype and a strided sample of values, read
-    in one transfer per device and dtype: every call reads them (a fused LoRA changes weights in place)."""
+    """The UNet's (or transformer's) tensors (LoRA/PEFT adapters' included) by name, shape, dtype and a strided
+    sample of values, read in one transfer per device and dtype: every call reads them (a fused LoRA changes weights
+    in place)."""
     digest, groups = hashlib.sha256(), {}
     try:
         for name, tensor in sorted(unet.state_dict(keep_vars=True).items()):
@@ -202,6 +233,9 @@ def _digest(value) -> str:
 class Job:
     """One pipeline call under "calibrated": ``call`` runs it and, where it has no kept plan, calibrates."""
 
+    DENOISER = "UNet"  # in the log lines: the model the job keys and patches
+    FALLBACK = "forecast v3"  # what a call that cannot calibrate runs
+
     def __init__(self, pipe, force: bool = False):
         self.pipe, self.force = pipe, force
         self.output = self.result = self.path = self.key_id = self.key = self.why = None
@@ -214,13 +248,25 @@ class Job:
         self.restore_step = None  # undoes ``_observe``
         self.picture = self.picture_path = None
 
+    @staticmethod
+    def owner_of(pipe):
+        """The reuse this job calibrates: the UNet's forecasting owner (None: it has none)."""
+        owner = _owner(pipe)
+        return owner if isinstance(owner, WholeStepReuse) else None
+
+    @staticmethod
+    def denoiser_of(pipe):
+        """The model the job keys and probes, out of a torch.compile wrapper."""
+        return getattr(pipe.unet, "_orig_mod", pipe.unet)
+
     @classmethod
     def call(cls, pipe, args: tuple, kwargs: dict, force: bool = False) -> Job:
+        """Run the call: with the kept plan, else unpatched and then the calibration (``run``)."""
         job = cls(pipe, force)
         original = _original_class(pipe).__call__
-        calibrated, owner = pipe.__dict__.get(_STATE), _owner(pipe)
+        calibrated, owner = pipe.__dict__.get(_STATE), cls.owner_of(pipe)
         arguments = None
-        if calibrated is None or not isinstance(owner, WholeStepReuse):
+        if calibrated is None or owner is None:
             job.why = "the pipeline is not patched to calibrate"
         else:
             arguments = job._arguments(original, args, kwargs)
@@ -230,7 +276,7 @@ class Job:
             job.output = original(pipe, *args, **kwargs)
             return job
         job.calibrated, job.owner, job.arguments = calibrated, owner, arguments
-        job.unet = getattr(pipe.unet, "_orig_mod", pipe.unet)
+        job.denoiser = cls.denoiser_of(pipe)
         with torch.no_grad():
             job.run(original)
         return job
@@ -321,16 +367,19 @@ class Job:
         return output, self.latents[0]
 
     def run(self, original) -> None:
-        owner, plan = self.owner, self.owner.plan
+        """The user's run (probed at its first model call), then the calibration where the probe started one."""
+        held = self._hold()
         generators = self._generators()
         states = [g.get_state() for g in generators]
-        probe = self.unet.register_forward_pre_hook(torch.compiler.disable(self.probe), with_kwargs=True, prepend=True)
+        probe = self.denoiser.register_forward_pre_hook(
+            torch.compiler.disable(self.probe), with_kwargs=True, prepend=True
+        )
         try:
             self.output, user_latents = self._run(original, self.arguments, states, generators, False)
         finally:
             probe.remove()
             self._unobserve()
-            owner.plan, owner.suspended = plan, False
+            self._release(held)
         if self.calibration is None:
             return
         after = [g.get_state() for g in generators]
@@ -341,22 +390,19 @@ class Job:
             second_states = [g.get_state() for g in second_generators]
 
         def sample(schedule):
-            owner.suspended = schedule is None
+            self._use(schedule, held)
             if schedule is None:
                 parts = [user_latents]
             else:
-                sampler, schedule_name = self.run_plan
-                spacing = Spacing(schedule.full_start, schedule.full_end, every=schedule.interval)
-                owner.plan = kept_plan(plan, sampler, schedule_name, spacing)
                 parts = [self._run(original, self.arguments, states, generators, True)[1]]
             if second is not None:
                 parts.append(self._run(original, second, second_states, second_generators, True)[1])
             return torch.cat(parts)
 
         try:
-            self.result = self.calibration.run(sample, observed=self._observed)
+            self.result = self.calibration.run(sample, observed=self._observed, counted=self._counted)
         finally:
-            owner.plan, owner.suspended = plan, False
+            self._release(held)
             for generator, state in zip(generators, after, strict=True):
                 generator.set_state(state)
         seeds = user_latents.shape[0] + (second is not None)
@@ -366,6 +412,35 @@ class Job:
         self.picture, self.picture_path = self._draw()
         log.info("ToMe calibration: kept in %s: %s (%d runs); its picture: %s.", self.path, self.result.words(),
                  self.result.runs, self.picture_path or "not saved")  # fmt: skip
+
+    # --- the owner's state: what each run of the job computes ---
+
+    def _hold(self):
+        """The owner's state before the job, for ``_release``: the UNet's plan."""
+        return self.owner.plan
+
+    def _release(self, held) -> None:
+        """The owner as it was before the job, whatever happened in it."""
+        self.owner.plan, self.owner.suspended = held, False
+
+    def _use(self, schedule, held) -> None:
+        """The owner set for the next run: unpatched (None) or forecast on a candidate's ``schedule``."""
+        self.owner.suspended = schedule is None
+        if schedule is not None:
+            sampler, schedule_name = self.run_plan
+            spacing = Spacing(schedule.full_start, schedule.full_end, every=schedule.interval)
+            self.owner.plan = kept_plan(held, sampler, schedule_name, spacing)
+
+    def _use_kept(self, kept: CalibrationResult) -> None:
+        """The owner set for the user's run on the plan ``kept`` for its job."""
+        if kept.spacing is None:
+            self.owner.suspended = True
+        else:
+            self.owner.plan = kept_plan(self.owner.plan, *self.run_plan, kept.spacing)
+
+    def _counted(self) -> int | None:
+        """The steps the last candidate computed (None: as planned: a forecast adds none)."""
+        return None
 
     def _draw(self) -> tuple[Image.Image, Path | None]:
         """The calibration's picture, and where it was saved (None: it could not be, with one warning)."""
@@ -382,14 +457,27 @@ class Job:
 
     # --- the unpatched run's denoised image per step: the picture's chart, and the candidates' placement ---
 
+    def _denoising(self, scheduler):
+        """``(arguments, output, sample, level) -> denoised`` of one step, from the guided model output the step is
+        handed and the scheduler's unit-variance input (``scale_model_input``) at the step's noise level, as the
+        forecast reads a UNet call's: every scheduler the calibration runs on has it, ``pred_original_sample`` or
+        not (DPM++ 2M)."""
+        predicts_v = bool(v_prediction(scheduler))
+
+        def denoised(arguments: dict, output: torch.Tensor, sample: torch.Tensor, level: float) -> torch.Tensor:
+            x = scheduler.scale_model_input(sample, arguments.get("timestep")).float()
+            return denoised_of(output.float(), x, level, predicts_v)
+
+        return denoised
+
     def _observe(self, scheduler) -> None:
         """Wrap ``scheduler.step`` (on the instance, for the unpatched run only: ``_unobserve`` undoes it) to keep
-        the first sample's denoised image at each step, from the guided model output the step is handed and the
-        scheduler's unit-variance input (``scale_model_input``) at the step's noise level, as the forecast reads a
-        UNet call's: every scheduler the calibration runs on has it, ``pred_original_sample`` or not (DPM++ 2M)."""
+        the first sample's denoised image at each step (``_denoising``; nothing where it has none)."""
+        denoising = self._denoising(scheduler)
+        if denoising is None:
+            return
         original, saved = scheduler.step, scheduler.__dict__.get("step")
-        signature, levels, sink = inspect.signature(original), self.levels, self.denoised
-        predicts_v, calls = bool(v_prediction(scheduler)), [0]
+        signature, levels, sink, calls = inspect.signature(original), self.levels, self.denoised, [0]
 
         @functools.wraps(original)  # the pipelines read the step's parameters (eta, generator) by its signature
         def step(*args, **kwargs):
@@ -401,8 +489,7 @@ class Job:
             output, sample = arguments.get("model_output"), arguments.get("sample")
             if (call == len(sink) < len(levels) and isinstance(output, torch.Tensor)
                     and isinstance(sample, torch.Tensor) and output.shape[1:] == sample.shape[1:]):  # fmt: skip
-                x = scheduler.scale_model_input(sample[:1], arguments.get("timestep")).float()
-                sink.append(denoised_of(output[:1].float(), x, levels[call], predicts_v).cpu())
+                sink.append(denoising(arguments, output[:1], sample[:1], levels[call]).cpu())
             return original(*args, **kwargs)
 
         scheduler.__dict__["step"] = step
@@ -428,24 +515,30 @@ class Job:
         generator = arguments["generator"]
         return list(generator) if isinstance(generator, list) else [generator]
 
-    # --- the first UNet call: the key, then the kept plan, the unpatched run or forecast v3 ---
+    # --- the first model call: the key, then the kept plan, the unpatched run or what runs without a calibration ---
+
+    def _inputs(self, args: tuple, kwargs: dict) -> tuple[object, float | None]:
+        """(the model call's noisy input, its timestep on the scheduler's scale; None where it has none)."""
+        sample = args[0] if args else kwargs.get("sample")
+        timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+        return sample, None if timestep is None else float(torch.as_tensor(timestep).max())
 
     def probe(self, module, args, kwargs):
+        """At the run's first model call: key the job, then set the owner for the kept plan or the unpatched run."""
         if self.probed:
             return None
         self.probed = True
         caller, eta = calling_pipeline(module)
-        sample = args[0] if args else kwargs.get("sample")
-        timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+        sample, timestep = self._inputs(args, kwargs)
         scheduler = getattr(caller, "scheduler", None)
         timesteps = getattr(scheduler, "timesteps", None)
         if caller is not self.pipe or not isinstance(sample, torch.Tensor) or not isinstance(timesteps, torch.Tensor):
-            return self._cannot("the UNet was called outside the pipeline's own steps")
+            return self._cannot(f"the {self.DENOISER} was called outside the pipeline's own steps")
         schedule = _Schedule(timesteps)
-        first = schedule.step_of(float(torch.as_tensor(timestep).max()), getattr(scheduler, "_step_index", None))
+        first = None if timestep is None else schedule.step_of(timestep, getattr(scheduler, "_step_index", None))
         if first is None:
-            return self._cannot("the UNet's first call is not on the scheduler's timesteps")
-        why = self._why_not(scheduler, schedule, first, eta)
+            return self._cannot(f"the {self.DENOISER}'s first call is not on the scheduler's timesteps")
+        why = self._why_not(scheduler, schedule, first, eta, sample)
         if why is not None:
             return self._cannot(why)
         try:
@@ -453,23 +546,22 @@ class Job:
             self.key_id, self.path = key_id(self.key), store_path()
             kept = None if self.force else KeptCalibrations(self.path).get(self.key_id)
         except UnreadableModelError as err:
-            log.warning("ToMe calibration: this UNet cannot be keyed by its content (%s); running forecast v3.", err)
-            return self._cannot(f"the UNet cannot be keyed by its content ({err})", said=True)
+            log.warning("ToMe calibration: this %s cannot be keyed by its content (%s); running %s.", self.DENOISER,
+                        err, self.FALLBACK)  # fmt: skip
+            return self._cannot(f"the {self.DENOISER} cannot be keyed by its content ({err})", said=True)
         except SetAsideError as err:
             return self._cannot(f"the calibrations' file was set aside ({err})", said=True)
         if kept is not None:
             log.info("ToMe calibration: the plan kept for this job in %s: %s.", self.path, kept.words())
-            if kept.spacing is None:
-                self.owner.suspended = True
-            else:
-                self.owner.plan = kept_plan(self.owner.plan, *self.run_plan, kept.spacing)
+            self._use_kept(kept)
             self.calibration = None
             return None
         self.calibration.start_from(KeptCalibrations(self.path).nearest(self.key, self.calibration.steps))
-        self.owner.suspended = True
+        self._use(None, None)
         self._observe(scheduler)
-        log.info("ToMe calibration: a new job for this UNet; up to %d runs (the first unpatched: this call's "
-                 "picture); the result is kept in %s.", self.calibration.max_runs, self.path)  # fmt: skip
+        log.info("ToMe calibration: a new job for this %s; up to %d runs (the first unpatched: this call's "
+                 "picture); the result is kept in %s.", self.DENOISER, self.calibration.max_runs,
+                 self.path)  # fmt: skip
         return None
 
     def _cannot(self, why: str, said: bool = False) -> None:
@@ -478,7 +570,7 @@ class Job:
             self.calibrated.say(why)
         return None
 
-    def _why_not(self, scheduler, schedule, first: int, eta) -> str | None:
+    def _why_not(self, scheduler, schedule, first: int, eta, sample: torch.Tensor) -> str | None:
         """Why this run cannot calibrate (None: it can); sets the calibration and the run's plan names."""
         name = scheduler_name(scheduler)
         sigmas = karras_or_none(scheduler)
@@ -507,10 +599,11 @@ class Job:
         levels = [_sigma_of(scheduler, step, t) for step, t in enumerate(schedule.values)][first:]
         return None if None in levels else levels
 
-    def _key(self, scheduler, schedule, first: int, sample: torch.Tensor, kwargs: dict) -> dict:
+    KEYED_ARGUMENTS = ("strength", "denoising_start", "denoising_end", "guidance_rescale")  # in the key where set
+
+    def _extra(self, scheduler, first: int, attention) -> list[str]:
+        """The key's words beside the model and the run: the pipeline, scheduler, settings, target and call."""
         config = {k: v for k, v in dict(scheduler.config).items() if not k.startswith("_")}
-        attention = kwargs.get("cross_attention_kwargs") or {}
-        guidance = getattr(self.pipe, "_guidance_scale", None)
         extra = [
             f"pipeline:{_original_class(self.pipe).__name__}",
             f"scheduler:{type(scheduler).__name__}:{_digest(config)}",
@@ -518,16 +611,190 @@ class Job:
             f"target:{self.calibrated.target}",
             f"first step:{first}",
         ]
-        for name in ("strength", "denoising_start", "denoising_end", "guidance_rescale"):
+        for name in self.KEYED_ARGUMENTS:
             if self._default(name) is not None:
                 extra.append(f"{name}:{self._default(name)}")
-        if attention.get("scale") is not None:
+        if isinstance(attention, dict) and attention.get("scale") is not None:
             extra.append(f"lora scale:{float(attention['scale'])}")
+        return extra
+
+    def _key(self, scheduler, schedule, first: int, sample: torch.Tensor, kwargs: dict) -> dict:
+        """The job's key (``calibration_key``): the UNet by its content and the call's run."""
+        guidance = getattr(self.pipe, "_guidance_scale", None)
         return calibration_key(
-            model=weights_fingerprint(self.unet),
-            patches=adapters_fingerprint(self.unet),
+            model=weights_fingerprint(self.denoiser),
+            patches=adapters_fingerprint(self.denoiser),
             sampler=scheduler_name(scheduler),
             sigmas=self._levels(scheduler, schedule, first),
+            cfg=guidance if guidance is not None else self._default("guidance_scale"),
+            shape=sample.shape[1:],
+            version=__version__,
+            extra=self._extra(scheduler, first, kwargs.get("cross_attention_kwargs") or {}),
+        )
+
+
+# --- a DiT pipeline's job: its family's plan at the kept interval, or a calibration over the intervals ---
+
+NEGATIVE_PROMPTS = ("negative_prompt", "negative_prompt_embeds")  # given: true CFG runs (Flux, Qwen-Image)
+
+
+def plan_words(schedule) -> str:
+    """A DiT patch's own plan, in its key: a plan kept under one plan is never another's."""
+    if hasattr(schedule, "describe"):
+        return schedule.describe()
+    return f"every {schedule.interval} by noise level"
+
+
+def flow_matching(scheduler) -> bool:
+    """Whether the scheduler's model output is a flow's velocity, the denoised image ``sample - level * output``."""
+    config = getattr(scheduler, "config", None)
+    if type(scheduler).__name__.startswith("FlowMatch"):
+        return True
+    return getattr(config, "prediction_type", None) == "flow_prediction" or bool(getattr(config, "use_flow_sigmas", 0))
+
+
+def token_grid(tokens: int, ratio: float) -> tuple[int, int]:
+    """(rows, columns) of ``tokens`` image tokens whose grid is nearest ``ratio`` (height over width)."""
+    pairs = [(rows, tokens // rows) for rows in range(1, tokens + 1) if tokens % rows == 0]
+    return min(pairs, key=lambda pair: abs(math.log(pair[0] / pair[1] / ratio)))
+
+
+class DitJob(Job):
+    """One call of a DiT pipeline under "calibrated": the transformer's reuse (``DitReuse``) runs its family's plan
+    at the kept interval, or the job runs unpatched and then that plan at other intervals (``Calibration.for_dit``)
+    on the same noise, each candidate's computed steps read from its runs (a guard adds some)."""
+
+    DENOISER = "transformer"
+    FALLBACK = "its family's plan"
+    KEYED_ARGUMENTS = (*Job.KEYED_ARGUMENTS, "true_cfg_scale", "guidance_scale_2")
+
+    def __init__(self, pipe, force: bool = False):
+        super().__init__(pipe, force)
+        self.runs: list = []  # the reuse runs of the sample being made (one per seed), for their computed steps
+
+    @staticmethod
+    def owner_of(pipe):
+        """The transformer's ``DitReuse`` (None: it reuses no step)."""
+        transformer = _transformer(pipe)
+        return None if transformer is None else dit_reuse.installed(transformer)
+
+    @staticmethod
+    def denoiser_of(pipe):
+        """The pipeline's transformer, the model the job keys and probes."""
+        return _transformer(pipe)
+
+    def _inputs(self, args: tuple, kwargs: dict) -> tuple[object, float | None]:
+        """The transformer call's noisy input and timestep, read as its reuse reads them (``DitLayout``)."""
+        owner = self.owner
+        if owner.layout.inputs is not None:
+            sample, timestep = owner.layout.inputs(args, kwargs)
+        else:
+            sample = args[0] if args else kwargs.get(owner.SAMPLE)
+            timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+        if timestep is None:
+            return sample, None
+        return sample, float(torch.as_tensor(timestep).max()) * owner.TIMESTEP_SCALE
+
+    def _hold(self):
+        """Nothing to keep: the owner's own schedule stays, a calibration's is set beside it."""
+        return None
+
+    def _release(self, held) -> None:
+        """The owner on its family's plan again, whatever happened in the job."""
+        self.owner.calibration_schedule, self.owner.suspended = None, False
+
+    def _use(self, schedule, held) -> None:
+        """The owner set for the next run: unpatched (None) or on a candidate's ``schedule``."""
+        self.owner.suspended = schedule is None
+        self.owner.calibration_schedule = schedule
+        self.runs.clear()
+
+    def _use_kept(self, kept: CalibrationResult) -> None:
+        """The owner on the family's plan at the kept interval, or every step in full where none was kept."""
+        if kept.interval is None:
+            self.owner.suspended = True
+        else:
+            self.owner.calibration_schedule = with_interval(self.owner.schedule, kept.interval, kept.last_full)
+
+    def _counted(self) -> int | None:
+        """The steps the last candidate computed on its costliest seed: a guard may add steps to a plan."""
+        steps = self.calibration.steps
+        counts = [round(steps * (1 - run.reused_calls / run.calls)) for run in self.runs if run.calls]
+        return max(counts) if counts else None
+
+    def _run(self, original, arguments: dict, states: list, generators: list, latent_only: bool):
+        """``Job._run``, keeping the reuse run it made and its final latent as an image (``_as_image``)."""
+        before = self.owner.run
+        output, latents = super()._run(original, arguments, states, generators, latent_only)
+        if self.owner.run is not None and self.owner.run is not before:
+            self.runs.append(self.owner.run)
+        return output, self._as_image(latents)
+
+    def _as_image(self, latents: torch.Tensor) -> torch.Tensor:
+        """A packed latent (batch, tokens, channels: Flux, Qwen-Image) as (batch, channels, rows, columns), the
+        grid at the call's aspect ratio, so that the score's windows see neighbours; others as they are."""
+        if latents.dim() != 3:
+            return latents
+        batch, tokens, channels = latents.shape
+        rows, columns = token_grid(tokens, self._aspect_ratio())
+        return latents.transpose(1, 2).reshape(batch, channels, rows, columns)
+
+    def _aspect_ratio(self) -> float:
+        """The call's height over its width, a size left out at the pipeline's default (square where unknown)."""
+        size = getattr(self.pipe, "default_sample_size", None)
+        scale = getattr(self.pipe, "vae_scale_factor", None)
+        default = size * scale if isinstance(size, int) and isinstance(scale, int) else None
+        height, width = self._default("height") or default, self._default("width") or default
+        return height / width if height and width else 1.0
+
+    def _denoising(self, scheduler):
+        """A flow's denoised image ``sample - level * output`` (None: the scheduler is no flow's, no chart)."""
+        if not flow_matching(scheduler):
+            return None
+
+        def denoised(arguments: dict, output: torch.Tensor, sample: torch.Tensor, level: float) -> torch.Tensor:
+            return sample.float() - level * output.float()
+
+        return denoised
+
+    def _why_not(self, scheduler, schedule, first: int, eta, sample: torch.Tensor) -> str | None:
+        """Why this run cannot calibrate (None: it can); sets the calibration over the family plan's intervals."""
+        name = scheduler_name(scheduler)
+        sigmas = karras_or_none(scheduler)
+        if sigmas == KARRAS and first > 0:
+            sigmas = KARRAS_PART
+        decision = decide(self.owner.plan, name, sigmas, None, dit=True)
+        if decision.runs == FULL:
+            return f"{decision.why}: it reuses no step to calibrate"
+        noise = noise_added(name, {"eta": eta} if takes_eta(scheduler) else {})
+        if noise is not None:
+            return f"{name} with {noise} adds noise at each step: no plan is measured there"
+        if sample.dim() == 3 and "num_frames" in self.parameters:
+            return "its video latents are packed as tokens: no picture to score a plan by"
+        levels = self._levels(scheduler, schedule, first)
+        if levels is None or not all(math.isfinite(level) for level in levels):
+            return f"{name}'s noise levels are not all known"
+        steps, full_below = len(levels), (decision.fallback or decision).full_below
+        calibration = Calibration.for_dit(
+            self.owner.schedule, steps, levels, full_below, target=self.calibrated.target, max_runs=MAX_RUNS
+        )
+        if not calibration.candidates:
+            return f"a run of {steps} steps (under 10 reuses nothing)"
+        self.calibration, self.levels = calibration, levels
+        return None
+
+    def _key(self, scheduler, schedule, first: int, sample: torch.Tensor, kwargs: dict) -> dict:
+        """The job's key: the transformer by its content, the call's run and the patch's own plan."""
+        guidance = getattr(self.pipe, "_guidance_scale", None)
+        attention = kwargs.get("joint_attention_kwargs") or kwargs.get("attention_kwargs") or {}
+        extra = [*self._extra(scheduler, first, attention), f"plan:{plan_words(self.owner.schedule)}"]
+        if any(self._default(name) is not None for name in NEGATIVE_PROMPTS):
+            extra.append("negative prompt")
+        return calibration_key(
+            model=weights_fingerprint(self.denoiser),
+            patches=adapters_fingerprint(self.denoiser),
+            sampler=scheduler_name(scheduler),
+            sigmas=self.levels,
             cfg=guidance if guidance is not None else self._default("guidance_scale"),
             shape=sample.shape[1:],
             version=__version__,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from ...reuse import NoiseSpacedSchedule
+from ...reuse import REUSE_PLANS, NoiseSpacedSchedule
 from ...settings import SPECS, PatchSettings
 from ..shared import dit_families
 from . import dit_attention, dit_reuse
@@ -62,9 +62,10 @@ def family_settings(
     return validated, schedule
 
 
-def apply_patch(found: tuple[list, object | None], validated: PatchSettings, asked: dict):
+def apply_patch(found: tuple[list, object | None], validated: PatchSettings, asked: dict) -> bool:
     """Patch the transformers of ``found`` (from ``find_transformers``) with ``validated``; ``asked``: the
-    settings the user named (a default that cannot apply is left out with a log line, a named one raises)."""
+    settings the user named (a default that cannot apply is left out with a log line, a named one raises). Returns
+    whether the pipeline's calls are to be calibrated (``reuse_plan`` "calibrated" and reuse installed)."""
     transformers, pipeline = found
     first = dit_reuse.layout_of(transformers[0])
     family = first.label
@@ -107,6 +108,23 @@ def apply_patch(found: tuple[list, object | None], validated: PatchSettings, ask
             dit_attention.install(transformer, validated, allowed.contains, layout.name, layout.timestep_scale)
         elif validated.method == "todo" and validated.downsample_factor > 1 and in_range:
             log.info("ToMe Patch: ToDo is not available for %s yet; reuse only.", layout.label)
+    return REUSE_PLANS[validated.reuse_plan].calibrates and calibrates(transformers, family)
+
+
+def calibrates(transformers: list, family: str) -> bool:
+    """Whether a calibration can follow the pipeline's reuse (one transformer reusing steps), else one log line."""
+    reusing = [transformer for transformer in transformers if dit_reuse.installed(transformer) is not None]
+    if not reusing:
+        log.info("ToMe Patch: reuse_plan calibrated has nothing to calibrate on %s: it reuses no step here.", family)
+        return False
+    if len(transformers) > 1:
+        log.info(
+            "ToMe Patch: reuse_plan calibrated cannot calibrate %s's two transformers (each runs its part of the "
+            "steps); they run the family's plan.",
+            family,
+        )
+        return False
+    return True
 
 
 def remove(transformer) -> None:

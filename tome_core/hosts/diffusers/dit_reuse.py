@@ -196,6 +196,9 @@ class DitReuse(PipelineReuse):
         self._transformer = transformer
         self._warned_cache = False
         self._told_parallel = False
+        # A calibration's schedule for the pipeline call that runs now (a candidate or the kept plan), read where
+        # the call's run is made; None: the patch's own.
+        self.calibration_schedule = None
 
     def before_call(self, module, args, kwargs):
         if self.layout.inputs is None:
@@ -205,6 +208,12 @@ class DitReuse(PipelineReuse):
             self._current = None
             return None
         return super().before_call(module, (sample, timestep), kwargs)
+
+    def run_for(self, scheduler, steps: int, levels: list[float] | None):
+        """The run of a pipeline call: on the calibration's schedule where one is set, else the patch's."""
+        decision = self.decision(scheduler, self._first_step)
+        full_below = (decision.fallback or decision).full_below
+        return self.new_run(steps, levels, full_below, schedule=self.calibration_schedule)
 
     def begin_call(self, run, step, key, allowed=True, position=None) -> bool:
         run.agreement = self._agreement()

@@ -44,6 +44,7 @@ def remove_patch(pipe_or_unet):
     if dits is not None:
         for transformer in dits[0]:
             dit_patch.remove(transformer)
+        calibrate.remove(pipe_or_unet)
         return pipe_or_unet
     found = unet_patch.find_unet(pipe_or_unet)
     if found is not None:
@@ -52,25 +53,33 @@ def remove_patch(pipe_or_unet):
     return pipe_or_unet
 
 
+def _needs_the_pipeline(plan: str, denoiser: str) -> str:
+    """Why a calibrating plan refuses a bare denoiser: it calibrates the pipeline's calls."""
+    return f"reuse_plan {plan!r} calibrates the pipeline's calls: pass the pipeline to apply_patch, not its {denoiser}"
+
+
 def apply_patch(pipe_or_unet, **settings):
     """Patch a diffusers pipeline or its denoiser in place with ``settings`` (``tome_core.SPECS``); returns it.
     Raises ValueError (a bad value, a conflicting patch) or UnsupportedModelError, the model left as it was.
     ``reuse_interval`` above 1 needs a pipeline (by default it is then left out); a ``ratio`` without a ``method``
-    means ToMe, as in tomesd. ``reuse_plan="calibrated"`` (with ``calibration_target``) needs a UNet's pipeline."""
+    means ToMe, as in tomesd. ``reuse_plan="calibrated"`` (with ``calibration_target``) needs the pipeline."""
     if "ratio" in settings and "method" not in settings:
         settings = {"method": "tome", **settings}
     validated = PatchSettings.from_values(**settings)
     calibrates = REUSE_PLANS[validated.reuse_plan].calibrates
     dits = dit_patch.find_transformers(pipe_or_unet)
     if dits is not None:
-        dit_patch.apply_patch(dits, validated, settings)
+        if calibrates and dits[1] is None:
+            raise ValueError(_needs_the_pipeline(validated.reuse_plan, "transformer"))
+        calibrating = dit_patch.apply_patch(dits, validated, settings)
+        if dits[1] is not None:
+            calibrate.remove(dits[1])
+            if calibrating:
+                calibrate.install(dits[1], validated.calibration_target, validated, dit=True)
         return pipe_or_unet
     unet, pipeline = _unet(pipe_or_unet)
     if calibrates and pipeline is None:
-        raise ValueError(
-            f"reuse_plan {validated.reuse_plan!r} calibrates the pipeline's calls: pass the pipeline to apply_patch, "
-            "not its UNet"
-        )
+        raise ValueError(_needs_the_pipeline(validated.reuse_plan, "UNet"))
     levels = attention_levels(unet)
     if not levels or not transformer_blocks(unet):
         raise UnsupportedModelError(

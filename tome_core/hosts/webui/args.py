@@ -433,8 +433,8 @@ def _calibrates(args: ScriptArgs) -> bool:
 
 def dit_infotext_params(args: ScriptArgs, family: str) -> dict[str, Any]:
     """Generation parameters of a DiT pass: the controls' values as on a UNet (so that pasting them gives the same
-    job) and the family whose default ran."""
-    return {**infotext_params(args), KEY_DIT: f"{family} default"}
+    job) and the family whose plan ran, its default or (reuse plan calibrated) at a calibrated interval."""
+    return {**infotext_params(args), KEY_DIT: f"{family} {'calibrated' if _calibrates(args) else 'default'}"}
 
 
 def ui_values_from_infotext(params: dict) -> dict[str, Any]:

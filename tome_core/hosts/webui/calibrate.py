@@ -1,4 +1,4 @@
-"""The WebUI family's door to ``reuse_plan`` "calibrated" on a UNet: the key at each job's first pass (the UNet's
+"""The WebUI family's door to ``reuse_plan`` "calibrated": the key at each job's first pass (the model's
 weights by content as they are, the LoRAs and their strengths, sampler, schedule, steps, denoise, CFG, latent shape,
 the target); a key without a kept plan runs its pass unpatched (the user's picture, its denoised
 image per step recorded from the CFG callbacks for the report's chart), then ``p.sample`` runs again on the same
@@ -6,7 +6,9 @@ seeds with the candidates and the result is kept for the next job; its picture i
 where asked, added to the job's gallery at ``postprocess``. The A1111 WebUI's ldm UNet is keyed by its modules and
 the Lora extension's networks (``ldm_fingerprints``); lllyasviel's Forge's and Forge Neo's by the patcher in
 ``p.sd_model.forge_objects.unet``, its weights as loaded and its LoRA patches with their strengths
-(``forge_fingerprints``). Everything else is shared. docs/calibration.md, 'WebUI'."""
+(``forge_fingerprints``). A UNet's candidates are forecasts (``schedule_for_pass``); a DiT's in Forge and Neo its
+family's plan at other intervals (``dit_schedule_for_pass``, ``dit_fingerprints``: the family and its plan in the
+key). Everything else is shared. docs/calibration.md, 'WebUI'."""
 
 from __future__ import annotations
 
@@ -17,7 +19,14 @@ from pathlib import Path
 
 import torch
 
-from ...calibration import Calibration, KeptCalibrations, calibration_key, key_id, tensors_fingerprint
+from ...calibration import (
+    Calibration,
+    KeptCalibrations,
+    calibration_key,
+    key_id,
+    tensors_fingerprint,
+    with_interval,
+)
 from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
 from ...calibration.store import SetAsideError
 from ...reuse import decide, kept_plan
@@ -37,6 +46,46 @@ def store() -> KeptCalibrations:
     return KeptCalibrations(os.environ.get(ENV) or DEFAULT_FILE)
 
 
+class _UnetPending:
+    """A UNet's pass that found no kept plan: its key, and its forecast candidates once the pass has run."""
+
+    dit = False
+    latent_dims = (4,)
+
+    def __init__(self, key: dict, base, target: float):
+        self.key, self.base, self.target = key, base, target
+
+    def search(self) -> tuple[Calibration | None, str]:
+        """The calibration of the pass just run (``launch_sampling`` set its steps), or None and why there is none."""
+        _, state = _opts()
+        steps = int(getattr(state, "sampling_steps", 0) or 0)
+        search = Calibration(self.base.for_run(steps), steps, self.target) if steps > 0 else None
+        if search is None or not search.candidates:
+            return None, f"a run of {steps} steps forecasts nothing; every step runs, as under forecast v3"
+        return search, ""
+
+
+class _DitPending:
+    """A DiT's pass that found no kept plan: its key, and its family's plan at other intervals as candidates, on
+    the steps and noise levels its pass's owner (``dit_reuse.PassDitReuse``) saw."""
+
+    dit = True
+    latent_dims = (4, 5)  # a video DiT's latent has frames
+
+    def __init__(self, key: dict, owner, target: float):
+        self.key, self.owner, self.target = key, owner, target
+
+    def search(self) -> tuple[Calibration | None, str]:
+        """The calibration of the pass just run, or None and why there is none."""
+        if self.owner.seen is None:
+            return None, "no model call of this pass was a step of its schedule; nothing is kept"
+        steps, sigmas = self.owner.seen
+        search = Calibration.for_dit(self.owner.schedule, steps, sigmas, self.owner.full_below, target=self.target)
+        if not search.candidates:
+            return None, f"a run of {steps} steps reuses nothing; every step runs in full"
+        return search, ""
+
+
 class _StoppedError(Exception):
     """The Interrupt or Skip button, pressed while calibrating: the sampler returned early, nothing is kept."""
 
@@ -48,7 +97,7 @@ class JobCalibration:
     def __init__(self, original_sample):
         self.original_sample = original_sample
         self.forced = _NOT_FORCED
-        self.pending: tuple | None = None  # (key, the plan's own schedule, target)
+        self.pending: _UnetPending | _DitPending | None = None  # the key a pass found no plan for
         self.picture = None  # the calibration's picture (a PIL image) where this job calibrated
         self.picture_words = ""  # what it shows, for an infotext
 
@@ -256,19 +305,21 @@ def _highres_or_refiner(p) -> str | None:
     return None
 
 
-def schedule_for_pass(p, job, settings, decision, fingerprints, latent):
-    """The forecast schedule of a pass under "calibrated" (None: every step in full): a candidate run's, the kept
-    plan's, or none while the key has no plan yet (the pass runs unpatched and ``sample`` then calibrates).
-    ``fingerprints``: the host's keying of the model (``ldm_fingerprints``, ``forge_fingerprints``)."""
+def _forced(job):
+    """The schedule a candidate's run forces on its pass, or ``_NOT_FORCED`` outside a calibration's runs."""
     calibration = getattr(job, "calibration", None)
-    if calibration is not None and calibration.forced is not _NOT_FORCED:
-        return calibration.forced
+    return _NOT_FORCED if calibration is None else calibration.forced
+
+
+def _key_and_kept(p, job, settings, fingerprints, latent, fallback: str):
+    """(key, its kept result or None) of this pass; None where this job does not calibrate (one line says why,
+    ``fallback`` naming what it runs instead). A kept result is announced and goes into the infotext."""
     why = _highres_or_refiner(p)
-    if why is None and calibration is None:
+    if why is None and getattr(job, "calibration", None) is None:
         why = "this job's processing has no sample() to run again"
     if why is not None:
-        job.warn_once(f"reuse_plan 'calibrated' runs forecast v3 for this job: {why}.")
-        return decision.schedule
+        job.warn_once(f"reuse_plan 'calibrated' runs {fallback} for this job: {why}.")
+        return None
     sampler, schedule = webui_layer_reuse.sampler_and_schedule(p)
     kept_calibrations = store()
     try:
@@ -276,20 +327,75 @@ def schedule_for_pass(p, job, settings, decision, fingerprints, latent):
         kept = kept_calibrations.get(key_id(key))
     except UnreadableModelError as err:
         job.warn_once(f"reuse_plan 'calibrated': this model cannot be keyed by its content ({err}); running "
-                      "forecast v3.")  # fmt: skip
-        return decision.schedule
+                      f"{fallback}.")  # fmt: skip
+        return None
     except SetAsideError:
+        return None
+    if kept is not None:
+        p.extra_generation_params.update(infotext(kept))
+        job.warn_once(f"calibration: the plan kept for this job in {kept_calibrations.path}: {kept.words()}.")
+    return key, kept
+
+
+def schedule_for_pass(p, job, settings, decision, fingerprints, latent):
+    """The forecast schedule of a pass under "calibrated" (None: every step in full): a candidate run's, the kept
+    plan's, or none while the key has no plan yet (the pass runs unpatched and ``sample`` then calibrates).
+    ``fingerprints``: the host's keying of the model (``ldm_fingerprints``, ``forge_fingerprints``)."""
+    forced = _forced(job)
+    if forced is not _NOT_FORCED:
+        return forced
+    found = _key_and_kept(p, job, settings, fingerprints, latent, "forecast v3")
+    if found is None:
         return decision.schedule
+    key, kept = found
     if kept is None:
-        calibration.pending = (key, decision.schedule, settings.calibration_target)
+        job.calibration.pending = _UnetPending(key, decision.schedule, settings.calibration_target)
         _record(p)  # this pass is the calibration's unpatched run: its chart
         return None
-    p.extra_generation_params.update(infotext(kept))
-    job.warn_once(f"calibration: the plan kept for this job in {kept_calibrations.path}: {kept.words()}.")
     if kept.spacing is None:
         return None
+    sampler, schedule = webui_layer_reuse.sampler_and_schedule(p)
     plan = kept_plan(settings.reuse_plan, sampler, schedule, kept.spacing)
     return decide(plan, sampler, schedule, settings.reuse_interval).schedule
+
+
+def plan_words(schedule) -> str:
+    """A DiT family's plan as the key names it: a plan kept under one family plan is never another's."""
+    describe = getattr(schedule, "describe", None)
+    return describe() if describe is not None else f"every {schedule.interval} by noise level"
+
+
+def dit_fingerprints(patcher, owner):
+    """Forge's and Neo's keying of a DiT: its patcher as a UNet's (``forge_fingerprints``: the job's patcher, LoRAs
+    in, ours not) with the family and its plan (``owner``: the pass's ``dit_reuse.PassDitReuse``)."""
+    fingerprints = forge_fingerprints(patcher, None)
+
+    def read():
+        """The patcher's fingerprints, read when the key is made (after the job's LoRAs are in)."""
+        model, patches, host = fingerprints()
+        return model, patches, [*host, f"dit:{owner.family}", f"plan:{plan_words(owner.schedule)}"]
+
+    return read
+
+
+def dit_schedule_for_pass(p, job, settings, owner, fingerprints, latent):
+    """The plan a DiT's pass follows under "calibrated" (``owner.follow``; None: every block, while the key has no
+    plan yet or where the kept plan is every step): a candidate run's, the family's plan at the kept interval, or
+    the family's own where the job does not calibrate. ``owner``: the pass's ``dit_reuse.PassDitReuse``."""
+    forced = _forced(job)
+    if forced is not _NOT_FORCED:
+        return forced
+    found = _key_and_kept(p, job, settings, fingerprints, latent, "the family's plan")
+    if found is None:
+        return owner.schedule
+    key, kept = found
+    if kept is None:
+        job.calibration.pending = _DitPending(key, owner, settings.calibration_target)
+        _record(p)  # this pass is the calibration's unpatched run: its chart
+        return None
+    if kept.interval is None:
+        return None
+    return with_interval(owner.schedule, kept.interval, kept.last_full)
 
 
 def _stopped() -> bool:
@@ -340,19 +446,21 @@ def sample(p, job, args, kwargs):
 
 
 def _calibrate(p, job, args, kwargs, out, pending, rng, recorder: _Recorder | None = None) -> None:
+    """The calibration after the job's own unpatched pass: each candidate's ``p.sample`` on the job's seeds (and
+    the next seeds where the batch is one); the result kept, in the infotext and in its picture."""
     calibration = job.calibration
-    key, base, target = pending
-    _, state = _opts()
-    steps = int(getattr(state, "sampling_steps", 0) or 0)  # the pass just run (``launch_sampling`` sets it)
+    key = pending.key
     if _stopped():
         raise _StoppedError
-    if not isinstance(out, torch.Tensor) or out.dim() != 4 or getattr(out, "already_decoded", False):
+    latent = isinstance(out, torch.Tensor) and out.dim() in pending.latent_dims
+    if not latent or getattr(out, "already_decoded", False):
         job.say("calibration: this job's sampler returns no latent to compare; nothing is kept.")
         return
-    search = Calibration(base.for_run(steps), steps, target) if steps > 0 else None
-    if search is None or not search.candidates:
-        job.say(f"calibration: a run of {steps} steps forecasts nothing; every step runs, as under forecast v3.")
+    search, why = pending.search()
+    if search is None:
+        job.say(f"calibration: {why}.")
         return
+    steps = search.steps
     search.start_from(store().nearest(key, steps))
     seeds = [int(seed) for seed in (getattr(p, "seeds", None) or [getattr(p, "seed", 0)])]
     # A plan kept from one picture transfers only in part (docs/calibration.md): a second seed where the batch has one.
@@ -363,6 +471,8 @@ def _calibrate(p, job, args, kwargs, out, pending, rng, recorder: _Recorder | No
     job.say(f"calibration: a new job for this model; up to {search.max_runs} runs (the first unpatched, the job's "
             f"picture){', each on two seeds' if second else ''}.")  # fmt: skip
 
+    passes = []  # the reuse runs of the candidate's passes (a DiT's guards may compute more steps than planned)
+
     def run(schedule, run_seeds):
         calibration.forced = schedule
         if rng is not None:
@@ -371,18 +481,26 @@ def _calibrate(p, job, args, kwargs, out, pending, rng, recorder: _Recorder | No
         try:
             latent = calibration.original_sample(*run_args, **run_kwargs)
         finally:
-            webui_layer_reuse.end_pass()  # a candidate's run is the calibration's, not the job's: no line of its own
+            ended = webui_layer_reuse.end_pass()  # a candidate's run is the calibration's, not the job's: no line
+            if ended is not None:
+                passes.append(ended)
         if _stopped():
             raise _StoppedError
         return latent
 
     def candidate(schedule):
+        passes.clear()
         first = out if schedule is None else run(schedule, seeds)
         return first if second is None else torch.cat([first, run(schedule, second)])
 
+    def counted() -> int | None:
+        """The steps the last candidate computed on its worst seed (None: as planned)."""
+        counts = [round(steps * (1 - ended.reused_calls / ended.calls)) for ended in passes if ended.calls]
+        return max(counts) if counts else None
+
     # The chart's change per step (without the callbacks' record, or with another count of steps, it shows zeros).
     observed = None if recorder is None else (lambda: recorder.denoised)
-    result = search.run(candidate, observed=observed)
+    result = search.run(candidate, observed=observed, counted=counted if pending.dit else None)
     kept_calibrations = store()
     identity = key_id(key)
     kept_calibrations.put(identity, key, result, {"metric": "latent SSIM, worst sample", "seeds": 2})
@@ -440,6 +558,10 @@ def show_picture(job, processed) -> bool:
 
 
 def infotext(result, calibrating: bool = False) -> dict:
-    """The kept plan's computed steps; a job that calibrated says its own picture ran every step."""
-    computed = "every step" if result.spacing is None else f"{result.computed} of {result.steps} steps"
+    """The kept plan's computed steps (a DiT's: and its interval); a job that calibrated says its own picture ran
+    every step."""
+    computed = "every step" if not result.kept else f"{result.computed} of {result.steps} steps"
+    if result.kept and result.interval is not None:
+        last = f", the last {result.last_full} in full" if result.last_full else ""
+        computed += f" (one in {result.interval}{last})"
     return {KEY_CALIBRATED: f"{computed} kept; this picture every step" if calibrating else computed}

@@ -42,6 +42,16 @@ class PassDitReuse(PassReuse):
         self.warned: set[str] = set()
         self.refiner = _refiner_of(p)
         self.forge_sigmas: tuple | None = None  # lllyasviel's Forge: (steps, the pass's sigmas or None)
+        self.forced_schedule = None  # reuse_plan "calibrated": a candidate's or the kept plan (None: the family's)
+        self.reuses = True  # False: every block runs (a calibration's unpatched pass)
+        self.seen: tuple | None = None  # (steps, sigmas or None) of the pass's calls, for the calibration after it
+
+    def follow(self, schedule) -> None:
+        """Plan this pass's runs on ``schedule`` (a calibration's candidate, or the family's plan at a kept interval)
+        rather than the family's own; None: every block runs, the pass's noise levels still seen, so that the
+        calibration after an unpatched pass plans its candidates on that pass's steps."""
+        self.forced_schedule = schedule
+        self.reuses = schedule is not None
 
     def say_once(self, what: str) -> None:
         if what not in self.warned:
@@ -76,6 +86,9 @@ class PassDitReuse(PassReuse):
         if step is None:  # not a call of this pass's schedule: it runs in full, and the cache goes
             self._drop_run()
             return
+        self.seen = (steps, sigmas)
+        if not self.reuses:
+            return
         refiner = _refiner_of(self.p)
         if refiner != self.refiner:  # the second model (Wan 2.2's low-noise expert) took over: a run of its own
             self.refiner = refiner
@@ -83,7 +96,7 @@ class PassDitReuse(PassReuse):
             self._drop_run()
             self.run = None
         if self.run is None or self.run_sigmas != (steps, sigmas):
-            self.run = self.new_run(steps, sigmas, self.full_below)
+            self.run = self.new_run(steps, sigmas, self.full_below, schedule=self.forced_schedule)
             self.run_sigmas = (steps, sigmas)
         layout = options.get("cond_or_uncond")
         key = (None if layout is None else tuple(layout), tuple(x.shape), x.dtype)

@@ -32,7 +32,7 @@ class Job:
         self.infotext_written = False
         self.reuse_runs: list = []
         self.dit_family: str | None = None  # the DiT family whose default a pass ran (Forge Neo), for the infotext
-        self.calibration = None  # reuse_plan "calibrated" on a UNet (``calibrate.JobCalibration``)
+        self.calibration = None  # reuse_plan "calibrated" (``calibrate.JobCalibration``)
 
     def warn_once(self, message: str) -> None:
         if message not in self.warned:
@@ -109,7 +109,7 @@ def start_job(p, args) -> Job:
     setattr(p, JOB, job)
     args = job.args
     if args is not None and args.reuse_interval > 1 and REUSE_PLANS[args.reuse_plan].calibrates:
-        webui_calibrate.install(p, job)  # A1111's ldm UNet and Forge's (a DiT's pass never asks it to calibrate)
+        webui_calibrate.install(p, job)  # A1111's ldm UNet, Forge's and Neo's UNets and DiTs
     return job
 
 
@@ -210,7 +210,7 @@ def _patch_forge(p, forge_objects, settings, job: Job, latent=None) -> bool:
     try:
         clone = patched_clone(unet, settings, percent_to_sigma)
     except NotAUNetError as err:
-        return _patch_dit(p, forge_objects, settings, percent_to_sigma, job, str(err))
+        return _patch_dit(p, forge_objects, settings, percent_to_sigma, job, str(err), latent)
     # The step comes from the WebUI's callbacks: its samplers never run a ComfyUI-style sampler wrapper.
     decision = _decision(p, settings, job)
     v_prediction = webui_whole_step.forge_v_prediction(clone)
@@ -229,8 +229,9 @@ def _patch_forge(p, forge_objects, settings, job: Job, latent=None) -> bool:
     return True
 
 
-def _patch_dit(p, forge_objects, settings, percent_to_sigma, job: Job, model_name: str) -> bool:
-    """A DiT in Forge Neo or lllyasviel's Forge: the family's default, or one line saying why not."""
+def _patch_dit(p, forge_objects, settings, percent_to_sigma, job: Job, model_name: str, latent=None) -> bool:
+    """A DiT in Forge Neo or lllyasviel's Forge: the family's default (under "calibrated" its plan at the kept
+    interval, ``calibrate.dit_schedule_for_pass``), or one line saying why not."""
     unet = forge_objects.unet
     why = webui_dit_reuse.why_not(unet, p)
     if why is None and settings.reuse_interval <= 1:
@@ -243,10 +244,15 @@ def _patch_dit(p, forge_objects, settings, percent_to_sigma, job: Job, model_nam
     if owner is None:
         job.warn_once(f"this model ({model_name}) is generated unchanged: too few blocks to reuse.")
         return False
+    plan = f"the family's measured default, reuse across steps {owner.schedule.describe()}"
+    if REUSE_PLANS[settings.reuse_plan].calibrates:
+        plan = f"reuse_plan 'calibrated', the family's plan ({owner.schedule.describe()}) at a calibrated interval"
+        # Keyed by the job's own patcher (LoRAs in, ours not), with the family and its plan.
+        fingerprints = webui_calibrate.dit_fingerprints(unet, owner)
+        owner.follow(webui_calibrate.dit_schedule_for_pass(p, job, settings, owner, fingerprints, latent))
     job.warn_once(
-        f"{owner.family} ({model_name}): the family's measured default, reuse across steps "
-        f"{owner.schedule.describe()}; no ToDo (on a DiT it shifts the colours; ComfyUI's default runs none "
-        "either); the other controls act on SD1.x, SD2.x and SDXL."
+        f"{owner.family} ({model_name}): {plan}; no ToDo (on a DiT it shifts the colours; ComfyUI's default runs "
+        "none either); the other controls act on SD1.x, SD2.x and SDXL."
     )
     forge_objects.unet = clone
     job.dit_family = owner.family
