@@ -4,7 +4,7 @@ later jobs with the same key run the kept plan. One module per idea: ``metric`` 
 (what is tried), ``search`` (the bounded search), ``fingerprint`` (the key, by the model's content), ``store`` (the kept
 plans' file). Method: docs/calibration.md."""
 
-from .candidates import Candidate, candidates, dit_candidates, with_interval
+from .candidates import Candidate, candidates, dit_candidates, plan_words, with_interval
 from .fingerprint import calibration_key, key_id, tensors_fingerprint
 from .metric import latent_ssim
 from .report import draw_report, step_changes
@@ -25,6 +25,7 @@ __all__ = [
     "check_target",
     "key_id",
     "latent_ssim",
+    "plan_words",
     "step_changes",
     "tensors_fingerprint",
     "with_interval",

@@ -77,6 +77,13 @@ def with_interval(base: DitSchedule, interval: int, full_end: int = 0) -> DitSch
     return replace(base, interval=interval, short_run=0, full_end=full_end)
 
 
+def plan_words(schedule: DitSchedule) -> str:
+    """A DiT patch's own plan, in its calibration key: a plan kept under one plan is never another's."""
+    if isinstance(schedule, StepCountSchedule):
+        return schedule.describe()
+    return f"every {schedule.interval} by noise level"
+
+
 def planned(schedule: DitSchedule, steps: int, noise_levels=None, full_below: float = 0.0) -> int:
     return schedule.for_run(steps, noise_levels, full_below).full_steps(steps)
 

@@ -15,6 +15,7 @@ from ...calibration import (
     KeptCalibrations,
     calibration_key,
     key_id,
+    plan_words,
     tensors_fingerprint,
     with_interval,
 )
@@ -98,11 +99,6 @@ def sample_calibrated(hooks, executor, args, kwargs, sampler: str | None, schedu
     return _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, key, run_with)
 
 
-def dit_plan_words(schedule) -> str:
-    """A DiT patch's own plan, in its key: a plan kept under one plan is never another's."""
-    return schedule.describe() if hasattr(schedule, "describe") else f"every {schedule.interval} by noise level"
-
-
 def sample_calibrated_dit(hooks, executor, args, kwargs, sampler: str | None, sigmas, full_below: float, run_with
                           ) -> object:  # fmt: skip
     """A DiT's job under "calibrated": its family's plan at the kept interval where one is kept; else calibrate over
@@ -111,7 +107,7 @@ def sample_calibrated_dit(hooks, executor, args, kwargs, sampler: str | None, si
     noise, raw_sigmas = args[0], args[3]
     base = hooks.schedule
     try:
-        key = job_key(guider, sampler, raw_sigmas, noise, hooks.target, plan=dit_plan_words(base))
+        key = job_key(guider, sampler, raw_sigmas, noise, hooks.target, plan=plan_words(base))
         kept_calibrations = store()
         kept = kept_calibrations.get(key_id(key))
     except UnreadableModelError as err:

@@ -31,6 +31,7 @@ from ...calibration import (
     KeptCalibrations,
     calibration_key,
     key_id,
+    plan_words,
     with_interval,
 )
 from ...calibration.fingerprint import SAMPLE, UnreadableModelError, patches_fingerprint
@@ -636,13 +637,6 @@ class Job:
 # --- a DiT pipeline's job: its family's plan at the kept interval, or a calibration over the intervals ---
 
 NEGATIVE_PROMPTS = ("negative_prompt", "negative_prompt_embeds")  # given: true CFG runs (Flux, Qwen-Image)
-
-
-def plan_words(schedule) -> str:
-    """A DiT patch's own plan, in its key: a plan kept under one plan is never another's."""
-    if hasattr(schedule, "describe"):
-        return schedule.describe()
-    return f"every {schedule.interval} by noise level"
 
 
 def flow_matching(scheduler) -> bool:

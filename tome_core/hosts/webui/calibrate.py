@@ -24,6 +24,7 @@ from ...calibration import (
     KeptCalibrations,
     calibration_key,
     key_id,
+    plan_words,
     tensors_fingerprint,
     with_interval,
 )
@@ -357,12 +358,6 @@ def schedule_for_pass(p, job, settings, decision, fingerprints, latent):
     sampler, schedule = webui_layer_reuse.sampler_and_schedule(p)
     plan = kept_plan(settings.reuse_plan, sampler, schedule, kept.spacing)
     return decide(plan, sampler, schedule, settings.reuse_interval).schedule
-
-
-def plan_words(schedule) -> str:
-    """A DiT family's plan as the key names it: a plan kept under one family plan is never another's."""
-    describe = getattr(schedule, "describe", None)
-    return describe() if describe is not None else f"every {schedule.interval} by noise level"
 
 
 def dit_fingerprints(patcher, owner):
