@@ -20,7 +20,8 @@ MAX_RUNS = 6  # whole runs per calibration, the unpatched one included
 # The calibration samples may lose this share of what the target lets the picture lose: one prompt's score
 # overstates the others' (docs/calibration.md, 'The margin').
 LOSS_SHARE = 0.25
-SEARCH = f"nearest-shape spacings, loss share {LOSS_SHARE}"  # in every key: another search keeps nothing of this one
+# In every key: another search keeps nothing of this one.
+SEARCH = f"nearest-shape spacings, loss share {LOSS_SHARE}, reduction decided against the unreduced run"
 
 
 def check_target(target: float) -> float:
@@ -51,6 +52,7 @@ class CalibrationResult:
     asked: float | None = None  # the score asked of the calibration samples (``asked_of_samples``)
     interval: int | None = None  # a DiT's: its family's plan at this interval (``candidates.with_interval``)
     last_full: int = 0  # a DiT's: and its last steps in full
+    reduce: bool = True  # whether ToDo or ToMe, where the patch sets them, runs at the kept plan's computed steps
 
     @property
     def kept(self) -> bool:
@@ -69,6 +71,7 @@ class CalibrationResult:
             "spacing": None if spacing is None else [spacing.full_start, spacing.full_end, spacing.every],
             "interval": self.interval,
             "last_full": self.last_full,
+            "reduce": self.reduce,
             "computed": self.computed,
             "worst": round(self.worst, 5),
             "runs": self.runs,
@@ -92,6 +95,7 @@ class CalibrationResult:
             asked=None if data.get("asked") is None else float(data["asked"]),
             interval=None if interval is None else int(interval),
             last_full=int(data.get("last_full", 0)),
+            reduce=bool(data.get("reduce", True)),
         )
 
     def words(self) -> str:
@@ -99,11 +103,13 @@ class CalibrationResult:
             return (
                 f"no candidate kept the target {self.target}{self._asked()} (best tried: "
                 f"{max((s for _, s in self.tried), default=0):.3f}): every step runs in full"
+                f"{'' if self.reduce else ', without ToDo or ToMe'}"
             )
         last = f" and the last {self.last_full}" if self.last_full else ""
         plan = "" if self.interval is None else f" (the family's plan at one step in {self.interval}{last})"
+        without = "" if self.reduce else ", without ToDo or ToMe"
         return (
-            f"{self.computed} of {self.steps} steps computed{plan}, worst sample {self.worst:.4f} (target "
+            f"{self.computed} of {self.steps} steps computed{plan}{without}, worst sample {self.worst:.4f} (target "
             f"{self.target}{self._asked()})"
         )
 
@@ -114,7 +120,9 @@ class CalibrationResult:
 class Calibration:
     """One calibration: ``run(sample)`` with ``sample(None)`` the unpatched run's final latent and ``sample(schedule)``
     the same job on a candidate's ``schedule``, on the same noise; at most ``max_runs`` runs in all. A UNet's
-    candidates are forecasts of ``base`` (an ``IntervalSchedule``); ``for_dit`` makes a DiT's."""
+    candidates are forecasts of ``base`` (an ``IntervalSchedule``); ``for_dit`` makes a DiT's. ``reduces``: the
+    patch sets ToDo or ToMe; then every run reads ``reducing`` (whether it runs them at its computed steps): the
+    unpatched run never does, and the search decides them (docs/calibration.md, 'ToDo and ToMe')."""
 
     def __init__(
         self,
@@ -125,6 +133,7 @@ class Calibration:
         share: float = LOSS_SHARE,
         tried: list[Candidate] | None = None,
         own: int | None = None,
+        reduces: bool = False,
     ):
         self.target = check_target(target)
         self.asked = asked_of_samples(self.target, share)
@@ -135,6 +144,8 @@ class Calibration:
         self.counts = [candidate.count for candidate in self.options]
         self.first = self._nearest(base.full_steps(steps) if own is None else own)
         self.dit = tried is not None
+        self.reduces = reduces
+        self.reducing = False  # what the next ``sample`` runs: ToDo or ToMe at its computed steps or not
         self.noise_levels, self.full_below = None, 0.0  # where a DiT's planned steps lie (``for_dit``)
         self.started_from: CalibrationResult | None = None
         self.reference: torch.Tensor | None = None
@@ -172,7 +183,10 @@ class Calibration:
     ) -> CalibrationResult:
         """The search: a candidate is kept where its worst sample keeps ``asked`` (``asked_of_samples``).
         ``observed()`` after the unpatched run gives its denoised image per step (the picture's chart);
-        ``counted()`` after a candidate's run the steps it computed, where a guard may add some (None: as planned)."""
+        ``counted()`` after a candidate's run the steps it computed, where a guard may add some (None: as planned).
+        Where the patch reduces tokens, the first candidate that misses runs again without the reduction: if that
+        keeps the target, the reduction is what lost the picture and the search goes on without it."""
+        self.reducing = False
         self.reference = self.kept = sample(None)
         changes = ()
         if observed is not None:
@@ -180,17 +194,22 @@ class Calibration:
             if len(denoised) == self.steps:
                 changes = tuple(step_changes(denoised))
         runs, tried, kept = 1, [], None
+        reduce, decided = self.reduces, not self.reduces
         low, high, probe = 0, len(self.options) - 1, self.first
         while low <= high and runs < self.max_runs:
             candidate = self.options[probe]
-            latent = sample(candidate.schedule)
-            worst = float(latent_ssim(latent, self.reference).min())
-            computed = counted() if counted is not None else None
-            computed = candidate.count if computed is None else computed
+            computed, worst, latent = self._try(sample, candidate, reduce, counted)
             runs += 1
             tried.append((computed, worst))
+            if worst < self.asked and not decided and runs < self.max_runs:
+                decided = True  # ToDo alone may lose the picture: the same plan once without it
+                alone = self._try(sample, candidate, False, counted)
+                runs += 1
+                tried.append(alone[:2])
+                if alone[1] >= self.asked:
+                    reduce, (computed, worst, latent) = False, alone
             if worst >= self.asked:
-                high = probe - 1
+                decided, high = True, probe - 1
                 if kept is None or computed <= kept[1]:  # a guard may compute more on a sparser plan
                     kept = (candidate, computed, worst)
                     self.kept, self.kept_schedule = latent, candidate.schedule
@@ -213,7 +232,16 @@ class Calibration:
             self.asked,
             interval=kept_as[0] if self.dit and kept_as else None,
             last_full=kept_as[1] if self.dit and kept_as else 0,
+            reduce=reduce if kept is not None else not self.reduces,
         )
+
+    def _try(self, sample, candidate: Candidate, reduce: bool, counted) -> tuple[int, float, torch.Tensor]:
+        """(computed steps, worst sample's score, latent) of one run of ``candidate``, reducing tokens or not."""
+        self.reducing = reduce
+        latent = sample(candidate.schedule)
+        worst = float(latent_ssim(latent, self.reference).min())
+        computed = counted() if counted is not None else None
+        return (candidate.count if computed is None else computed), worst, latent
 
     def picture(self, result: CalibrationResult) -> torch.Tensor:
         """``report.draw_report`` of this calibration (after ``run``)."""
