@@ -294,3 +294,44 @@ def dit_families_wan():
     from tome_core.hosts.shared import dit_families
 
     return dit_families.auto_schedule("Wan")  # every 6, with its first-block guards
+
+
+def test_where_todo_alone_loses_the_picture_the_search_goes_on_without_it():
+    reference = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    runs = []
+    calibration = Calibration(EULER, 25, target=0.98, reduces=True)
+
+    def sample(schedule):
+        runs.append((schedule, calibration.reducing))
+        if calibration.reducing:  # the reduction alone loses the picture, at any count
+            return reference + torch.randn(reference.shape, generator=torch.Generator().manual_seed(1))
+        return reference.clone()
+
+    result = calibration.run(sample)
+    assert runs[0] == (None, False)  # the reference runs unreduced
+    assert runs[1][1] and not runs[2][1] and runs[1][0] == runs[2][0]  # the same plan again without it
+    assert not any(reducing for _, reducing in runs[2:])
+    assert result.kept and not result.reduce and "without ToDo or ToMe" in result.words()
+    assert CalibrationResult.from_dict(json.loads(json.dumps(result.as_dict()))) == result
+
+
+def test_where_todo_keeps_the_picture_it_stays_and_a_patch_without_it_is_never_asked():
+    reference = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    for reduces in (True, False):
+        runs = []
+        calibration = Calibration(EULER, 25, reduces=reduces)
+
+        def sample(schedule, calibration=calibration, runs=runs):
+            runs.append(calibration.reducing)
+            return reference.clone()
+
+        result = calibration.run(sample)
+        assert runs == [False] + [reduces] * (len(runs) - 1) and result.reduce
+
+
+def test_where_nothing_keeps_the_target_every_step_runs_unreduced():
+    reference = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    noise = torch.randn(reference.shape, generator=torch.Generator().manual_seed(1))
+    calibration = Calibration(EULER, 25, reduces=True)
+    result = calibration.run(lambda schedule: reference if schedule is None else reference + noise)
+    assert not result.kept and not result.reduce and "without ToDo or ToMe" in result.words()

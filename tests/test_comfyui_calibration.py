@@ -132,3 +132,48 @@ def test_another_step_count_starts_from_the_plan_kept_for_this_one(node_classes,
     counts = [s.schedule(s.every).full_steps(STEPS + 5) for s in candidates(Spacing(0.15, 3).schedule(3), STEPS + 5)]
     # the first candidate tried is the kept plan's share of computed steps, as near as the candidates come
     assert second["tried"][0][0] == min(counts, key=lambda count: abs(count - wanted))
+
+
+TODO = {"downsample_factor": 2.0, "skip_when_slower": False}  # ToDo on the tiny UNet, whatever the machine
+
+
+def test_the_first_job_runs_without_todo_and_the_search_decides_it(node_classes, model, user_dir):
+    plain, _ = counted(model)  # the model itself: nothing patched
+    reduced, _ = counted(host.patch_with_node(node_classes, model, reuse_interval=1, **TODO))
+    assert not torch.equal(reduced, plain)  # ToDo changes this model's picture
+    first, _ = counted(host.patch_with_node(node_classes, model, reuse_plan="calibrated", **TODO))
+    assert (first - plain).abs().max() <= 1e-5 * plain.abs().max()  # unpatched and unreduced, in a batch of two
+    (entry,) = kept(user_dir).values()
+    assert isinstance(entry["result"]["reduce"], bool)
+    assert any(part.startswith("settings:") for part in entry["key"]["extra"])  # another ToDo is another plan
+
+
+def test_a_plan_kept_without_todo_runs_without_it(node_classes, model, tmp_path, monkeypatch):
+    import folder_paths
+
+    def job(name, settings):
+        monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path / name))
+        return host.patch_with_node(node_classes, model, reuse_plan="calibrated", **settings)
+
+    todo = job("todo", TODO)
+    counted(todo)
+    (kept_todo,) = kept(tmp_path / "todo").values()
+    # On this model ToDo alone loses the picture: the search keeps its plan without it.
+    assert kept_todo["result"]["reduce"] is False and kept_todo["result"]["spacing"] is not None
+    assert "without ToDo or ToMe" in search_words(kept_todo)
+    plan_of_todo, _ = counted(todo)
+    # The same kept plan in the store of a patch without ToDo: the same picture bit for bit.
+    plain = job("none", {"downsample_factor": 1.0})
+    counted(plain)
+    path = tmp_path / "none" / "tome_patch" / "calibrations.json"
+    data = json.loads(path.read_text())
+    (identity,) = data["entries"]
+    data["entries"][identity]["result"] = {**kept_todo["result"], "reduce": True}
+    path.write_text(json.dumps(data))
+    assert torch.equal(plan_of_todo, counted(plain)[0])
+
+
+def search_words(entry) -> str:
+    from tome_core.calibration import CalibrationResult
+
+    return CalibrationResult.from_dict(entry["result"]).words()

@@ -3,6 +3,7 @@ with their strengths, and the job's sampler, noise levels, CFG and latent shape.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable
@@ -65,6 +66,13 @@ def patches_fingerprint(patches: dict) -> str:
     digest = hashlib.sha256()
     _walk(patches, digest)
     return digest.hexdigest()[:32]
+
+
+def settings_words(settings) -> str:
+    """The patch's other settings (ToDo's or ToMe's, the step range, ...) for a key's ``extra``: another is another
+    plan. ``settings``: a ``PatchSettings``."""
+    values = {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("reuse_plan", "calibration_target")}
+    return "settings:" + hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def calibration_key(model: str, patches: str, sampler: str | None, sigmas, cfg: float | None, shape,

@@ -232,7 +232,7 @@ class Calibration:
             self.asked,
             interval=kept_as[0] if self.dit and kept_as else None,
             last_full=kept_as[1] if self.dit and kept_as else 0,
-            reduce=reduce if kept is not None else not self.reduces,
+            reduce=not self.reduces or (reduce and kept is not None),  # no plan: every step unreduced
         )
 
     def _try(self, sample, candidate: Candidate, reduce: bool, counted) -> tuple[int, float, torch.Tensor]:

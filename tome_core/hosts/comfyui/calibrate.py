@@ -24,6 +24,8 @@ from ...calibration.store import SetAsideError
 from ...reuse import decide, kept_plan
 from ...schedule import call_sigmas
 from ...version import __version__
+from ..shared.model_patcher import REDUCTION_OFF_KEY
+from .sampling_run import run_options
 
 log = logging.getLogger("tome_patch")
 FILE = os.path.join("tome_patch", "calibrations.json")
@@ -48,8 +50,8 @@ def _model_fingerprint(patcher) -> str:
     return _WEIGHTS[model]
 
 
-def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tensor, target: float, plan: str = ""
-            ) -> dict:  # fmt: skip
+def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tensor, target: float, plan: str = "",
+            settings: tuple[str, ...] = ()) -> dict:  # fmt: skip
     patcher = guider.model_patcher
     options = guider.model_options.get("transformer_options", {})
     others = [f"patch:{name}" for name in options.get("patches", {})]
@@ -63,7 +65,7 @@ def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tens
         cfg=getattr(guider, "cfg", None),
         shape=noise.shape[1:],
         version=__version__,
-        extra=[*others, f"target:{target}", *([f"plan:{plan}"] if plan else [])],
+        extra=[*others, f"target:{target}", *([f"plan:{plan}"] if plan else []), *settings],
     )
 
 
@@ -77,7 +79,7 @@ def sample_calibrated(hooks, executor, args, kwargs, sampler: str | None, schedu
     guider = executor.class_obj
     noise, raw_sigmas = args[0], args[3]
     try:
-        key = job_key(guider, sampler, raw_sigmas, noise, hooks.target)
+        key = job_key(guider, sampler, raw_sigmas, noise, hooks.target, settings=hooks.settings_words)
         kept_calibrations = store()
         kept = kept_calibrations.get(key_id(key))
     except UnreadableModelError as err:
@@ -89,10 +91,10 @@ def sample_calibrated(hooks, executor, args, kwargs, sampler: str | None, schedu
         log.info("ToMe calibration: the plan kept for this job in %s: %s.", kept_calibrations.path, kept.words())
         plan = kept_plan(hooks.plan, sampler, schedule, kept.spacing)
         decision = decide(plan, sampler, schedule, hooks.schedule.interval)
-        return run_with(decision.schedule if kept.spacing is not None else None)
+        return run_with(decision.schedule if kept.spacing is not None else None, reduce=kept.reduce)
     steps = len(call_sigmas(raw_sigmas))
     base = decide(hooks.plan, sampler, schedule, hooks.schedule.interval).schedule
-    calibration = Calibration(base.for_run(steps), steps, hooks.target)
+    calibration = Calibration(base.for_run(steps), steps, hooks.target, reduces=hooks.reduces)
     if not calibration.candidates:
         return run_with(base)
     calibration.start_from(kept_calibrations.nearest(key, steps))
@@ -107,7 +109,7 @@ def sample_calibrated_dit(hooks, executor, args, kwargs, sampler: str | None, si
     noise, raw_sigmas = args[0], args[3]
     base = hooks.schedule
     try:
-        key = job_key(guider, sampler, raw_sigmas, noise, hooks.target, plan=plan_words(base))
+        key = job_key(guider, sampler, raw_sigmas, noise, hooks.target, plan_words(base), hooks.settings_words)
         kept_calibrations = store()
         kept = kept_calibrations.get(key_id(key))
     except UnreadableModelError as err:
@@ -118,9 +120,10 @@ def sample_calibrated_dit(hooks, executor, args, kwargs, sampler: str | None, si
         return run_with(base)
     if kept is not None:
         log.info("ToMe calibration: the plan kept for this job in %s: %s.", kept_calibrations.path, kept.words())
-        return run_with(with_interval(base, kept.interval, kept.last_full) if kept.interval is not None else None)
+        schedule = with_interval(base, kept.interval, kept.last_full) if kept.interval is not None else None
+        return run_with(schedule, reduce=kept.reduce)
     steps = len(sigmas)
-    calibration = Calibration.for_dit(base, steps, sigmas, full_below, target=hooks.target)
+    calibration = Calibration.for_dit(base, steps, sigmas, full_below, target=hooks.target, reduces=hooks.reduces)
     if not calibration.candidates:
         return run_with(base)
     calibration.start_from(kept_calibrations.nearest(key, steps))
@@ -158,11 +161,12 @@ def _calibrate(hooks, executor, args, kwargs, calibration, kept_calibrations, ke
         denoised.append(x0[:1].detach().float().cpu())
         return callback(step, x0, x, total_steps) if callback is not None else None
 
-    def sample(schedule):
+    def sample(schedule):  # the unpatched run reduces no tokens either; a candidate's as the search says
         guider.conds = _fresh_conds(saved)
         if schedule is None:
-            return executor(*args[:5], recording, *args[6:], **kwargs)
-        return run_with(schedule, args, kwargs)
+            with run_options(guider, {REDUCTION_OFF_KEY: True}):
+                return executor(*args[:5], recording, *args[6:], **kwargs)
+        return run_with(schedule, args, kwargs, reduce=calibration.reducing)
 
     result = calibration.run(sample, observed=lambda: denoised, counted=counted)
     identity = key_id(key)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ...joint_attention import ImageTokens, SequenceDownsample
 from ...schedule import NoiseRange
 from ..shared import dit_families
+from ..shared.model_patcher import REDUCTION_OFF_KEY
 
 OVERRIDE_KEY = "optimized_attention_override"
 WRAPPER_TYPE = "apply_model"
@@ -232,8 +233,10 @@ class DitHooks:
         self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs
     ):
         """ComfyUI's APPLY_MODEL wrapper: this call's step decision and image grid, outside the compiled model."""
-        if transformer_options is not None and (
-            self.noise_range.everywhere or self.noise_range.contains(float(t.max()))
+        if (
+            transformer_options is not None
+            and not transformer_options.get(REDUCTION_OFF_KEY)
+            and (self.noise_range.everywhere or self.noise_range.contains(float(t.max())))
         ):
             try:
                 tokens = self.layout.image_tokens(x, kwargs, c_crossattn)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from ...calibration.fingerprint import settings_words
 from ...reuse import (
     DIT_OUTER_BLOCKS,
 )
@@ -140,6 +141,8 @@ def install(clone, settings, noise_range, schedule) -> bool:
     extrapolate = dit_families.family(layout.family).extrapolate
     hooks = DitReuseHooks(schedule, span, layout.streams, noise_range, extrapolate)
     hooks.plan, hooks.target = settings.reuse_plan, settings.calibration_target
+    hooks.reduces = not settings.reduces_nothing  # a calibration then decides ToDo too
+    hooks.settings_words = (settings_words(settings),)  # another ToDo or step range is another kept plan
     if layout.hook == "dit":
         replaced = _replacements(clone)
         for position, (block_type, index) in enumerate(span):

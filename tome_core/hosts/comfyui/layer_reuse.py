@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from ...calibration.fingerprint import settings_words
 from ...reuse import (
     DEFAULT_EXTRAPOLATE,
     FORECAST,
@@ -26,9 +27,10 @@ from ...reuse import (
 from ...reuse.plans import Decision
 from ...reuse.samplers import BETA, noise_added
 from ...schedule import call_sigmas, step_of
+from ..shared.model_patcher import REDUCTION_OFF_KEY
 from ..shared.unet_layout import inner_layers
 from .calibrate import sample_calibrated, sample_calibrated_dit
-from .sampling_run import sample_with_run
+from .sampling_run import run_options, sample_with_run
 
 log = logging.getLogger("tome_patch")
 
@@ -50,6 +52,8 @@ class LayerReuseHooks(LayerReuse):
         super().__init__(schedule, layers, extrapolate)
         self.noise_range = noise_range
         self.last_run: LayerReuseRun | None = None  # the last run, its cache dropped (for the log and the tests)
+        self.reduces = False  # the patch reduces tokens: a calibration decides whether its plan does
+        self.settings_words: tuple[str, ...] = ()  # the patch's settings in a calibration's key
 
     def outer_sample_wrapper(self, executor, *args, **kwargs):
         guider = executor.class_obj
@@ -92,21 +96,24 @@ class LayerReuseHooks(LayerReuse):
         sigmas = call_sigmas(raw_sigmas)
         if self.DIT and REUSE_PLANS[self.plan].calibrates:
 
-            def run_dit_with(schedule, run_args=args, run_kwargs=kwargs):
-                if schedule is None:
-                    return executor(*run_args, **run_kwargs)
-                run = self.new_run(len(sigmas), sigmas, decision.full_below, schedule=schedule)
-                return sample_with_run(executor, run_args, run_kwargs, RUN_KEY, RunState(run, sigmas), run, self._ended)
+            def run_dit_with(schedule, run_args=args, run_kwargs=kwargs, reduce=True):
+                with run_options(guider, {} if reduce else {REDUCTION_OFF_KEY: True}):
+                    if schedule is None:
+                        return executor(*run_args, **run_kwargs)
+                    run = self.new_run(len(sigmas), sigmas, decision.full_below, schedule=schedule)
+                    state = RunState(run, sigmas)
+                    return sample_with_run(executor, run_args, run_kwargs, RUN_KEY, state, run, self._ended)
 
             return sample_calibrated_dit(self, executor, args, kwargs, name, sigmas, decision.full_below, run_dit_with)
         if decision.runs == FORECAST and REUSE_PLANS[self.plan].calibrates:
 
-            def run_with(schedule, run_args=args, run_kwargs=kwargs):
-                if schedule is None:
-                    return executor(*run_args, **run_kwargs)
-                run = WholeStepRun(schedule, len(sigmas))
-                state = RunState(run, sigmas)
-                return sample_with_run(executor, run_args, run_kwargs, RUN_KEY, state, run, self._ended)
+            def run_with(schedule, run_args=args, run_kwargs=kwargs, reduce=True):
+                with run_options(guider, {} if reduce else {REDUCTION_OFF_KEY: True}):
+                    if schedule is None:
+                        return executor(*run_args, **run_kwargs)
+                    run = WholeStepRun(schedule, len(sigmas))
+                    state = RunState(run, sigmas)
+                    return sample_with_run(executor, run_args, run_kwargs, RUN_KEY, state, run, self._ended)
 
             return sample_calibrated(self, executor, args, kwargs, name, schedule, run_with)
         if decision.runs == FORECAST:
@@ -265,6 +272,8 @@ def install(clone, settings, noise_range, schedule) -> bool:
     hooks = LayerReuseHooks(schedule, len(layers), noise_range, DEFAULT_EXTRAPOLATE)
     hooks.plan = settings.reuse_plan
     hooks.target = settings.calibration_target
+    hooks.reduces = not settings.reduces_nothing  # a calibration then decides ToDo/ToMe too
+    hooks.settings_words = (settings_words(settings),)  # another ToDo or step range is another kept plan
     clone.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, hooks.outer_sample_wrapper)
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, hooks.apply_model_wrapper)
     clone.add_wrapper_with_key(PREDICT_NOISE, WRAPPER_KEY, hooks.predict_noise_wrapper)

@@ -14,6 +14,8 @@ _PLAN_KEY = "tome_patch_reduction"  # in extra_options: a fresh dict per block c
 _ACTIVE_KEY = "tome_patch_active"  # the step decision, made once per model call by the apply_model wrapper
 OWNER_KEY = "tome_patch_owner"  # scope block: a BlockForward left by another clone is inert without it
 _PLANS_KEY = "tome_patch_plans"
+# In a run's transformer options: this run reduces no tokens (a calibration's unreduced run, docs/calibration.md).
+REDUCTION_OFF_KEY = "tome_patch_reduction_off"
 INJECTION_KEY = "tome_patch"
 HOOK_NAMES = ("attn1_patch", "attn1_output_patch", "attn2_patch", "attn2_output_patch")
 WRAPPER_TYPE = "apply_model"
@@ -33,6 +35,8 @@ class PatcherHooks:
         return self
 
     def _is_active(self, extra_options: dict) -> bool:
+        if extra_options.get(REDUCTION_OFF_KEY):
+            return False
         if self.noise_range.everywhere:
             return True
         decided = extra_options.get(_ACTIVE_KEY)
@@ -56,6 +60,7 @@ class PatcherHooks:
         model, and leaves our hooks out of a call that reduces nothing."""
         if transformer_options is not None:
             active = self.noise_range.everywhere or self.noise_range.contains(float(t.max()))
+            active = active and not transformer_options.get(REDUCTION_OFF_KEY)
             if not active or (x.dim() == 4 and not self.reducer.acts_on(tuple(x.shape[-2:]), x.device.type)):
                 leave_out_hooks(transformer_options)
             else:
