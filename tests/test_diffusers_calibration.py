@@ -20,7 +20,7 @@ from hosts import diffusers_host as H
 import tome_core
 from tome_core.calibration import MAX_RUNS, candidates
 from tome_core.hosts.diffusers import calibrate as door
-from tome_core.hosts.diffusers import layer_reuse
+from tome_core.hosts.diffusers import layer_reuse, unet_patch
 from tome_core.reuse import Spacing
 
 STEPS = 10
@@ -399,3 +399,64 @@ def test_an_interrupted_calibration_leaves_the_scheduler_unwrapped_and_draws_not
     with torch.no_grad():
         report = tome_core.calibrate(pipe, **H.call_arguments("txt2img", STEPS))
     assert len(report.result.changes) == STEPS and report.picture_path.exists()  # nothing left of the stopped one
+
+
+# --- ToDo/ToMe: part of what the search decides; the unpatched run is without them ---
+
+TODO = {"reuse_plan": "calibrated", "method": "todo", "downsample_factor": 2, "skip_when_slower": False}
+
+
+def with_result(path, key, **changes) -> None:
+    """The kept file with entry ``key``'s result changed as named (a plan kept another way)."""
+    data = json.loads(path.read_text())
+    data["entries"][key]["result"].update(changes)
+    path.write_text(json.dumps(data))
+
+
+def test_with_todo_the_first_call_is_the_unpatched_run_without_todo_either(pipe, kept_file, quick):
+    tome_core.apply_patch(pipe, **TODO, reuse_interval=1)
+    todo_alone = H.run(pipe, "txt2img", steps=STEPS)
+    tome_core.apply_patch(pipe, **TODO)
+    first, _ = counted(pipe)
+    reduction = unet_patch.reduction_of(pipe.unet)
+    assert reduction is not None and not reduction.suspended  # ToDo on again after the job
+    tome_core.remove_patch(pipe)
+    plain = H.run(pipe, "txt2img", steps=STEPS)
+    assert np.abs(todo_alone - plain).max() > 1e-3  # ToDo changes this picture
+    assert np.abs(first - plain).max() <= 1e-6  # the user's call is the truly unpatched run
+    (entry,) = entries(kept_file).values()
+    assert "reduce" in entry["result"]
+
+
+def test_a_plan_kept_without_todo_runs_without_it(pipe, kept_file, monkeypatch):
+    """Runs with ToDo score 0, without it 1: the first candidate misses, then keeps the target without ToDo."""
+    from tome_core.calibration import search
+
+    real = search.latent_ssim
+    monkeypatch.setattr(door, "MAX_RUNS", 3)  # the unpatched run, the candidate with ToDo and without
+    tome_core.apply_patch(pipe, **TODO)
+    reduction = unet_patch.reduction_of(pipe.unet)
+    monkeypatch.setattr(
+        search, "latent_ssim", lambda latent, _: torch.full((latent.shape[0],), float(reduction.suspended))
+    )
+    counted(pipe)
+    (key,) = entries(kept_file)
+    result = entries(kept_file)[key]["result"]
+    assert result["spacing"] is not None and result["reduce"] is False and result["runs"] == 3
+    unreduced, calls = counted(pipe)
+    assert calls == result["computed"] < STEPS
+    with_result(kept_file, key, reduce=True)
+    reduced, _ = counted(pipe)
+    monkeypatch.setattr(search, "latent_ssim", real)
+    tome_core.apply_patch(pipe, **CALIBRATED)  # no reduction: another key, given the same plan
+    counted(pipe)
+    (other,) = set(entries(kept_file)) - {key}
+    with_result(kept_file, other, **{name: result[name] for name in ("spacing", "computed")})
+    kept_plan, _ = counted(pipe)
+    assert np.abs(unreduced - kept_plan).max() <= 1e-6
+    assert np.abs(reduced - kept_plan).max() > 1e-3  # with "reduce" True the kept plan runs ToDo
+    tome_core.apply_patch(pipe, **TODO)  # no plan kept: every step, without ToDo
+    with_result(kept_file, key, spacing=None, computed=STEPS, reduce=False)
+    every_step, calls = counted(pipe)
+    tome_core.remove_patch(pipe)
+    assert calls == STEPS and np.abs(every_step - H.run(pipe, "txt2img", steps=STEPS)).max() <= 1e-6

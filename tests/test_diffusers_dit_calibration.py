@@ -20,7 +20,7 @@ from hosts import diffusers_dit_host as D
 import tome_core
 from tome_core.calibration import MAX_RUNS
 from tome_core.hosts.diffusers import calibrate as door
-from tome_core.hosts.diffusers import dit_reuse, patch
+from tome_core.hosts.diffusers import dit_attention, dit_reuse, patch
 
 STEPS = 12
 TARGET = 0.9
@@ -159,9 +159,9 @@ def test_flux_keeps_an_interval_at_a_loose_target_and_its_plan_is_in_the_key(flu
     counted(flux, "flux")
     tome_core.apply_patch(flux, reuse_plan="calibrated", dit_settings="as set", reuse_interval=3, downsample_factor=1)
     counted(flux, "flux")
-    results = [entry["result"] for entry in entries(kept_file).values()]
+    results = {entry["result"]["target"]: entry["result"] for entry in entries(kept_file).values()}  # by key: sorted
     plans = sorted(part for entry in entries(kept_file).values() for part in entry["key"]["extra"] if "plan:" in part)
-    assert len(results) == 2 and results[0]["interval"] is not None
+    assert len(results) == 2 and results[0.8]["interval"] is not None
     assert len(plans) == 2 and "by noise level" in plans[0] + plans[1]
 
 
@@ -251,3 +251,64 @@ def test_a_run_too_short_to_reuse_runs_the_familys_plan_with_one_log_line(flux, 
     assert torch.equal(first, family)
     assert caplog.text.count("ToMe calibration:") == 1 and "running its family's plan" in caplog.text
     assert not kept_file.exists()
+
+
+# --- ToDo: part of what the search decides; the unpatched run is without it ---
+
+TODO = {"dit_settings": "as set", "method": "todo", "downsample_factor": 2, "skip_when_slower": False}
+
+
+def with_result(path, key, **changes) -> None:
+    """The kept file with entry ``key``'s result changed as named (a plan kept another way)."""
+    data = json.loads(path.read_text())
+    data["entries"][key]["result"].update(changes)
+    path.write_text(json.dumps(data))
+
+
+def test_with_todo_the_first_call_is_the_unpatched_run_without_todo_either(flux, kept_file, quick):
+    tome_core.apply_patch(flux, **TODO, reuse_interval=1)
+    todo_alone = generate(flux, "flux")
+    calibrated(flux, **TODO)
+    first, _ = counted(flux, "flux")
+    reduction = dit_attention.state_of(flux.transformer)
+    assert reduction is not None and not reduction.suspended  # ToDo on again after the job
+    tome_core.remove_patch(flux)
+    plain = generate(flux, "flux")
+    assert (todo_alone - plain).abs().max() > 1e-3  # ToDo changes these latents
+    assert (first - plain).abs().max() <= 1e-6  # the user's call is the truly unpatched run
+    (entry,) = entries(kept_file).values()
+    assert "reduce" in entry["result"]
+
+
+def test_a_plan_kept_without_todo_runs_without_it(flux, kept_file, monkeypatch):
+    """Runs with ToDo score 0, without it 1: the first candidate misses, then keeps the target without ToDo."""
+    from tome_core.calibration import search
+
+    real = search.latent_ssim
+    monkeypatch.setattr(door, "MAX_RUNS", 3)  # the unpatched run, the candidate with ToDo and without
+    calibrated(flux, **TODO)
+    reduction = dit_attention.state_of(flux.transformer)
+    monkeypatch.setattr(
+        search, "latent_ssim", lambda latent, _: torch.full((latent.shape[0],), float(reduction.suspended))
+    )
+    counted(flux, "flux")
+    (key,) = entries(kept_file)
+    result = entries(kept_file)[key]["result"]
+    assert result["interval"] is not None and result["reduce"] is False and result["runs"] == 3
+    unreduced, calls = counted(flux, "flux")
+    with_result(kept_file, key, reduce=True)
+    reduced, reduced_calls = counted(flux, "flux")
+    assert calls == reduced_calls and calls["span"] < calls["all"]  # the kept interval, with ToDo or without
+    monkeypatch.setattr(search, "latent_ssim", real)
+    calibrated(flux, **{**TODO, "downsample_factor": 1})  # no ToDo: another key, given the same plan
+    counted(flux, "flux")
+    (other,) = set(entries(kept_file)) - {key}
+    with_result(kept_file, other, **{name: result[name] for name in ("interval", "last_full", "computed")})
+    kept_plan, _ = counted(flux, "flux")
+    assert (unreduced - kept_plan).abs().max() <= 1e-6
+    assert (reduced - kept_plan).abs().max() > 1e-3  # with "reduce" True the kept plan runs ToDo
+    calibrated(flux, **TODO)  # no plan kept: every step, without ToDo
+    with_result(kept_file, key, interval=None, last_full=0, computed=STEPS, reduce=False)
+    every_step, _ = counted(flux, "flux")
+    tome_core.remove_patch(flux)
+    assert (every_step - generate(flux, "flux")).abs().max() <= 1e-6

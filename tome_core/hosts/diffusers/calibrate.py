@@ -1,8 +1,9 @@
 """diffusers' door to ``reuse_plan`` "calibrated": the patched pipeline's class gets a ``__call__`` that, at the
 run's first UNet call, keys the job (the UNet's weights by content with its adapters and their scalings, the
 scheduler and its config, the run's noise levels, guidance, latent shape, strength, the patch's settings) and runs
-the kept plan, or runs unpatched (the user's picture) and then calibrates on the same noise, and draws the
-calibration's picture beside the kept file. A DiT pipeline's job (``DitJob``) is keyed the same way by its
+the kept plan, or runs unpatched (the user's picture, without ToDo or ToMe either) and then calibrates on the
+same noise, ToDo or ToMe part of what it decides where the patch sets them, and draws the calibration's picture
+beside the kept file. A DiT pipeline's job (``DitJob``) is keyed the same way by its
 transformer, with the patch's own plan, and calibrates that plan's interval (``Calibration.for_dit``).
 docs/calibration.md, 'diffusers'."""
 
@@ -40,7 +41,7 @@ from ...reuse import FORECAST, FULL, KARRAS, KARRAS_PART, Spacing, decide, kept_
 from ...reuse.samplers import noise_added
 from ...reuse.whole_step import denoised_of
 from ...version import __version__
-from . import dit_reuse
+from . import dit_attention, dit_reuse, unet_patch
 from .layer_reuse import _Schedule, _sigma_of, calling_pipeline, installed, karras_or_none, scheduler_name, takes_eta
 from .whole_step import WholeStepReuse, v_prediction
 
@@ -117,6 +118,7 @@ class Calibrated:
     settings: str  # the patch's other settings: another ToDo factor is another key
     said: set
     dit: bool = False  # a DiT pipeline's: its calls are ``DitJob``s
+    reduces: bool = False  # the patch's settings reduce tokens (ToDo or ToMe): the search decides them too
 
     def say(self, why: str) -> None:
         """Log ``why`` a call cannot calibrate, once per reason: every call of the job would say it again."""
@@ -157,7 +159,7 @@ def install(pipe, target: float, settings, dit: bool = False) -> None:
     calibrating plan)."""
     others = {k: v for k, v in asdict(settings).items() if k not in ("reuse_plan", "calibration_target")}
     digest = hashlib.sha256(json.dumps(others, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    pipe.__dict__[_STATE] = Calibrated(target, digest, set(), dit)
+    pipe.__dict__[_STATE] = Calibrated(target, digest, set(), dit, not settings.reduces_nothing)
     pipe.__class__ = _calibrating_class(_original_class(pipe))
 
 
@@ -248,6 +250,7 @@ class Job:
         self.denoised: list[torch.Tensor] = []  # the unpatched run's denoised image per step, its first sample
         self.restore_step = None  # undoes ``_observe``
         self.picture = self.picture_path = None
+        self.reduction = None  # the model's token reduction state (``reduction_of``; None: it reduces nothing)
 
     @staticmethod
     def owner_of(pipe):
@@ -259,6 +262,11 @@ class Job:
     def denoiser_of(pipe):
         """The model the job keys and probes, out of a torch.compile wrapper."""
         return getattr(pipe.unet, "_orig_mod", pipe.unet)
+
+    @staticmethod
+    def reduction_of(denoiser):
+        """The UNet's ToDo/ToMe state, which a run of the job may switch off (None: the patch reduces nothing)."""
+        return unet_patch.reduction_of(denoiser)
 
     @classmethod
     def call(cls, pipe, args: tuple, kwargs: dict, force: bool = False) -> Job:
@@ -278,6 +286,7 @@ class Job:
             return job
         job.calibrated, job.owner, job.arguments = calibrated, owner, arguments
         job.denoiser = cls.denoiser_of(pipe)
+        job.reduction = cls.reduction_of(job.denoiser)
         with torch.no_grad():
             job.run(original)
         return job
@@ -423,17 +432,36 @@ class Job:
     def _release(self, held) -> None:
         """The owner as it was before the job, whatever happened in it."""
         self.owner.plan, self.owner.suspended = held, False
+        self._reducing(True)
+
+    def _reduces(self) -> bool:
+        """Whether the search decides ToDo/ToMe: the settings reduce and the model has the reduction (a DiT's
+        family settings or a family without ToDo leave it out)."""
+        return self.calibrated.reduces and self.reduction is not None
+
+    def _reduces_in(self, schedule) -> bool:
+        """Whether the next run of the search reduces tokens: never the unpatched one (None), a candidate's as the
+        search says (``Calibration.reducing``), or as set where the search does not decide them."""
+        return schedule is not None and (self.calibration.reducing or not self.calibration.reduces)
+
+    def _reducing(self, on: bool) -> None:
+        """ToDo/ToMe on or off for the next run (off: the unpatched run, or a plan kept without them)."""
+        if self.reduction is not None:
+            self.reduction.suspended = not on
 
     def _use(self, schedule, held) -> None:
-        """The owner set for the next run: unpatched (None) or forecast on a candidate's ``schedule``."""
+        """The owner set for the next run: unpatched (None) or forecast on a candidate's ``schedule``, with ToDo/ToMe
+        where the search runs them (``Calibration.reducing``)."""
         self.owner.suspended = schedule is None
+        self._reducing(self._reduces_in(schedule))
         if schedule is not None:
             sampler, schedule_name = self.run_plan
             spacing = Spacing(schedule.full_start, schedule.full_end, every=schedule.interval)
             self.owner.plan = kept_plan(held, sampler, schedule_name, spacing)
 
     def _use_kept(self, kept: CalibrationResult) -> None:
-        """The owner set for the user's run on the plan ``kept`` for its job."""
+        """The owner set for the user's run on the plan ``kept`` for its job, with ToDo/ToMe where it keeps them."""
+        self._reducing(kept.reduce)
         if kept.spacing is None:
             self.owner.suspended = True
         else:
@@ -589,7 +617,9 @@ class Job:
         if levels is None or not all(math.isfinite(level) and level > 0 for level in levels):
             return f"{name}'s noise levels are not all known: no forecast"
         steps = len(levels)
-        calibration = Calibration(decision.schedule.for_run(steps), steps, self.calibrated.target, MAX_RUNS)
+        calibration = Calibration(
+            decision.schedule.for_run(steps), steps, self.calibrated.target, MAX_RUNS, reduces=self._reduces()
+        )
         if not calibration.candidates:
             return f"a run of {steps} steps (under 10 forecasts nothing)"
         self.calibration, self.run_plan, self.levels = calibration, (name, sigmas), levels
@@ -677,6 +707,11 @@ class DitJob(Job):
         """The pipeline's transformer, the model the job keys and probes."""
         return _transformer(pipe)
 
+    @staticmethod
+    def reduction_of(denoiser):
+        """The transformer's ToDo state, which a run of the job may switch off (None: no ToDo here)."""
+        return dit_attention.state_of(denoiser)
+
     def _inputs(self, args: tuple, kwargs: dict) -> tuple[object, float | None]:
         """The transformer call's noisy input and timestep, read as its reuse reads them (``DitLayout``)."""
         owner = self.owner
@@ -696,15 +731,20 @@ class DitJob(Job):
     def _release(self, held) -> None:
         """The owner on its family's plan again, whatever happened in the job."""
         self.owner.calibration_schedule, self.owner.suspended = None, False
+        self._reducing(True)
 
     def _use(self, schedule, held) -> None:
-        """The owner set for the next run: unpatched (None) or on a candidate's ``schedule``."""
+        """The owner set for the next run: unpatched (None) or on a candidate's ``schedule``, with ToDo where the
+        search runs it (``Calibration.reducing``)."""
         self.owner.suspended = schedule is None
         self.owner.calibration_schedule = schedule
+        self._reducing(self._reduces_in(schedule))
         self.runs.clear()
 
     def _use_kept(self, kept: CalibrationResult) -> None:
-        """The owner on the family's plan at the kept interval, or every step in full where none was kept."""
+        """The owner on the family's plan at the kept interval, or every step in full where none was kept; ToDo
+        where the kept plan keeps it."""
+        self._reducing(kept.reduce)
         if kept.interval is None:
             self.owner.suspended = True
         else:
@@ -770,7 +810,13 @@ class DitJob(Job):
             return f"{name}'s noise levels are not all known"
         steps, full_below = len(levels), (decision.fallback or decision).full_below
         calibration = Calibration.for_dit(
-            self.owner.schedule, steps, levels, full_below, target=self.calibrated.target, max_runs=MAX_RUNS
+            self.owner.schedule,
+            steps,
+            levels,
+            full_below,
+            target=self.calibrated.target,
+            max_runs=MAX_RUNS,
+            reduces=self._reduces(),
         )
         if not calibration.candidates:
             return f"a run of {steps} steps (under 10 reuses nothing)"

@@ -39,9 +39,12 @@ class _CallState:
         self.patch = None
         self.told_parallel = False
         self.shards: dict[tuple, list | None] = {}  # (grid, rank, processes): that process's shard as grids
+        self.suspended = False  # a calibration's run without ToDo (``calibrate.DitJob``): attention as diffusers'
 
     def before_call(self, module, args, kwargs):
         self.grid = None
+        if self.suspended:
+            return None
         timestep = kwargs.get("timestep")  # the pipelines pass it by name; a call without it counts as in range
         if timestep is not None and not self.allowed(float(torch.as_tensor(timestep).max()) * self.timestep_scale):
             return None
@@ -360,6 +363,11 @@ def install(transformer, settings, allowed: Callable[[float], bool], family: str
 
 def installed(transformer) -> bool:
     return _STATE in transformer.__dict__
+
+
+def state_of(transformer) -> _CallState | None:
+    """The transformer's ToDo state (None: no ToDo here), for a calibration to switch it off for a run."""
+    return transformer.__dict__.get(_STATE)
 
 
 def remove(transformer) -> None:

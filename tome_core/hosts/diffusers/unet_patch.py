@@ -74,6 +74,7 @@ class _UNetState:
         self.step_range = step_range
         self.latent_hw: tuple[int, int] | None = None
         self.active = True
+        self.suspended = False  # a calibration's run without the reduction (``calibrate.Job``): no block reduces
 
     def before_unet_call(self, module, args, kwargs):
         sample = args[0] if args else kwargs.get("sample")
@@ -81,7 +82,9 @@ class _UNetState:
             self.latent_hw = None
             return None
         self.latent_hw = (int(sample.shape[2]), int(sample.shape[3]))
-        if self.step_range.everywhere:
+        if self.suspended:
+            self.active = False
+        elif self.step_range.everywhere:
             self.active = True
         else:
             timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
@@ -212,6 +215,11 @@ def installed(unet) -> bool:
         or diffusers_layer_reuse.installed(unet) is not None
         or any(_PARENT in type(m).__dict__ for m in unet.modules())
     )
+
+
+def reduction_of(unet) -> _UNetState | None:
+    """The UNet's token reduction state (None: it reduces nothing), for a calibration to switch it off for a run."""
+    return unet.__dict__.get(_STATE)
 
 
 def remove(unet) -> None:
