@@ -6,7 +6,9 @@ modules/processing.py 1373-1377; Neo's ``modules/processing.py`` keeps the same 
 ``ModelPatcher``, ``neo_host.NeoUnetPatcher``). The first job with a key gets the unpatched picture bit for bit in
 at most ``MAX_RUNS`` runs of two seeds; the next job runs the kept plan's picture bit for bit with its count of UNet
 calls; another LoRA strength is another key, a LoRA merged in place is not; an interrupted calibration keeps
-nothing; highres fix runs forecast v3 with one line; nothing stays patched."""
+nothing; highres fix runs forecast v3 with one line; nothing stays patched. With ToDo on, the calibrating job's
+picture is the truly unpatched one (the search decides ToDo, where the pass reduces tokens at all) and a plan kept
+without ToDo runs without it."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from hosts import (
     neo_host,
 )
 from hosts.webui_host import ForgeSDModel, Host, make_unet, script_args
+from test_webui_calibration import WITH_TODO, kept, reduce_kept, reduced_runs_lose
 from test_webui_calibration import counted as webui_counted
-from test_webui_calibration import kept
 from test_webui_layer_reuse import assert_clean, unet_of
 
 from tome_core.calibration import MAX_RUNS
@@ -215,3 +217,55 @@ def test_the_picture_is_added_on_forge_when_asked(host, kept_file):
         f"{identity}.png",
         "latest.png",
     ]
+
+
+@pytest.mark.parametrize(("kind", "layout"), [MODELS[0], MODELS[2]])
+def test_with_todo_on_the_first_job_gets_the_truly_unpatched_picture(host, kept_file, searches, kind, layout):
+    """The calibrating job's own pass is the search's reference: without ToDo as without reuse, the picture of
+    the job with the patch off, not the one of ToDo alone; the search decides ToDo."""
+    sd_model = forge_or_neo(kind, layout, seed=6)
+    plain, _, _, _ = counted(host, sd_model, script_args(enabled=False))
+    todo, _, _, _ = counted(host, sd_model, script_args(method="ToDo", downsample_factor=2.0))
+    assert not torch.equal(todo, plain)  # ToDo acts on the stand-in
+    first, p, runs, _ = counted(host, sd_model, script_args(**WITH_TODO))
+    assert torch.equal(first, plain) and runs > 2
+    (search,) = searches
+    assert search.reduces
+    said = p.extra_generation_params[webui_calibrate.KEY_CALIBRATED]
+    assert said.endswith("kept; this picture every step, without ToDo")
+    assert_nothing_patched(host, sd_model)
+
+
+def test_a_pass_whose_todo_reduces_nothing_leaves_the_search_none_to_decide(host, kept_file, searches):
+    """ToDo on, but on no level of this UNet (SDXL's attention is at downsampling 2 and 4, ToDo asked at 1 only):
+    the pass reduces no tokens, so the search has no reduction to decide and the infotext names none."""
+    sd_model = forge_or_neo("forge", "sdxl", seed=7)
+    _, p, runs, _ = counted(host, sd_model, script_args(**WITH_TODO, max_downsample=1))
+    (search,) = searches
+    assert not search.reduces and runs > 2
+    assert p.extra_generation_params[webui_calibrate.KEY_CALIBRATED].endswith("kept; this picture every step")
+    (entry,) = kept(kept_file).values()
+    assert entry["result"]["reduce"] is True
+
+
+@pytest.mark.parametrize(("kind", "layout"), [MODELS[0], MODELS[2]])
+def test_a_plan_kept_without_todo_runs_without_it(host, kept_file, searches, monkeypatch, kind, layout):
+    """A result kept with ``reduce`` False: the next job runs the kept plan without ToDo (its picture the
+    search's unreduced run of it, bit for bit) and says so; the same entry with ``reduce`` True runs it with ToDo."""
+    sd_model = forge_or_neo(kind, layout, seed=8)
+    reduced_runs_lose(monkeypatch, searches)
+    counted(host, sd_model, script_args(**WITH_TODO))
+    (search,) = searches
+    ((identity, entry),) = kept(kept_file).items()
+    result = entry["result"]
+    assert result["reduce"] is False and result["spacing"] is not None
+    computed = f"{result['computed']} of {len(STEPS)} steps"
+    second, p, runs, calls = counted(host, sd_model, script_args(**WITH_TODO))
+    assert runs == 1 and calls == result["computed"] and torch.equal(second, search.kept[:1])
+    assert p.extra_generation_params[webui_calibrate.KEY_CALIBRATED] == f"{computed}, without ToDo"
+    reduce_kept(kept_file, identity, True)
+    third, p, runs, calls = counted(host, sd_model, script_args(**WITH_TODO))
+    assert runs == 1 and calls == result["computed"] and not torch.equal(third, second)
+    assert p.extra_generation_params[webui_calibrate.KEY_CALIBRATED] == computed
+    assert len(searches) == 1 and not host.console
+    assert_nothing_patched(host, sd_model)

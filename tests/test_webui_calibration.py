@@ -4,7 +4,9 @@ same seeds with the candidates, at most ``MAX_RUNS`` runs of two seeds; the next
 picture every time; another CFG, step count, weight changed in place or target is another key; the target comes
 from its control (0.98 where a request leaves it out) or an X/Y/Z axis; the calibrating job's picture is saved
 beside the kept file and, when asked, added to the gallery once; an interrupted calibration keeps nothing;
-highres fix runs forecast v3; nothing stays patched. Forge and Forge Neo: tests/test_forge_calibration.py."""
+highres fix runs forecast v3; nothing stays patched. With ToDo or ToMe on, the calibrating job's picture is the
+truly unpatched one (the search decides the reduction) and a plan kept without it runs without it. Forge and Forge
+Neo: tests/test_forge_calibration.py."""
 
 from __future__ import annotations
 
@@ -20,12 +22,15 @@ from PIL import Image
 from test_webui_layer_reuse import assert_clean
 
 from tome_core.calibration import MAX_RUNS, candidates
+from tome_core.calibration import search as calibration_search
 from tome_core.hosts.webui import args as webui_args
 from tome_core.hosts.webui import calibrate as webui_calibrate
 from tome_core.reuse import Spacing
 
 STEPS = tuple(range(999, 0, -50))  # 20 DDPM timesteps
 CALIBRATED = {"method": "ToDo", "downsample_factor": 1.0, "reuse_interval": 3, "reuse_plan": "calibrated"}
+REDUCING = {"ToDo": {"method": "ToDo", "downsample_factor": 2.0}, "ToMe": {"method": "ToMe", "ratio": 0.5}}
+WITH_TODO = {**CALIBRATED, **REDUCING["ToDo"]}  # reuse_plan "calibrated" with ToDo on
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +296,89 @@ def test_before_webui_1_8_the_picture_follows_the_images_with_an_infotext(host, 
     assert isinstance(p.processed.images[2], Image.Image)
     assert p.processed.infotexts[2].startswith("ToMe Patch calibration: ")
     assert p.processed.infotexts[2].endswith(f"{webui_calibrate.REPORTS}/{identity}.png")
+
+
+@pytest.fixture
+def searches(monkeypatch):
+    """Each calibration the jobs make (the engine's ``Calibration``: what it reduced, its ``kept`` latent)."""
+    made = []
+    real = webui_calibrate.Calibration
+
+    def spying(*args, **kwargs):
+        """Make the engine's calibration, and keep it for the test."""
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(webui_calibrate, "Calibration", spying)
+    return made
+
+
+@pytest.mark.parametrize("method", ["ToDo", "ToMe"])
+def test_with_the_reduction_on_the_first_job_gets_the_truly_unpatched_picture(host, kept_file, searches, method):
+    """The calibrating job's own pass is the search's reference: without ToDo or ToMe as without reuse, the
+    picture of the job with the patch off (not the one of the reduction alone); the search decides the reduction
+    and the infotext says the picture ran without it."""
+    sd_model = SDModel(make_unet("sd1", seed=10))
+    plain, _, _, _ = counted(host, sd_model, script_args(enabled=False))
+    reduced, _, _, _ = counted(host, sd_model, script_args(**REDUCING[method]))
+    assert not torch.equal(reduced, plain)  # the reduction acts on the stand-in
+    first, p, runs, _ = counted(host, sd_model, script_args(**{**CALIBRATED, **REDUCING[method]}))
+    assert torch.equal(first, plain) and runs > 2
+    (search,) = searches
+    assert search.reduces
+    said = p.extra_generation_params[webui_calibrate.KEY_CALIBRATED]
+    assert said.endswith(f"kept; this picture every step, without {method}")
+
+
+def reduced_runs_lose(monkeypatch, searches) -> None:
+    """The engine's score: every run that reduces tokens loses the picture, every other keeps it, so that the
+    search keeps its plan without the reduction."""
+
+    def scored(latent, reference):
+        """0 for a run with ToDo or ToMe, 1 for one without."""
+        return torch.full((latent.shape[0],), 0.0 if searches[-1].reducing else 1.0)
+
+    monkeypatch.setattr(calibration_search, "latent_ssim", scored)
+
+
+def reduce_kept(path, identity: str, reduce: bool) -> None:
+    """Set the kept result's ``reduce`` in the kept file, as another search could have kept it."""
+    data = json.loads(path.read_text())
+    data["entries"][identity]["result"]["reduce"] = reduce
+    path.write_text(json.dumps(data))
+
+
+def test_a_plan_kept_without_todo_runs_without_it(host, kept_file, searches, monkeypatch, capsys):
+    """A result kept with ``reduce`` False: the next job runs the kept plan without ToDo (its picture the
+    search's unreduced run of it) and says so; the same entry with ``reduce`` True runs the plan with ToDo."""
+    sd_model = SDModel(make_unet("sd1", seed=11))
+    reduced_runs_lose(monkeypatch, searches)
+    _, p, _, _ = counted(host, sd_model, script_args(**WITH_TODO))
+    (search,) = searches
+    ((identity, entry),) = kept(kept_file).items()
+    result = entry["result"]
+    assert result["reduce"] is False and result["spacing"] is not None
+    computed = f"{result['computed']} of {len(STEPS)} steps"
+    said = p.extra_generation_params[webui_calibrate.KEY_CALIBRATED]
+    assert said == f"{computed}, without ToDo, kept; this picture every step, without ToDo"
+    capsys.readouterr()
+    second, p, runs, calls = counted(host, sd_model, script_args(**WITH_TODO))
+    assert runs == 1 and calls == result["computed"] and torch.equal(second, search.kept[:1])
+    assert p.extra_generation_params[webui_calibrate.KEY_CALIBRATED] == f"{computed}, without ToDo"
+    assert "without ToDo or ToMe" in capsys.readouterr().out
+    reduce_kept(kept_file, identity, True)
+    third, p, runs, calls = counted(host, sd_model, script_args(**WITH_TODO))
+    assert runs == 1 and calls == result["computed"] and not torch.equal(third, second)
+    assert p.extra_generation_params[webui_calibrate.KEY_CALIBRATED] == computed
+    assert len(searches) == 1 and not host.console
+
+
+def test_a_run_too_short_to_calibrate_keeps_its_reduction_and_keeps_nothing(host, kept_file, searches, capsys):
+    """Under 10 steps nothing could be kept: the job runs as forecast v3 (every step) with ToDo as set, not the
+    unreduced reference of a calibration that cannot follow."""
+    sd_model = SDModel(make_unet("sd1", seed=10))
+    short = STEPS[::3]  # 7 timesteps
+    reduced, _, _, _ = counted(host, sd_model, script_args(**REDUCING["ToDo"]), steps=short)
+    out, _, runs, _ = counted(host, sd_model, script_args(**WITH_TODO), steps=short)
+    assert torch.equal(out, reduced) and runs == 1 and searches == [] and not kept_file.exists()
+    assert "a run of 7 steps forecasts nothing" in capsys.readouterr().out

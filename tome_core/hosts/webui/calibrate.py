@@ -1,9 +1,11 @@
 """The WebUI family's door to ``reuse_plan`` "calibrated": the key at each job's first pass (the model's
 weights by content as they are, the LoRAs and their strengths, sampler, schedule, steps, denoise, CFG, latent shape,
-the target); a key without a kept plan runs its pass unpatched (the user's picture, its denoised
-image per step recorded from the CFG callbacks for the report's chart), then ``p.sample`` runs again on the same
-seeds with the candidates and the result is kept for the next job; its picture is saved beside the kept file and,
-where asked, added to the job's gallery at ``postprocess``. The A1111 WebUI's ldm UNet is keyed by its modules and
+the target); a key without a kept plan runs its pass truly unpatched, no reuse and no ToDo or ToMe (the user's
+picture, its denoised image per step recorded from the CFG callbacks for the report's chart), then ``p.sample``
+runs again on the same seeds with the candidates, each with or without the token reduction as the search decides
+(``schedule_for_pass``), and the result is kept for the next job, which runs its plan with the reduction or
+without as it was kept; its picture is saved beside the kept file and, where asked, added to the job's gallery at
+``postprocess``. The A1111 WebUI's ldm UNet is keyed by its modules and
 the Lora extension's networks (``ldm_fingerprints``); lllyasviel's Forge's and Forge Neo's by the patcher in
 ``p.sd_model.forge_objects.unet``, its weights as loaded and its LoRA patches with their strengths
 (``forge_fingerprints``). A UNet's candidates are forecasts (``schedule_for_pass``); a DiT's in Forge and Neo its
@@ -28,6 +30,7 @@ from ...calibration import (
     tensors_fingerprint,
     with_interval,
 )
+from ...calibration.candidates import MIN_STEPS
 from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
 from ...calibration.store import SetAsideError
 from ...reuse import decide, kept_plan
@@ -48,19 +51,24 @@ def store() -> KeptCalibrations:
 
 
 class _UnetPending:
-    """A UNet's pass that found no kept plan: its key, and its forecast candidates once the pass has run."""
+    """A UNet's pass that found no kept plan: its key, and its forecast candidates once the pass has run;
+    ``reduction``: the token reduction its patch sets ("ToDo", "ToMe"; None: neither), which the search then
+    decides (this pass, its reference, ran without it)."""
 
     dit = False
     latent_dims = (4,)
 
-    def __init__(self, key: dict, base, target: float):
-        self.key, self.base, self.target = key, base, target
+    def __init__(self, key: dict, base, target: float, reduction: str | None = None):
+        self.key, self.base, self.target, self.reduction = key, base, target, reduction
 
     def search(self) -> tuple[Calibration | None, str]:
         """The calibration of the pass just run (``launch_sampling`` set its steps), or None and why there is none."""
         _, state = _opts()
         steps = int(getattr(state, "sampling_steps", 0) or 0)
-        search = Calibration(self.base.for_run(steps), steps, self.target) if steps > 0 else None
+        search = None
+        if steps > 0:
+            reduces = self.reduction is not None
+            search = Calibration(self.base.for_run(steps), steps, self.target, reduces=reduces)
         if search is None or not search.candidates:
             return None, f"a run of {steps} steps forecasts nothing; every step runs, as under forecast v3"
         return search, ""
@@ -72,6 +80,7 @@ class _DitPending:
 
     dit = True
     latent_dims = (4, 5)  # a video DiT's latent has frames
+    reduction = None  # a DiT in the WebUI runs no ToDo
 
     def __init__(self, key: dict, owner, target: float):
         self.key, self.owner, self.target = key, owner, target
@@ -92,12 +101,13 @@ class _StoppedError(Exception):
 
 
 class JobCalibration:
-    """One job's calibration state: the schedule a candidate run forces on its pass, the key a pass found no plan
-    for, and the plan the job ran (for the infotext)."""
+    """One job's calibration state: the schedule a candidate run forces on its pass and whether it reduces tokens,
+    the key a pass found no plan for, and the plan the job ran (for the infotext)."""
 
     def __init__(self, original_sample):
         self.original_sample = original_sample
         self.forced = _NOT_FORCED
+        self.reducing = False  # whether a candidate's run (``forced``) runs ToDo or ToMe (``Calibration.reducing``)
         self.pending: _UnetPending | _DitPending | None = None  # the key a pass found no plan for
         self.picture = None  # the calibration's picture (a PIL image) where this job calibrated
         self.picture_words = ""  # what it shows, for an infotext
@@ -333,31 +343,46 @@ def _key_and_kept(p, job, settings, fingerprints, latent, fallback: str):
     except SetAsideError:
         return None
     if kept is not None:
-        p.extra_generation_params.update(infotext(kept))
+        p.extra_generation_params.update(infotext(kept, reduction=reduction_name(settings)))
         job.warn_once(f"calibration: the plan kept for this job in {kept_calibrations.path}: {kept.words()}.")
     return key, kept
 
 
-def schedule_for_pass(p, job, settings, decision, fingerprints, latent):
-    """The forecast schedule of a pass under "calibrated" (None: every step in full): a candidate run's, the kept
-    plan's, or none while the key has no plan yet (the pass runs unpatched and ``sample`` then calibrates).
+def reduction_name(settings) -> str:
+    """The name of the token reduction ``settings`` set, so that an infotext names the one the job asked for."""
+    return "ToMe" if settings.method == "tome" else "ToDo"
+
+
+def schedule_for_pass(p, job, settings, decision, fingerprints, latent, reduces: bool = False):
+    """(the forecast schedule of a pass under "calibrated", None: every step in full; whether the pass runs its
+    ToDo or ToMe): a candidate run's schedule, reducing as the search asks (``Calibration.reducing``); the kept
+    plan's, reducing as it was kept (``CalibrationResult.reduce``); or every step without them while the key has
+    no plan yet (the pass runs truly unpatched, the search's reference, and ``sample`` then calibrates).
+    ``reduces``: whether the pass's patch reduces tokens at all (where not, the second value is False).
     ``fingerprints``: the host's keying of the model (``ldm_fingerprints``, ``forge_fingerprints``)."""
     forced = _forced(job)
     if forced is not _NOT_FORCED:
-        return forced
+        return forced, reduces and job.calibration.reducing
+    steps = getattr(p, "steps", None)
+    steps = len(steps) if isinstance(steps, tuple | list) else steps  # a list of timesteps counts as its length
+    if isinstance(steps, int) and 0 < steps < MIN_STEPS:  # nothing could be kept: forecast v3, the reduction as set
+        job.warn_once(f"reuse_plan 'calibrated': a run of {steps} steps forecasts nothing; it runs as forecast v3.")
+        return decision.schedule, reduces
     found = _key_and_kept(p, job, settings, fingerprints, latent, "forecast v3")
     if found is None:
-        return decision.schedule
+        return decision.schedule, reduces
     key, kept = found
     if kept is None:
-        job.calibration.pending = _UnetPending(key, decision.schedule, settings.calibration_target)
+        reduction = reduction_name(settings) if reduces else None
+        job.calibration.pending = _UnetPending(key, decision.schedule, settings.calibration_target, reduction)
         _record(p)  # this pass is the calibration's unpatched run: its chart
-        return None
+        return None, False
+    reduce = reduces and kept.reduce
     if kept.spacing is None:
-        return None
+        return None, reduce
     sampler, schedule = webui_layer_reuse.sampler_and_schedule(p)
     plan = kept_plan(settings.reuse_plan, sampler, schedule, kept.spacing)
-    return decide(plan, sampler, schedule, settings.reuse_interval).schedule
+    return decide(plan, sampler, schedule, settings.reuse_interval).schedule, reduce
 
 
 def dit_fingerprints(patcher, owner):
@@ -434,7 +459,7 @@ def sample(p, job, args, kwargs):
     except Exception as err:  # the user's picture is made: a failed candidate run costs only the calibration
         job.say(f"calibration: failed ({err!r}); nothing is kept.")
     finally:
-        calibration.forced = _NOT_FORCED
+        calibration.forced, calibration.reducing = _NOT_FORCED, False
         if rng is not None:
             p.rng = rng
     return out
@@ -469,7 +494,7 @@ def _calibrate(p, job, args, kwargs, out, pending, rng, recorder: _Recorder | No
     passes = []  # the reuse runs of the candidate's passes (a DiT's guards may compute more steps than planned)
 
     def run(schedule, run_seeds):
-        calibration.forced = schedule
+        calibration.forced, calibration.reducing = schedule, search.reducing
         if rng is not None:
             p.rng = _noise_for(rng, run_seeds)
         run_args, run_kwargs = _with_seeds(args, kwargs, run_seeds)
@@ -499,7 +524,7 @@ def _calibrate(p, job, args, kwargs, out, pending, rng, recorder: _Recorder | No
     kept_calibrations = store()
     identity = key_id(key)
     kept_calibrations.put(identity, key, result, {"metric": "latent SSIM, worst sample", "seeds": 2})
-    p.extra_generation_params.update(infotext(result, calibrating=True))
+    p.extra_generation_params.update(infotext(result, calibrating=True, reduction=pending.reduction))
     job.say(f"calibration: kept in {kept_calibrations.path}: {result.words()} ({result.runs} runs).")
     calibration.picture_words = f"ToMe Patch calibration: {result.words()}"
     try:  # the plan is kept: a picture that cannot be made or saved costs only the picture
@@ -552,11 +577,18 @@ def show_picture(job, processed) -> bool:
     return True
 
 
-def infotext(result, calibrating: bool = False) -> dict:
-    """The kept plan's computed steps (a DiT's: and its interval); a job that calibrated says its own picture ran
-    every step."""
+def infotext(result, calibrating: bool = False, reduction: str | None = None) -> dict:
+    """The kept plan's computed steps (a DiT's: and its interval), and where the patch sets a token reduction
+    (``reduction``: "ToDo", "ToMe") but the plan was kept without it, that it runs without; a job that calibrated
+    says its own picture ran every step (and without the reduction, the search's unpatched reference)."""
     computed = "every step" if not result.kept else f"{result.computed} of {result.steps} steps"
     if result.kept and result.interval is not None:
         last = f", the last {result.last_full} in full" if result.last_full else ""
         computed += f" (one in {result.interval}{last})"
-    return {KEY_CALIBRATED: f"{computed} kept; this picture every step" if calibrating else computed}
+    without = reduction is not None and not result.reduce
+    if without:
+        computed += f", without {reduction}"
+    if not calibrating:
+        return {KEY_CALIBRATED: computed}
+    unreduced = "" if reduction is None else f", without {reduction}"
+    return {KEY_CALIBRATED: f"{computed}{',' if without else ''} kept; this picture every step{unreduced}"}

@@ -5,8 +5,10 @@ family default, or nothing, with one console line), and the removal that leaves 
 
 from __future__ import annotations
 
+from ...reducer import Reducer
 from ...reuse import FORECAST, FULL, REUSE_PLANS
 from ..shared.model_patcher import NotAUNetError, patched_clone
+from ..shared.unet_layout import attention_levels
 from . import args as webui_args
 from . import calibrate as webui_calibrate
 from . import dit_reuse as webui_dit_reuse
@@ -160,6 +162,11 @@ def patch_for_pass(p, job: Job, latent=None) -> None:
         job.infotext_written = True
 
 
+def _unreduced(settings):
+    """``settings`` with ToDo and ToMe off (reuse as set): a pass "calibrated" runs without its token reduction."""
+    return settings.replace(ratio=0.0, downsample_factor=1.0)
+
+
 def _patch_ldm(p, sd_model, settings, job: Job, latent=None) -> bool:
     unet = _unet_of(sd_model)
     if unet is None or not hasattr(unet, "named_modules"):
@@ -180,7 +187,11 @@ def _patch_ldm(p, sd_model, settings, job: Job, latent=None) -> bool:
         calibrates = REUSE_PLANS[settings.reuse_plan].calibrates
         if calibrates:
             fingerprints = webui_calibrate.ldm_fingerprints(unet)
-            schedule = webui_calibrate.schedule_for_pass(p, job, settings, decision, fingerprints, latent)
+            schedule, reduce = webui_calibrate.schedule_for_pass(
+                p, job, settings, decision, fingerprints, latent, reduced
+            )
+            if reduced and not reduce:  # the calibration's reference, a candidate or a plan kept without them
+                reduced = ldm_patch.install_patch(unet, _unreduced(settings))
         # A calibrating job's own pass runs every step; its infotext still says "calibrated".
         reusing = webui_whole_step.install_ldm(unet, settings, p, schedule, v_prediction) is not None or calibrates
     else:
@@ -218,7 +229,12 @@ def _patch_forge(p, forge_objects, settings, job: Job, latent=None) -> bool:
         schedule = decision.schedule
         if REUSE_PLANS[settings.reuse_plan].calibrates:  # keyed by the job's own patcher, LoRAs in, ours not
             fingerprints = webui_calibrate.forge_fingerprints(unet, v_prediction)
-            schedule = webui_calibrate.schedule_for_pass(p, job, settings, decision, fingerprints, latent)
+            reduces = _forge_reduces(clone, settings)
+            schedule, reduce = webui_calibrate.schedule_for_pass(
+                p, job, settings, decision, fingerprints, latent, reduces
+            )
+            if reduces and not reduce:  # the calibration's reference, a candidate or a plan kept without them
+                clone = patched_clone(unet, _unreduced(settings), percent_to_sigma)
         # None (a calibrating job's own pass, or a kept plan of every step): every step in full.
         webui_whole_step.install_forge(clone, settings, p, percent_to_sigma, schedule, v_prediction)
     else:
@@ -227,6 +243,11 @@ def _patch_forge(p, forge_objects, settings, job: Job, latent=None) -> bool:
         webui_layer_reuse.install_forge(clone, settings, p, percent_to_sigma, schedule, layers.full_below)
     forge_objects.unet = clone
     return True
+
+
+def _forge_reduces(clone, settings) -> bool:
+    """Whether ``patched_clone`` put ToDo or ToMe on ``clone`` (it does where its ``Reducer`` does something)."""
+    return not Reducer(settings, attention_levels(clone.model.diffusion_model) or ()).does_nothing
 
 
 def _patch_dit(p, forge_objects, settings, percent_to_sigma, job: Job, model_name: str, latent=None) -> bool:
