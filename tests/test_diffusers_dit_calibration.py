@@ -16,6 +16,7 @@ import logging
 import pytest
 import torch
 from hosts import diffusers_dit_host as D
+from test_diffusers_calibration import with_result
 
 import tome_core
 from tome_core.calibration import MAX_RUNS
@@ -256,13 +257,6 @@ def test_a_run_too_short_to_reuse_runs_the_familys_plan_with_one_log_line(flux, 
 # --- ToDo: part of what the search decides; the unpatched run is without it ---
 
 TODO = {"dit_settings": "as set", "method": "todo", "downsample_factor": 2, "skip_when_slower": False}
-
-
-def with_result(path, key, **changes) -> None:
-    """The kept file with entry ``key``'s result changed as named (a plan kept another way)."""
-    data = json.loads(path.read_text())
-    data["entries"][key]["result"].update(changes)
-    path.write_text(json.dumps(data))
 
 
 def test_with_todo_the_first_call_is_the_unpatched_run_without_todo_either(flux, kept_file, quick):
