@@ -263,7 +263,7 @@ _SPEC_LIST += (
         choices=REUSE_PLANS,
         tooltip="ToMe and ToDo: with reuse_interval above 1, which steps of a UNet run and what the others run. "
         + " ".join(plan.tooltip for plan in plans.REUSE_PLANS.values())
-        + " DiTs ignore it (their full steps are spaced by the noise).",
+        + " DiTs ignore it but for calibrated (their full steps are spaced by the noise).",
     ),
     Spec(
         "calibration_target",
