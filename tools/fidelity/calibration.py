@@ -4,8 +4,8 @@ prompts of set B against the unpatched run, beside the fixed default (same-seed 
 the share of model calls computed); no ToDo, as a GPU runs these sizes. Beside them at equal calls: Spectrum
 computing the kept count and ComfyUI's EasyCache at two thresholds; on a DiT (``calibration_dit``) also MagCache
 calibrated on the same prompt and seed. ``--todo 2``: ToDo 2 in the calibrated and the default rows (the
-calibration decides it against the unreduced picture). A model name ending in ``+lora`` is that
-reference with a LoRA-like weight patch (``lora_like``): another key, calibrated on its own.
+calibration decides it against the unreduced picture; a DiT then runs as set, reuse every 3). A model name ending
+in ``+lora`` is that reference with a LoRA-like weight patch (``lora_like``): another key, calibrated on its own.
 
     python -m tools.fidelity.calibration --models ref-sd1,ref-sd1-v2,ref-sdxl,ref-sdxl-v2 \\
         --runs euler:normal:25,dpmpp_2m:karras:25
@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--calibration-prompt", type=int, default=0, help="which of set A's prompts calibrates")
     parser.add_argument("--scale", type=int, default=2, help="the size as a multiple of the training size")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--todo", type=float, default=1.0, help="a UNet's ToDo factor in both rows (1: none)")
+    parser.add_argument("--todo", type=float, default=1.0, help="ToDo's factor in both rows (1: none; a DiT: as set)")
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default="results/calibration.json")
     return parser.parse_args(argv)
@@ -124,7 +124,7 @@ def measure(name: str, runs: list[tuple[str, str, int]], args, log) -> list[dict
         with tempfile.TemporaryDirectory() as user:
             folder_paths.set_user_directory(user)
             if dit:
-                calibrated_row, default_row = calibration_dit.calibrated_rows(nodes)
+                calibrated_row, default_row = calibration_dit.calibrated_rows(nodes, args.todo)
             else:
                 todo = {"method": "todo", "downsample_factor": args.todo, "skip_when_slower": False}
                 calibrated_row = ours(nodes, "calibrated", reuse_interval=3, reuse_plan="calibrated", **todo)

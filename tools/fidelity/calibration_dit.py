@@ -27,9 +27,15 @@ def batch_of(args: tuple, kwargs: dict) -> int:
     return len(first)
 
 
-def calibrated_rows(nodes: dict) -> tuple:
+def calibrated_rows(nodes: dict, todo: float = 1.0) -> tuple:
+    """The calibrated and the default rows: the family's plan (``dit_settings`` auto), or with ``todo`` above 1
+    ToDo at that factor and reuse every 3 as set, which the calibration then decides on or off."""
     from tools.fidelity.row import ours
 
+    if todo > 1:
+        settings = {"dit_settings": "as set", "method": "todo", "downsample_factor": todo, "reuse_interval": 3,
+                    "skip_when_slower": False}  # fmt: skip
+        return ours(nodes, "calibrated", reuse_plan="calibrated", **settings), ours(nodes, "default", **settings)
     calibrated = ours(nodes, "calibrated", dit_settings="auto", reuse_plan="calibrated")
     default = ours(nodes, "default", dit_settings="auto")
     return calibrated, default
