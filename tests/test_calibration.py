@@ -335,3 +335,24 @@ def test_where_nothing_keeps_the_target_every_step_runs_unreduced():
     calibration = Calibration(EULER, 25, reduces=True)
     result = calibration.run(lambda schedule: reference if schedule is None else reference + noise)
     assert not result.kept and not result.reduce and "without ToDo or ToMe" in result.words()
+
+
+def test_where_todo_loses_more_than_the_forecast_the_search_goes_on_without_it_toward_more_steps():
+    reference = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    noise = torch.randn(reference.shape, generator=torch.Generator().manual_seed(1))
+    runs = []
+    calibration = Calibration(EULER, 25, reduces=True)
+
+    def sample(schedule):  # unreduced, 18 computed steps keep the picture; the reduction never does
+        if schedule is None:
+            return reference
+        count = schedule.full_steps(25)
+        runs.append((count, calibration.reducing))
+        loss = 1.0 if calibration.reducing else 0.0 if count >= 18 else 0.3
+        return reference + loss * noise
+
+    result = calibration.run(sample)
+    (first, first_reducing), (again, again_reducing) = runs[:2]
+    assert first == again and first < 18 and first_reducing and not again_reducing  # both missed; ToDo lost more
+    assert not any(reducing for _, reducing in runs[1:])
+    assert result.kept and not result.reduce and result.computed >= 18

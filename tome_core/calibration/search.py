@@ -185,7 +185,7 @@ class Calibration:
         ``observed()`` after the unpatched run gives its denoised image per step (the picture's chart);
         ``counted()`` after a candidate's run the steps it computed, where a guard may add some (None: as planned).
         Where the patch reduces tokens, the first candidate that misses runs again without the reduction: if that
-        keeps the target, the reduction is what lost the picture and the search goes on without it."""
+        keeps more of the picture, the reduction lost it and the search goes on without it."""
         self.reducing = False
         self.reference = self.kept = sample(None)
         changes = ()
@@ -206,7 +206,7 @@ class Calibration:
                 alone = self._try(sample, candidate, False, counted)
                 runs += 1
                 tried.append(alone[:2])
-                if alone[1] >= self.asked:
+                if alone[1] > worst:  # the reduction lost more of the picture than the forecast: it goes
                     reduce, (computed, worst, latent) = False, alone
             if worst >= self.asked:
                 decided, high = True, probe - 1
