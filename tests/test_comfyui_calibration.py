@@ -177,3 +177,21 @@ def search_words(entry) -> str:
     from tome_core.calibration import CalibrationResult
 
     return CalibrationResult.from_dict(entry["result"]).words()
+
+
+def test_a_controlnet_is_another_key(node_classes, model, user_dir):
+    """A plan kept with a ControlNet is not used without one (nor the other way): each calibrates."""
+    import nodes as comfy_nodes
+
+    control = host.tiny_controlnet()
+    hint = torch.rand(1, 15 * 8, 23 * 8, 3, generator=torch.Generator().manual_seed(4))
+    positive, negative = host.conditioning("sd15", 1, seed=1), host.conditioning("sd15", 1, seed=2)
+    controlled = comfy_nodes.ControlNetApplyAdvanced().apply_controlnet(
+        positive, negative, control, hint, 1.0, 0.0, 1.0
+    )
+    patched = host.patch_with_node(node_classes, model, reuse_plan="calibrated", downsample_factor=1.0)
+    for conds in ((positive, negative), controlled):
+        latent = {"samples": torch.zeros(1, 4, 15, 23)}
+        comfy_nodes.common_ksampler(patched, 42, STEPS, 5.0, "euler", "normal", *conds, latent)
+    extras = sorted(entry["key"]["extra"] for entry in kept(user_dir).values())
+    assert sorted(any(part.startswith("control:") for part in extra) for extra in extras) == [False, True]

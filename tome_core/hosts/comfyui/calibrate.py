@@ -22,6 +22,7 @@ from ...calibration import (
 from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
 from ...calibration.store import SetAsideError
 from ...reuse import decide, kept_plan
+from ...reuse.agreement import several_processes
 from ...schedule import call_sigmas
 from ...version import __version__
 from ..shared.model_patcher import REDUCTION_OFF_KEY
@@ -57,6 +58,9 @@ def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tens
     others = [f"patch:{name}" for name in options.get("patches", {})]
     others += [f"replace:{name}" for name in options.get("patches_replace", {})]
     others += [f"object:{name}" for name in getattr(patcher, "object_patches", {})]
+    # A ControlNet or a process group changes what a step skips: a plan kept with one is not kept without it.
+    others += [f"control:{name}" for name in controls_of(guider)]
+    others += ["several processes"] if several_processes() else []
     return calibration_key(
         model=_model_fingerprint(patcher),
         patches=patches_fingerprint(getattr(patcher, "patches", {})),
@@ -67,6 +71,14 @@ def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tens
         version=__version__,
         extra=[*others, f"target:{target}", *([f"plan:{plan}"] if plan else []), *settings],
     )
+
+
+def controls_of(guider) -> list[str]:
+    """The kinds of ControlNet (or adapter) the job's conditioning carries."""
+    conds = getattr(guider, "conds", None) or {}
+    found = {type(cond["control"]).__name__ for entries in conds.values() for cond in entries
+             if isinstance(cond, dict) and cond.get("control") is not None}  # fmt: skip
+    return sorted(found)
 
 
 def _fresh_conds(saved: dict) -> dict:
