@@ -25,10 +25,22 @@ quietly() {
 
 pip_flags=(--disable-pip-version-check --no-input --progress-bar off)
 
+# needs_disk GB WHAT: stops with a clear line when the disk holding the project has less than GB free, before pip
+# would fail halfway with "No space left on device" (the sizes are what each environment takes once installed).
+needs_disk() {
+  local free_kb
+  free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+  if ((free_kb < $1 * 1024 * 1024)); then
+    echo "Setup needs about $1 GB of free disk for $2; $((free_kb / 1024 / 1024)) GB are free here." >&2
+    exit 1
+  fi
+}
+
 stamp=.venv/.tome_patch_env
 want=$(cat requirements/torch.txt requirements/hosts.txt requirements/dev.txt | sha1sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "Setting up .venv (torch, ComfyUI, the WebUI's ldm, diffusers, test tools; a few minutes the first time)..."
+  needs_disk 8 .venv
   : >"$log"
   [ -x .venv/bin/python ] || quietly python3 -m venv .venv
   pip=(.venv/bin/python -m pip install "${pip_flags[@]}")
@@ -42,6 +54,7 @@ stamp=.venv-webui/.tome_patch_env
 want=$(cat requirements/webui-page.txt requirements/webui-page-hosts.txt | sha1sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "Setting up .venv-webui (the WebUI's gradio 3.41.2 for the page tests)..."
+  needs_disk 2 .venv-webui
   [ -x .venv-webui/bin/python ] || quietly python3 -m venv .venv-webui
   pip=(.venv-webui/bin/python -m pip install "${pip_flags[@]}")
   # torch 2.13.0 is the CPU build (about 200 MB); the page needs torch for the script and a small ldm UNet.
@@ -54,6 +67,7 @@ stamp=.venv-pack/.tome_patch_env
 want=$(sha1sum requirements/pack.txt | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "Setting up .venv-pack (comfy-cli, for the registry archive's test)..."
+  needs_disk 1 .venv-pack
   [ -x .venv-pack/bin/python ] || quietly python3 -m venv .venv-pack
   quietly .venv-pack/bin/python -m pip install "${pip_flags[@]}" -r requirements/pack.txt
   echo "$want" >"$stamp"
