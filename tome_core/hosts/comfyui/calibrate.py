@@ -17,7 +17,6 @@ from ...calibration import (
     key_id,
     plan_words,
     tensors_fingerprint,
-    with_interval,
 )
 from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
 from ...calibration.store import SetAsideError
@@ -132,8 +131,7 @@ def sample_calibrated_dit(hooks, executor, args, kwargs, sampler: str | None, si
         return run_with(base)
     if kept is not None:
         log.info("ToMe calibration: the plan kept for this job in %s: %s.", kept_calibrations.path, kept.words())
-        schedule = with_interval(base, kept.interval, kept.last_full) if kept.interval is not None else None
-        return run_with(schedule, reduce=kept.reduce)
+        return run_with(kept.dit_schedule(base), reduce=kept.reduce)
     steps = len(sigmas)
     calibration = Calibration.for_dit(base, steps, sigmas, full_below, target=hooks.target, reduces=hooks.reduces)
     if not calibration.candidates:

@@ -33,7 +33,6 @@ from ...calibration import (
     calibration_key,
     key_id,
     plan_words,
-    with_interval,
 )
 from ...calibration.fingerprint import SAMPLE, UnreadableModelError, patches_fingerprint
 from ...calibration.store import SetAsideError
@@ -748,7 +747,7 @@ class DitJob(Job):
         if kept.interval is None:
             self.owner.suspended = True
         else:
-            self.owner.calibration_schedule = with_interval(self.owner.schedule, kept.interval, kept.last_full)
+            self.owner.calibration_schedule = kept.dit_schedule(self.owner.schedule)
 
     def _counted(self) -> int | None:
         """The steps the last candidate computed on its costliest seed: a guard may add steps to a plan."""

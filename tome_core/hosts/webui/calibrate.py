@@ -28,7 +28,6 @@ from ...calibration import (
     key_id,
     plan_words,
     tensors_fingerprint,
-    with_interval,
 )
 from ...calibration.candidates import MIN_STEPS
 from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
@@ -413,9 +412,7 @@ def dit_schedule_for_pass(p, job, settings, owner, fingerprints, latent):
         job.calibration.pending = _DitPending(key, owner, settings.calibration_target)
         _record(p)  # this pass is the calibration's unpatched run: its chart
         return None
-    if kept.interval is None:
-        return None
-    return with_interval(owner.schedule, kept.interval, kept.last_full)
+    return kept.dit_schedule(owner.schedule)
 
 
 def _stopped() -> bool:
@@ -584,7 +581,8 @@ def infotext(result, calibrating: bool = False, reduction: str | None = None) ->
     computed = "every step" if not result.kept else f"{result.computed} of {result.steps} steps"
     if result.kept and result.interval is not None:
         last = f", the last {result.last_full} in full" if result.last_full else ""
-        computed += f" (one in {result.interval}{last})"
+        guard = f", guards x{result.guard:g}" if result.guard != 1.0 else ""
+        computed += f" (one in {result.interval}{last}{guard})"
     without = reduction is not None and not result.reduce
     if without:
         computed += f", without {reduction}"
