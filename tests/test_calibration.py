@@ -286,6 +286,8 @@ def test_a_dit_keeps_the_interval_that_computed_fewest_where_a_guard_adds_steps(
     assert fewest in ran
     assert result.interval is not None and result.spacing is None and result.kept
     assert result.computed == min(count for count, _ in result.tried) < 27
+    # that plan computed more than the kept one: it does not run again with its guards tighter
+    assert not any(plan is not None and plan.first_block_guard < 0.15 for plan in ran)
     assert CalibrationResult.from_dict(json.loads(json.dumps(result.as_dict()))) == result
     assert "the family's plan at one step in" in result.words()
 
