@@ -123,6 +123,32 @@ def test_another_step_count_starts_from_the_kept_interval(node_classes, dits, us
         assert abs(second["result"]["tried"][0][0] - share) <= 2
 
 
+def test_with_pag_a_dit_calibrates_with_it_under_a_key_of_its_own(node_classes, dits, user_dir):
+    """PerturbedAttentionGuidance calls the model once more at each step (a post-CFG function): a DiT's steps reuse
+    with it, so the calibration measures the job as it is, and a plan kept without PAG is not used with it."""
+    from comfy_extras.nodes_pag import PerturbedAttentionGuidance
+
+    def with_pag(model):
+        return PerturbedAttentionGuidance.execute(model, 3.0).result[0]
+
+    plain_pag, plain_calls = counted(with_pag(dits["flux"]), "flux")
+    patched = patch(node_classes, dits["flux"], calibration_target=0.9)
+    counted(patched, "flux")  # calibrated without PAG
+    first, _ = counted(with_pag(patched), "flux")
+    assert (first - plain_pag).abs().max() <= 1e-5 * plain_pag.abs().max()  # the unpatched picture, with PAG
+    entries = list(kept(user_dir).values())
+    assert len(entries) == 2  # PAG calibrated anew
+    (pag_entry,) = [entry for entry in entries if any("post_cfg" in part for part in entry["key"]["extra"])]
+    assert any("PerturbedAttentionGuidance" in part for part in pag_entry["key"]["extra"])
+    second, second_calls = counted(with_pag(patched), "flux")
+    third, _ = counted(with_pag(patched), "flux")
+    assert torch.equal(second, third) and len(kept(user_dir)) == 2
+    result = pag_entry["result"]
+    if result["interval"] is not None:  # the span at the kept steps, for each of the three calls of a step
+        assert second_calls["all"] == plain_calls["all"] == 3 * STEPS
+        assert second_calls["span"] == 3 * result["computed"] < plain_calls["span"]
+
+
 def test_a_dit_without_reuse_has_nothing_to_calibrate(node_classes, dits, user_dir, caplog):
     with caplog.at_level(logging.INFO, logger="tome_patch"):
         model = patch(node_classes, dits["flux"], dit_settings="as set", reuse_interval=1, downsample_factor=1.0)

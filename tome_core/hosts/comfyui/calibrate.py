@@ -59,6 +59,8 @@ def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tens
     others += [f"object:{name}" for name in getattr(patcher, "object_patches", {})]
     # A ControlNet or a process group changes what a step skips: a plan kept with one is not kept without it.
     others += [f"control:{name}" for name in controls_of(guider)]
+    # So does a guidance function (PAG's post-CFG call of the model, a CFG rescale): keyed by its function's name.
+    others += [f"{kind}:{function_name(f)}" for kind in GUIDANCE for f in guidance_functions(guider, kind)]
     others += ["several processes"] if several_processes() else []
     return calibration_key(
         model=_model_fingerprint(patcher),
@@ -70,6 +72,19 @@ def job_key(guider, sampler: str | None, sigmas: torch.Tensor, noise: torch.Tens
         version=__version__,
         extra=[*others, f"target:{target}", *([f"plan:{plan}"] if plan else []), *settings],
     )
+
+
+GUIDANCE = ("sampler_cfg_function", "sampler_pre_cfg_function", "sampler_post_cfg_function")
+
+
+def guidance_functions(guider, kind: str) -> list:
+    """The job's functions of ``kind``: a list in ComfyUI's model options, one function for the CFG function."""
+    found = guider.model_options.get(kind)
+    return [] if found is None else list(found) if isinstance(found, list | tuple) else [found]
+
+
+def function_name(function) -> str:
+    return getattr(function, "__qualname__", type(function).__name__)
 
 
 def controls_of(guider) -> list[str]:
