@@ -34,13 +34,6 @@ def pipes():
 
 
 @pytest.fixture
-def kept_file(tmp_path, monkeypatch):
-    path = tmp_path / "calibrations.json"
-    monkeypatch.setenv(door.ENVIRONMENT, str(path))
-    return path
-
-
-@pytest.fixture
 def pipe(pipes, kept_file):
     """The txt2img pipeline on Euler, unpatched and on its own scheduler again after the test."""
     import diffusers

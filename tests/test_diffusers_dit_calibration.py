@@ -40,13 +40,6 @@ def pipes():
 
 
 @pytest.fixture
-def kept_file(tmp_path, monkeypatch):
-    path = tmp_path / "calibrations.json"
-    monkeypatch.setenv(door.ENVIRONMENT, str(path))
-    return path
-
-
-@pytest.fixture
 def quick(monkeypatch):
     monkeypatch.setattr(door, "MAX_RUNS", 2)
 

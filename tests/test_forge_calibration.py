@@ -46,27 +46,6 @@ def host():
     return Host()
 
 
-@pytest.fixture
-def kept_file(tmp_path, monkeypatch):
-    path = tmp_path / "calibrations.json"
-    monkeypatch.setenv(webui_calibrate.ENV, str(path))
-    return path
-
-
-@pytest.fixture
-def searches(monkeypatch):
-    """Each calibration the jobs make (the engine's ``Calibration``: its ``kept`` latent after the search)."""
-    made = []
-    real = webui_calibrate.Calibration
-
-    def spying(*args, **kwargs):
-        made.append(real(*args, **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(webui_calibrate, "Calibration", spying)
-    return made
-
-
 def counted(host, sd_model, args, on_step=None, **kwargs):
     """``test_webui_calibration.counted``, the UNet calls counted at its last module."""
     return webui_counted(host, sd_model, args, on_step, counted_at=unet_of(sd_model).out, clean=False, **kwargs)

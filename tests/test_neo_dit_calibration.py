@@ -37,31 +37,6 @@ def host():
     return Host()
 
 
-@pytest.fixture
-def kept_file(tmp_path, monkeypatch):
-    """A kept file of the test's own, so that each test starts with no plan kept."""
-    path = tmp_path / "calibrations.json"
-    monkeypatch.setenv(webui_calibrate.ENV, str(path))
-    return path
-
-
-@pytest.fixture
-def searches(monkeypatch):
-    """Each calibration the jobs make (the engine's ``Calibration``: its ``kept`` latent after the search)."""
-    made = []
-    real = webui_calibrate.Calibration
-
-    class Spying(real):
-        @classmethod
-        def for_dit(cls, *args, **kwargs):
-            """Record the DiT's calibration as it is made."""
-            made.append(real.for_dit(*args, **kwargs))
-            return made[-1]
-
-    monkeypatch.setattr(webui_calibrate, "Calibration", Spying)
-    return made
-
-
 def kept(path) -> dict:
     """The kept file's entries (none where no calibration kept one)."""
     return json.loads(path.read_text())["entries"] if path.exists() else {}

@@ -43,13 +43,6 @@ def sd_model():
     return SDModel(make_unet("sd1"))
 
 
-@pytest.fixture
-def kept_file(tmp_path, monkeypatch):
-    path = tmp_path / "calibrations.json"
-    monkeypatch.setenv(webui_calibrate.ENV, str(path))
-    return path
-
-
 def kept(path) -> dict:
     return json.loads(path.read_text())["entries"] if path.exists() else {}
 
@@ -296,21 +289,6 @@ def test_before_webui_1_8_the_picture_follows_the_images_with_an_infotext(host, 
     assert isinstance(p.processed.images[2], Image.Image)
     assert p.processed.infotexts[2].startswith("ToMe Patch calibration: ")
     assert p.processed.infotexts[2].endswith(f"{webui_calibrate.REPORTS}/{identity}.png")
-
-
-@pytest.fixture
-def searches(monkeypatch):
-    """Each calibration the jobs make (the engine's ``Calibration``: what it reduced, its ``kept`` latent)."""
-    made = []
-    real = webui_calibrate.Calibration
-
-    def spying(*args, **kwargs):
-        """Make the engine's calibration, and keep it for the test."""
-        made.append(real(*args, **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(webui_calibrate, "Calibration", spying)
-    return made
 
 
 @pytest.mark.parametrize("method", ["ToDo", "ToMe"])

@@ -16,6 +16,8 @@ from .fingerprint import kin_id
 from .search import CalibrationResult
 
 FORMAT, FORMAT_VERSION = "tome-patch calibrations", 1
+# A file of the user's choosing, read by the hosts without a user folder of their own for it (WebUI, diffusers).
+FILE_ENV = "TOME_PATCH_CALIBRATIONS"
 log = logging.getLogger("tome_patch")
 
 

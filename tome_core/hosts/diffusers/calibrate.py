@@ -35,7 +35,7 @@ from ...calibration import (
     plan_words,
 )
 from ...calibration.fingerprint import SAMPLE, UnreadableModelError, patches_fingerprint
-from ...calibration.store import SetAsideError
+from ...calibration.store import FILE_ENV, SetAsideError
 from ...reuse import FORECAST, FULL, KARRAS, KARRAS_PART, Spacing, decide, kept_plan
 from ...reuse.samplers import noise_added
 from ...reuse.whole_step import denoised_of
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tome_patch")
 
-ENVIRONMENT = "TOME_PATCH_CALIBRATIONS"  # a file path that overrides the cache folder's file
+ENVIRONMENT = FILE_ENV  # a file path that overrides the cache folder's file
 FILE = os.path.join("tome_patch", "calibrations.json")
 REPORTS, LATEST = "reports", "latest.png"  # the pictures' folder beside the kept file, and the last one's copy
 _STATE = "_tome_patch_calibration"  # on the pipeline: its ``Calibrated``
@@ -82,6 +82,19 @@ def save_picture(picture: Image.Image, folder: Path, identity: str) -> Path:
             Path(temporary).unlink(missing_ok=True)
             raise
     return path
+
+
+def run_plan(scheduler, first: int) -> tuple[str, str | None]:
+    """The scheduler's name and its sigmas' kind, as the plans name them (a Karras schedule entered past its first
+    step is part of one)."""
+    sigmas = karras_or_none(scheduler)
+    return scheduler_name(scheduler), KARRAS_PART if sigmas == KARRAS and first > 0 else sigmas
+
+
+def adds_noise(scheduler, name: str, eta) -> str | None:
+    """Why a sampler that adds noise at each step cannot calibrate (None: it adds none)."""
+    noise = noise_added(name, {"eta": eta} if takes_eta(scheduler) else {})
+    return None if noise is None else f"{name} with {noise} adds noise at each step: no plan is measured there"
 
 
 @dataclass
@@ -600,16 +613,12 @@ class Job:
 
     def _why_not(self, scheduler, schedule, first: int, eta, sample: torch.Tensor) -> str | None:
         """Why this run cannot calibrate (None: it can); sets the calibration and the run's plan names."""
-        name = scheduler_name(scheduler)
-        sigmas = karras_or_none(scheduler)
-        if sigmas == KARRAS and first > 0:
-            sigmas = KARRAS_PART
+        name, sigmas = run_plan(scheduler, first)
         decision = decide(self.owner.plan, name, sigmas, self.owner.schedule.interval)
         if decision.runs != FORECAST:
             return f"{decision.why}: no forecast to calibrate"
-        noise = noise_added(name, {"eta": eta} if takes_eta(scheduler) else {})
-        if noise is not None:
-            return f"{name} with {noise} adds noise at each step: no plan is measured there"
+        if (noise := adds_noise(scheduler, name, eta)) is not None:
+            return noise
         if v_prediction(scheduler) is None:
             return f"{name} predicts {getattr(scheduler.config, 'prediction_type', None)!r}: no forecast"
         levels = self._levels(scheduler, schedule, first)
@@ -792,16 +801,12 @@ class DitJob(Job):
 
     def _why_not(self, scheduler, schedule, first: int, eta, sample: torch.Tensor) -> str | None:
         """Why this run cannot calibrate (None: it can); sets the calibration over the family plan's intervals."""
-        name = scheduler_name(scheduler)
-        sigmas = karras_or_none(scheduler)
-        if sigmas == KARRAS and first > 0:
-            sigmas = KARRAS_PART
+        name, sigmas = run_plan(scheduler, first)
         decision = decide(self.owner.plan, name, sigmas, None, dit=True)
         if decision.runs == FULL:
             return f"{decision.why}: it reuses no step to calibrate"
-        noise = noise_added(name, {"eta": eta} if takes_eta(scheduler) else {})
-        if noise is not None:
-            return f"{name} with {noise} adds noise at each step: no plan is measured there"
+        if (noise := adds_noise(scheduler, name, eta)) is not None:
+            return noise
         if sample.dim() == 3 and "num_frames" in self.parameters:
             return "its video latents are packed as tokens: no picture to score a plan by"
         levels = self._levels(scheduler, schedule, first)

@@ -31,12 +31,12 @@ from ...calibration import (
 )
 from ...calibration.candidates import MIN_STEPS
 from ...calibration.fingerprint import UnreadableModelError, patches_fingerprint
-from ...calibration.store import SetAsideError
+from ...calibration.store import FILE_ENV, SetAsideError
 from ...reuse import decide, kept_plan
 from ...version import __version__
 from . import layer_reuse as webui_layer_reuse
 
-ENV = "TOME_PATCH_CALIBRATIONS"  # a file of the user's choosing, as in diffusers
+ENV = FILE_ENV
 DEFAULT_FILE = Path(__file__).resolve().parents[3] / "calibrations" / "calibrations.json"  # next to scripts/
 KEY_CALIBRATED = "ToMe calibrated"  # the infotext's kept computed steps (not a control's value)
 REPORTS = "reports"  # beside the kept file: each calibration's picture, ``<key>.png`` and ``latest.png``
