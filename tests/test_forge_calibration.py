@@ -175,12 +175,29 @@ def test_an_interrupted_calibration_keeps_nothing(host, kept_file, kind, stop, c
 
 
 @pytest.mark.parametrize("kind", ["forge", "neo"])
-def test_highres_fix_runs_forecast_v3_with_one_line(host, kept_file, kind, capsys):
+def test_highres_fix_without_a_kept_plan_runs_forecast_v3_with_one_line(host, kept_file, kind, capsys):
     sd_model = forge_or_neo(kind, "sd1" if kind == "forge" else "sd15", seed=4)
     _, _, runs, _ = counted(host, sd_model, script_args(**CALIBRATED), enable_hr=True)
     assert runs == 2 and not kept_file.exists()  # the two passes, once
-    assert capsys.readouterr().out.count("runs forecast v3 for this job: highres fix is on") == 1
+    assert capsys.readouterr().out.count("'calibrated' with highres fix: the first pass runs the plan kept") == 1
     assert not host.console
+    assert_nothing_patched(host, sd_model)
+
+
+@pytest.mark.parametrize("kind", ["forge", "neo"])
+def test_highres_fix_runs_the_plan_kept_for_its_first_pass(host, kept_file, kind, capsys, monkeypatch):
+    import hosts.webui_host as webui_host
+
+    sd_model = forge_or_neo(kind, "sd1" if kind == "forge" else "sd15", seed=4)
+    counted(host, sd_model, script_args(**CALIBRATED))  # the job without highres fix calibrates
+    kept_plan, _, _, _ = counted(host, sd_model, script_args(**CALIBRATED))
+    passes, real = [], webui_host.sample
+    monkeypatch.setattr(webui_host, "sample", lambda *args: passes.append(real(*args)) or passes[-1])
+    capsys.readouterr()
+    _, _, runs, _ = counted(host, sd_model, script_args(**CALIBRATED), enable_hr=True)
+    assert runs == 2 and len(kept(kept_file)) == 1 and len(passes) == 2
+    assert torch.equal(passes[0], kept_plan)  # the first pass: the kept plan's picture, bit for bit
+    assert capsys.readouterr().out.count("the plan kept for this job") == 1
     assert_nothing_patched(host, sd_model)
 
 

@@ -146,7 +146,8 @@ def test_a_guards_extra_steps_are_counted(host, kept_file):
 
 def test_reuse_off_and_highres_fix_run_as_before_with_one_line(host, kept_file, capsys):
     """Reuse interval 1 is the unpatched picture; with highres fix a calibration would run both passes for every
-    candidate, so the job runs its family's plan on each pass: one line each, nothing kept."""
+    candidate, so where no plan is kept for its first pass the job runs its family's plan on each pass: one line
+    each, nothing kept."""
     flux = model("neo")
     plain, _ = dit_job(host, flux, script_args(enabled=False))
     off, p = dit_job(host, flux, script_args(**{**CALIBRATED, "reuse_interval": 1}))
@@ -157,8 +158,24 @@ def test_reuse_off_and_highres_fix_run_as_before_with_one_line(host, kept_file, 
     highres, p = dit_job(host, flux, script_args(**CALIBRATED), enable_hr=True)
     assert torch.equal(highres, family_plan) and len(p._tome_patch_job.reuse_runs) == 2 and p.samples == 1
     said = capsys.readouterr().out
-    assert said.count("reuse_plan 'calibrated' runs the family's plan for this job: highres fix is on") == 1
+    assert said.count("'calibrated' with highres fix: the first pass runs the plan kept for the same job") == 1
     assert not kept_file.exists() and not host.console
+
+
+def test_highres_fix_runs_the_plan_kept_for_its_first_pass(host, kept_file, capsys, monkeypatch):
+    """A highres job's first pass is the job without highres fix: it runs the plan that job kept, bit for bit; the
+    highres pass runs the family's plan."""
+    flux = model("neo")
+    dit_job(host, flux, script_args(**CALIBRATED))  # the job without highres fix calibrates
+    kept_plan, _ = dit_job(host, flux, script_args(**CALIBRATED))
+    passes, real = [], neo_host.sample
+    monkeypatch.setattr(neo_host, "sample", lambda *args: passes.append(real(*args)) or passes[-1])
+    capsys.readouterr()
+    _, p = dit_job(host, flux, script_args(**CALIBRATED), enable_hr=True)
+    assert len(passes) == 2 and torch.equal(passes[0], kept_plan) and p.samples == 1 and len(kept(kept_file)) == 1
+    said = capsys.readouterr().out
+    assert said.count("the plan kept for this job") == 1 and said.count("with highres fix: the first pass") == 1
+    assert not host.console
 
 
 def with_lora(patcher, strength: float):

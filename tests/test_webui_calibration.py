@@ -168,12 +168,40 @@ def test_an_interrupted_calibration_keeps_nothing(host, sd_model, kept_file, sto
     assert not host.console
 
 
-def test_highres_fix_runs_forecast_v3_with_one_line(host, kept_file, capsys):
-    """(Forge and Forge Neo calibrate too: tests/test_forge_calibration.py.)"""
-    unet = make_unet("sd1", seed=4)
-    _, _, runs, _ = counted(host, SDModel(unet), script_args(**CALIBRATED), enable_hr=True)
+HIGHRES_LINE = "reuse_plan 'calibrated' with highres fix: the first pass runs the plan kept for the same job"
+
+
+def first_passes(monkeypatch) -> list:
+    """Each sampling pass's latent, in order (the stand-in's ``sample``: the first pass, then highres fix's)."""
+    import hosts.webui_host as webui_host
+
+    made, real = [], webui_host.sample
+    monkeypatch.setattr(webui_host, "sample", lambda *args: made.append(real(*args)) or made[-1])
+    return made
+
+
+def test_highres_fix_runs_the_plan_kept_for_its_first_pass_and_forecast_v3_after(host, kept_file, capsys,
+                                                                                    monkeypatch):  # fmt: skip
+    """A highres job's first pass is the job without highres fix: it runs the plan that job keeps (none kept yet:
+    forecast v3, as the highres pass), with one line; it never calibrates. (Forge and Forge Neo:
+    tests/test_forge_calibration.py.)"""
+    sd_model = SDModel(make_unet("sd1", seed=4))
+    _, _, runs, _ = counted(host, sd_model, script_args(**CALIBRATED), enable_hr=True)
     assert runs == 2 and not kept_file.exists()  # the two passes, once
-    assert capsys.readouterr().out.count("runs forecast v3 for this job: highres fix is on") == 1
+    assert capsys.readouterr().out.count(HIGHRES_LINE) == 1
+    counted(host, sd_model, script_args(**CALIBRATED))  # the same job without highres fix calibrates
+    kept_plan, _, _, kept_calls = counted(host, sd_model, script_args(**CALIBRATED))
+    (entry,) = kept(kept_file).values()
+    passes = first_passes(monkeypatch)
+    capsys.readouterr()
+    _, p, runs, _ = counted(host, sd_model, script_args(**CALIBRATED), enable_hr=True)
+    assert runs == 2 and len(kept(kept_file)) == 1  # nothing calibrated again
+    assert torch.equal(passes[0], kept_plan)  # the first pass: the kept plan's picture, bit for bit
+    said = capsys.readouterr().out
+    assert said.count(HIGHRES_LINE) == 1 and said.count("the plan kept for this job") == 1
+    computed = "every step" if entry["result"]["spacing"] is None else f"{entry['result']['computed']} of"
+    assert p.extra_generation_params[webui_calibrate.KEY_CALIBRATED].startswith(computed)
+    assert kept_calls == entry["result"]["computed"] or entry["result"]["spacing"] is None
     assert not host.console
 
 

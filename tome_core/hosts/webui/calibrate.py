@@ -306,12 +306,16 @@ def job_key(p, fingerprints, settings, sampler, schedule, latent) -> dict:
     )
 
 
+HIGHRES = "highres fix is on"
+
+
 def _highres_or_refiner(p) -> str | None:
-    if getattr(p, "enable_hr", False) or getattr(p, "is_hr_pass", False):
-        return "highres fix is on (a calibration would run both passes and the upscale again for every candidate)"
+    """Why this pass does not calibrate (``HIGHRES``: a highres job's pass, which may still use a kept plan)."""
     refiner = getattr(p, "refiner_checkpoint", None)
     if getattr(p, "refiner_checkpoint_info", None) is not None or refiner not in (None, "", "None"):
         return "a refiner is set (it loads other weights mid-pass)"
+    if getattr(p, "enable_hr", False) or getattr(p, "is_hr_pass", False):
+        return HIGHRES
     return None
 
 
@@ -327,7 +331,13 @@ def _key_and_kept(p, job, settings, fingerprints, latent, fallback: str):
     why = _highres_or_refiner(p)
     if why is None and getattr(job, "calibration", None) is None:
         why = "this job's processing has no sample() to run again"
-    if why is not None:
+    if why == HIGHRES:  # the first pass is the job without highres fix: it runs a plan kept for that job
+        job.warn_once(f"reuse_plan 'calibrated' with highres fix: the first pass runs the plan kept for the same job "
+                      f"without highres fix (where none is kept yet, {fallback}: a calibration would run both passes "
+                      f"and the upscale again for every candidate), the highres pass {fallback}.")  # fmt: skip
+        if getattr(p, "is_hr_pass", False):
+            return None
+    elif why is not None:
         job.warn_once(f"reuse_plan 'calibrated' runs {fallback} for this job: {why}.")
         return None
     sampler, schedule = webui_layer_reuse.sampler_and_schedule(p)
@@ -340,6 +350,8 @@ def _key_and_kept(p, job, settings, fingerprints, latent, fallback: str):
                       f"{fallback}.")  # fmt: skip
         return None
     except SetAsideError:
+        return None
+    if kept is None and why == HIGHRES:
         return None
     if kept is not None:
         p.extra_generation_params.update(infotext(kept, reduction=reduction_name(settings)))
