@@ -286,8 +286,7 @@ def test_a_dit_keeps_the_interval_that_computed_fewest_where_a_guard_adds_steps(
     assert fewest in ran
     assert result.interval is not None and result.spacing is None and result.kept
     assert result.computed == min(count for count, _ in result.tried) < 27
-    # that plan computed more than the kept one: it does not run again with its guards tighter
-    assert not any(plan is not None and plan.first_block_guard < 0.15 for plan in ran)
+    assert not any(plan is not None and plan.first_block_guard != 0.15 for plan in ran)  # no guard computed fewer
     assert CalibrationResult.from_dict(json.loads(json.dumps(result.as_dict()))) == result
     assert "the family's plan at one step in" in result.words()
 
@@ -316,26 +315,6 @@ def test_with_runs_left_a_dits_kept_plan_runs_with_its_guards_looser_and_is_kept
     assert planned(kept, 28) == result.computed
     assert "its guards x2" in result.words()
     assert CalibrationResult.from_dict(json.loads(json.dumps(result.as_dict()))) == result
-
-
-def test_where_no_plan_keeps_the_target_the_densest_runs_with_its_guards_tighter_before_every_step():
-    from tome_core.calibration.candidates import GUARD_TIGHTER, planned
-
-    wan = dit_families_wan()
-    reference = torch.randn(2, 4, 32, 32, generator=torch.Generator().manual_seed(0))
-    calibration = Calibration.for_dit(wan, 28, max_runs=8)  # runs left after the search's probes
-
-    def sample(schedule):  # only a plan with tighter guards keeps the picture
-        tight = schedule is not None and schedule.first_block_guard < wan.first_block_guard
-        return reference.clone() if schedule is None or tight else reference + torch.randn_like(reference)
-
-    result = calibration.run(sample)
-    assert result.kept and result.guard == GUARD_TIGHTER and result.runs == 8
-    assert result.computed == max(calibration.counts) == planned(result.dit_schedule(wan), 28)
-    assert result.dit_schedule(wan).first_block_guard == wan.first_block_guard * GUARD_TIGHTER
-    # Without the tighter guard (the same search, no runs left for it) the plan is every step.
-    short = Calibration.for_dit(wan, 28, max_runs=result.runs - 1).run(sample)
-    assert not short.kept and short.computed == 28
 
 
 def test_a_guard_variant_that_cannot_compute_fewer_costs_no_run_and_a_unet_has_none():

@@ -8,6 +8,8 @@ the UNet once per step with cond and uncond batched.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -173,6 +175,31 @@ def test_auto_and_every_n_keep_layer_reuse(pipes, scheduler_of, plan, computed):
     assert type(run) is LayerReuseRun
     assert (run.calls, run.calls - run.reused_calls) == (25, computed)
     assert len(ran) == 25  # conv_in and the mid block run at every step (the mid block's own forward is skipped)
+
+
+def test_perturbed_attention_guidance_runs_every_step_with_one_line_and_calibrates_nothing(
+    pipes, scheduler_of, caplog, kept_file
+):
+    """A PAG pipeline adds a perturbed batch to each UNet call: as ComfyUI's PAG node, no plan is measured with it,
+    so every step runs in full (the unpatched picture), with one line; ``calibrated`` keeps nothing and says so in
+    one more; at pag_scale 0 the plan runs as ever."""
+    pipe = scheduler_of(pipeline(pipes, "pag"), "EulerDiscreteScheduler")
+    plain = H.run(pipe, "pag", steps=25)
+    for plan in ("forecast v3", "calibrated"):
+        tome_core.apply_patch(pipe, **REUSE, reuse_plan=plan)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tome_patch"):
+            image, computed = computed_steps(pipe, "pag")
+            again, _ = computed_steps(pipe, "pag")
+        assert computed == list(range(25)) and np.array_equal(image, plain) and np.array_equal(again, plain)
+        assert caplog.text.count("perturbed-attention guidance (pag_scale above 0)") == (
+            1 if plan != "calibrated" else 2
+        )
+        assert not kept_file.exists()
+        tome_core.remove_patch(pipe)
+    tome_core.apply_patch(pipe, **REUSE)
+    _, computed = computed_steps(pipe, "pag", pag_scale=0.0)
+    assert computed == EULER_COMPUTED
 
 
 def test_removal_is_exact_and_leaves_nothing(pipes, scheduler_of):

@@ -25,6 +25,7 @@ from diffusers import (
     StableDiffusionControlNetPipeline,
     StableDiffusionImg2ImgPipeline,
     StableDiffusionInpaintPipeline,
+    StableDiffusionPAGPipeline,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
@@ -189,7 +190,7 @@ def cached_pipeline(pipes: dict, kind: str):
 
 
 def make_pipeline(kind: str, scheduler=None):
-    """One of: txt2img, img2img, inpaint, controlnet (SD1 layout) and sdxl."""
+    """One of: txt2img, img2img, inpaint, controlnet, pag (SD1 layout) and sdxl."""
     if kind == "txt2img":
         return _quiet(StableDiffusionPipeline(**_sd_parts(sd1_unet(), scheduler or ddim())))
     if kind == "img2img":
@@ -201,6 +202,10 @@ def make_pipeline(kind: str, scheduler=None):
         # The conditioning image is brought to the latent size by a stride-2 embedding (the VAE's factor 2).
         controlnet = seeded(ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 16)), 30)
         return _quiet(StableDiffusionControlNetPipeline(**_sd_parts(unet, scheduler or ddim()), controlnet=controlnet))
+    if kind == "pag":  # perturbed-attention guidance on the mid block's self-attention, as diffusers' examples
+        return _quiet(
+            StableDiffusionPAGPipeline(**_sd_parts(sd1_unet(), scheduler or ddim()), pag_applied_layers="mid")
+        )
     if kind == "sdxl":
         return _quiet(
             StableDiffusionXLPipeline(
@@ -237,7 +242,7 @@ def call_arguments(kind: str, steps: int = 3, seed: int = 0, **extra) -> dict:
         "output_type": "np",
         **extra,
     }
-    if kind in ("txt2img", "controlnet", "sdxl"):
+    if kind in ("txt2img", "controlnet", "pag", "sdxl"):
         args.update(height=IMAGE_PX, width=IMAGE_PX)
     if kind == "img2img":
         args.update(image=_image(1), strength=extra.get("strength", 0.8))

@@ -1,6 +1,6 @@
 """What a calibration tries: one plan per count of computed steps, fewest first. On a UNet the forecast spacings
 nearest the default's shape; on a DiT its family's plan at other intervals, its guards kept, and with the runs the
-search leaves its guards looser or tighter. docs/calibration.md, 'The candidates' and 'DiTs'."""
+search leaves its guards looser. docs/calibration.md, 'The candidates' and 'DiTs'."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ FULL_END = (1, 2, 3, 4, 6, 8, 12)
 DIT_INTERVALS = (2, 3, 4, 5, 6, 7, 8)
 # The share of the last steps in full: the counts between one in 2 and every step.
 DIT_FULL_END = (0.0, 0.1, 0.2, 0.3, 0.45, 0.6)
-# A DiT's guard thresholds times these: looser (fewer steps where the kept plan's guard added some), tighter (more
-# where the next sparser plan moved too far); tried with the runs a search leaves (``Calibration.run``).
-GUARD_LOOSER, GUARD_TIGHTER = 2.0, 0.5
+# A DiT's guard thresholds times this: the kept plan computes fewer steps where its guards had added some; tried
+# with the runs a search leaves (``Calibration.run``). Tighter guards kept no plan: docs/calibration.md, 'DiTs'.
+GUARD_LOOSER = 2.0
 
 
 @dataclass(frozen=True)

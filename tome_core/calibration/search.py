@@ -12,7 +12,6 @@ from ..reuse.plans import Spacing
 from ..reuse.schedules import IntervalSchedule
 from .candidates import (
     GUARD_LOOSER,
-    GUARD_TIGHTER,
     Candidate,
     DitSchedule,
     dit_candidates,
@@ -34,7 +33,7 @@ LOSS_SHARE = 0.25
 # In every key: another search keeps nothing of this one.
 SEARCH = (
     f"nearest-shape spacings, loss share {LOSS_SHARE}, reduction decided against the unreduced run, "
-    f"guards x{GUARD_LOOSER:g} and x{GUARD_TIGHTER:g} with the runs left"
+    f"guards x{GUARD_LOOSER:g} with the runs left"
 )
 
 
@@ -218,7 +217,7 @@ class Calibration:
             denoised = observed()
             if len(denoised) == self.steps:
                 changes = tuple(step_changes(denoised))
-        runs, tried, kept, ran = 1, [], None, {}  # ran: each candidate's computed steps, by index
+        runs, tried, kept = 1, [], None
         reduce, decided = self.reduces, not self.reduces
         low, high, probe = 0, len(self.options) - 1, self.first
         while low <= high and runs < self.max_runs:
@@ -226,7 +225,6 @@ class Calibration:
             computed, worst, latent = self._try(sample, candidate, reduce, counted)
             runs += 1
             tried.append((computed, worst))
-            ran[probe] = computed
             if worst < self.asked and not decided and runs < self.max_runs:
                 decided = True  # ToDo alone may lose the picture: the same plan once without it
                 alone = self._try(sample, candidate, False, counted)
@@ -244,17 +242,15 @@ class Calibration:
             # From another step count's plan: its neighbour next, so a plan that transfers costs two runs.
             neighbour = len(tried) == 1 and self.started_from is not None
             probe = (high if kept else low) if neighbour else (low + high) // 2
-        for variant, plain in self._guard_variants(kept, ran):
-            fewest = self.steps if kept is None else kept[1]
-            # A guard only adds to its planned count, and a tighter one to what the plan computed without it.
-            if runs >= self.max_runs or max(variant.count, plain) >= fewest:
-                continue
-            computed, worst, latent = self._try(sample, variant, reduce, counted)
+        looser = self._looser(kept)
+        # A guard only adds to its planned count: a looser one is run only where it may compute fewer.
+        if looser is not None and runs < self.max_runs and looser.count < kept[1]:
+            computed, worst, latent = self._try(sample, looser, reduce, counted)
             runs += 1
             tried.append((computed, worst))
-            if worst >= self.asked and computed < fewest:
-                kept = (variant, computed, worst)
-                self.kept, self.kept_schedule = latent, variant.schedule
+            if worst >= self.asked and computed < kept[1]:
+                kept = (looser, computed, worst)
+                self.kept, self.kept_schedule = latent, looser.schedule
         candidate, computed, worst = kept or (None, self.steps, 1.0)
         kept_as = None if candidate is None else candidate.kept
         return CalibrationResult(
@@ -273,18 +269,11 @@ class Calibration:
             guard=kept_as[2] if self.dit and kept_as else 1.0,
         )
 
-    def _guard_variants(self, kept, ran: dict[int, int]) -> list[tuple[Candidate, int]]:
-        """With the runs a DiT's search leaves: the kept plan with its guards looser (it may compute fewer steps),
-        then the next sparser plan (the densest where none was kept) with them tighter (it may keep the picture);
-        each with the steps its plan computed as it is where it ran (else 0)."""
-        if self.dit_base is None or not guarded(self.dit_base):
-            return []
-        index = len(self.options) if kept is None else self.options.index(kept[0])
-        tries = [] if kept is None else [(index, GUARD_LOOSER, 0)]
-        if index > 0:
-            tries.append((index - 1, GUARD_TIGHTER, ran.get(index - 1, 0)))
-        levels = (self.steps, self.noise_levels, self.full_below)
-        return [(with_guard(self.dit_base, self.options[i], guard, *levels), plain) for i, guard, plain in tries]
+    def _looser(self, kept) -> Candidate | None:
+        """A DiT's kept plan with its guards looser (None: no plan kept, or no guard to loosen)."""
+        if kept is None or self.dit_base is None or not guarded(self.dit_base):
+            return None
+        return with_guard(self.dit_base, kept[0], GUARD_LOOSER, self.steps, self.noise_levels, self.full_below)
 
     def _try(self, sample, candidate: Candidate, reduce: bool, counted) -> tuple[int, float, torch.Tensor]:
         """(computed steps, worst sample's score, latent) of one run of ``candidate``, reducing tokens or not."""

@@ -41,7 +41,17 @@ from ...reuse.samplers import noise_added
 from ...reuse.whole_step import denoised_of
 from ...version import __version__
 from . import dit_attention, dit_reuse, unet_patch
-from .layer_reuse import _Schedule, _sigma_of, calling_pipeline, installed, karras_or_none, scheduler_name, takes_eta
+from .layer_reuse import (
+    PERTURBED,
+    _Schedule,
+    _sigma_of,
+    calling_pipeline,
+    installed,
+    karras_or_none,
+    perturbed_attention,
+    scheduler_name,
+    takes_eta,
+)
 from .whole_step import WholeStepReuse, v_prediction
 
 if TYPE_CHECKING:
@@ -617,6 +627,8 @@ class Job:
         decision = decide(self.owner.plan, name, sigmas, self.owner.schedule.interval)
         if decision.runs != FORECAST:
             return f"{decision.why}: no forecast to calibrate"
+        if perturbed_attention(self.pipe):
+            return f"{PERTURBED}: no forecast to calibrate"
         if (noise := adds_noise(scheduler, name, eta)) is not None:
             return noise
         if v_prediction(scheduler) is None:

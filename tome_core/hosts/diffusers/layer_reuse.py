@@ -124,6 +124,7 @@ class PipelineReuse(LayerReuse):
         self._logged: LayerReuseRun | None = None
         self._refused: str | None = None  # the reason last said for running every step
         self._noise: str | None = None  # the option with which the run's scheduler adds noise ("eta 0.3")
+        self._perturbed = False  # the run's pipeline adds perturbed-attention guidance (a UNet's: every step)
         self.suspended = False  # a calibration's unpatched run: every call runs in full, nothing recorded
 
     def _scheduler_timesteps(self, pipeline=None):
@@ -156,11 +157,13 @@ class PipelineReuse(LayerReuse):
         starts = self.run is None or step < self._last_step
         if starts:
             self._noise = noise_added(scheduler_name(scheduler), {"eta": eta} if takes_eta(scheduler) else {})
+            self._perturbed = not self.DIT and perturbed_attention(caller)
         decision = self.decision(scheduler, step if starts else self._first_step)
         if decision.runs == FULL:
             if self._refused != decision.why:
                 self._refused = decision.why
                 hint = "" if self.DIT else " For the default's plan: eta=0." if self._noise else self.HINT
+                hint = "" if self._perturbed else hint
                 log.warning("ToMe reuse across steps is off: %s; every step runs in full.%s", decision.why, hint)
             return None
         if starts:
@@ -211,7 +214,11 @@ class PipelineReuse(LayerReuse):
             schedule = KARRAS_PART
         name = scheduler_name(scheduler)
         decision = decide(self.plan, name, schedule, interval, dit=self.DIT)
-        if self._noise is None or decision.runs == FULL:
+        if decision.runs == FULL:
+            return decision
+        if self._perturbed:
+            return Decision(FULL, PERTURBED)
+        if self._noise is None:
             return decision
         return Decision(FULL, f"{name} with {self._noise} adds noise at each step: no plan is measured there")
 
@@ -236,6 +243,18 @@ class PipelineReuse(LayerReuse):
 
 
 DENOISERS = ("unet", "transformer", "transformer_2")  # a pipeline's attributes that hold its denoiser
+
+
+# As ComfyUI's PAG node (a post-CFG function) runs a UNet's steps in full: docs/step-reuse.md, 'The workflows
+# around the sampler'.
+PERTURBED = (
+    "perturbed-attention guidance (pag_scale above 0) adds a perturbed call at each step: no plan is measured with it"
+)
+
+
+def perturbed_attention(pipeline) -> bool:
+    """Whether ``pipeline`` (a PAG pipeline's ``PAGMixin``) runs perturbed-attention guidance in this call."""
+    return bool(getattr(pipeline, "do_perturbed_attention_guidance", False))
 
 
 def calling_pipeline(module) -> tuple[object | None, object]:
