@@ -91,7 +91,7 @@ def with_interval(base: DitSchedule, interval: int, full_end: int = 0, guard: fl
 
 
 def guarded(schedule: DitSchedule) -> bool:
-    """Whether a DiT's plan has a guard whose threshold a calibration may loosen or tighten."""
+    """Whether a DiT's plan has a guard whose thresholds a calibration may loosen."""
     return isinstance(schedule, StepCountSchedule) and (
         schedule.curve is not None or schedule.first_block_guard is not None or schedule.line_guard is not None
     )
