@@ -84,10 +84,7 @@ def test_the_first_job_calibrates_an_interval_and_the_next_runs_it(node_classes,
         assert second_calls == plain_calls and torch.equal(second, plain)
     else:  # the span runs at the computed steps only (cond and uncond: two calls a step)
         assert second_calls["all"] == plain_calls["all"]
-        if family == "flux":  # its guard is the published curve: the plan's count, known before the run
-            assert second_calls["span"] == 2 * result["computed"] <= plain_calls["span"]
-        else:  # Wan's first-block guards count as the run goes: the calibration counted the costlier of two seeds
-            assert second_calls["span"] <= 2 * result["computed"] <= plain_calls["span"]
+        assert second_calls["span"] == 2 * result["computed"] <= plain_calls["span"]
         assert family == "wan" or result["computed"] < STEPS  # Wan's first-block guards may run every step
 
 

@@ -126,8 +126,7 @@ def test_the_first_dit_job_calibrates_and_the_next_runs_the_kept_plan(host, kept
     (run,) = p2._tome_patch_job.reuse_runs
     assert run.calls == STEPS and STEPS - run.reused_calls == result["computed"]
     last = f", the last {result['last_full']} in full" if result["last_full"] else ""
-    guard = f", guards x{result['guard']:g}" if result["guard"] != 1.0 else ""
-    expected = f"{result['computed']} of {STEPS} steps (one in {result['interval']}{last}{guard})"
+    expected = f"{result['computed']} of {STEPS} steps (one in {result['interval']}{last})"
     assert p2.extra_generation_params[webui_calibrate.KEY_CALIBRATED] == expected
     said = capsys.readouterr().out
     assert said.count("calibration: kept in") == 1 and "failed" not in said

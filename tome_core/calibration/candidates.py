@@ -1,6 +1,6 @@
 """What a calibration tries: one plan per count of computed steps, fewest first. On a UNet the forecast spacings
-nearest the default's shape; on a DiT its family's plan at other intervals, its guards kept, and with the runs the
-search leaves its guards looser. docs/calibration.md, 'The candidates' and 'DiTs'."""
+nearest the default's shape; on a DiT its family's plan at other intervals, its guards as they are (looser or
+tighter ones were measured and dropped). docs/calibration.md, 'The candidates' and 'DiTs'."""
 
 from __future__ import annotations
 
@@ -16,18 +16,14 @@ FULL_END = (1, 2, 3, 4, 6, 8, 12)
 DIT_INTERVALS = (2, 3, 4, 5, 6, 7, 8)
 # The share of the last steps in full: the counts between one in 2 and every step.
 DIT_FULL_END = (0.0, 0.1, 0.2, 0.3, 0.45, 0.6)
-# A DiT's guard thresholds times this: the kept plan computes fewer steps where its guards had added some; tried
-# with the runs a search leaves (``Calibration.run``). Tighter guards kept no plan: docs/calibration.md, 'DiTs'.
-GUARD_LOOSER = 2.0
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One plan to try: what a result keeps (a UNet's ``Spacing``; a DiT's interval, last full steps and guard
-    scale), the schedule a host runs, and the computed steps it plans at this run (a DiT's guards may compute
-    more)."""
+    """One plan to try: what a result keeps (a UNet's ``Spacing``; a DiT's interval and last full steps), the
+    schedule a host runs, and the computed steps it plans at this run (a DiT's guards may compute more)."""
 
-    kept: Spacing | tuple[int, int, float]
+    kept: Spacing | tuple[int, int]
     schedule: object
     count: int
 
@@ -73,37 +69,12 @@ def own_interval(base: DitSchedule, steps: int) -> int:
     return base.interval(steps) if isinstance(base, StepCountSchedule) else base.interval
 
 
-def with_interval(base: DitSchedule, interval: int, full_end: int = 0, guard: float = 1.0) -> DitSchedule:
+def with_interval(base: DitSchedule, interval: int, full_end: int = 0) -> DitSchedule:
     """A DiT's plan ``base`` at ``interval`` at any run length with its last ``full_end`` steps in full, its curve
-    as it is and its guards' thresholds times ``guard``."""
-    if isinstance(base, NoiseSpacedSchedule):
-        return replace(base, interval=interval, short_run=0, full_end=full_end)
-    curve = base.curve if base.curve is None else replace(base.curve, threshold=base.curve.threshold * guard)
-    return replace(
-        base,
-        intervals=((0, interval),),
-        short_run=0,
-        full_end=full_end,
-        curve=curve,
-        first_block_guard=None if base.first_block_guard is None else base.first_block_guard * guard,
-        line_guard=None if base.line_guard is None else base.line_guard * guard,
-    )
-
-
-def guarded(schedule: DitSchedule) -> bool:
-    """Whether a DiT's plan has a guard whose thresholds a calibration may loosen."""
-    return isinstance(schedule, StepCountSchedule) and (
-        schedule.curve is not None or schedule.first_block_guard is not None or schedule.line_guard is not None
-    )
-
-
-def with_guard(base: DitSchedule, candidate: Candidate, guard: float, steps: int, noise_levels=None,
-               full_below: float = 0.0) -> Candidate:  # fmt: skip
-    """``candidate`` (a DiT's) with ``base``'s guard thresholds times ``guard``: its planned count holds a curve's
-    guard; a first-block guard's steps are counted only as the run goes."""
-    interval, full_end, _ = candidate.kept
-    schedule = with_interval(base, interval, full_end, guard)
-    return Candidate((interval, full_end, guard), schedule, planned(schedule, steps, noise_levels, full_below))
+    and guards as they are."""
+    if isinstance(base, StepCountSchedule):
+        return replace(base, intervals=((0, interval),), short_run=0, full_end=full_end)
+    return replace(base, interval=interval, short_run=0, full_end=full_end)
 
 
 def plan_words(schedule: DitSchedule) -> str:
@@ -131,5 +102,5 @@ def dit_candidates(base: DitSchedule, steps: int, noise_levels=None, full_below:
             count = planned(schedule, steps, noise_levels, full_below)
             rank = abs(interval - own) + full_end / 4
             if count < steps and (count not in best or rank < best[count][0]):
-                best[count] = (rank, Candidate((interval, full_end, 1.0), schedule, count))
+                best[count] = (rank, Candidate((interval, full_end), schedule, count))
     return [best[count][1] for count in sorted(best)]

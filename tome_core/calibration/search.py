@@ -10,17 +10,7 @@ import torch
 
 from ..reuse.plans import Spacing
 from ..reuse.schedules import IntervalSchedule
-from .candidates import (
-    GUARD_LOOSER,
-    Candidate,
-    DitSchedule,
-    dit_candidates,
-    guarded,
-    planned,
-    unet_candidates,
-    with_guard,
-    with_interval,
-)
+from .candidates import Candidate, DitSchedule, dit_candidates, planned, unet_candidates, with_interval
 from .metric import latent_ssim
 from .report import draw_report, step_changes
 
@@ -31,10 +21,7 @@ MAX_RUNS = 6  # whole runs per calibration, the unpatched one included
 # overstates the others' (docs/calibration.md, 'The margin').
 LOSS_SHARE = 0.25
 # In every key: another search keeps nothing of this one.
-SEARCH = (
-    f"nearest-shape spacings, loss share {LOSS_SHARE}, reduction decided against the unreduced run, "
-    f"guards x{GUARD_LOOSER:g} with the runs left"
-)
+SEARCH = f"nearest-shape spacings, loss share {LOSS_SHARE}, reduction decided against the unreduced run"
 
 
 def check_target(target: float) -> float:
@@ -66,7 +53,6 @@ class CalibrationResult:
     interval: int | None = None  # a DiT's: its family's plan at this interval (``candidates.with_interval``)
     last_full: int = 0  # a DiT's: and its last steps in full
     reduce: bool = True  # whether ToDo or ToMe, where the patch sets them, runs at the kept plan's computed steps
-    guard: float = 1.0  # a DiT's: its family's guard thresholds times this (``candidates.with_interval``)
 
     @property
     def kept(self) -> bool:
@@ -78,9 +64,9 @@ class CalibrationResult:
         return None if self.spacing is None else self.spacing.schedule(self.spacing.every or 1)
 
     def dit_schedule(self, base: DitSchedule) -> DitSchedule | None:
-        """A DiT's kept plan: its family's plan ``base`` at the kept interval, last full steps and guards (None:
-        every step)."""
-        return None if self.interval is None else with_interval(base, self.interval, self.last_full, self.guard)
+        """A DiT's kept plan: its family's plan ``base`` at the kept interval and last full steps (None: every
+        step)."""
+        return None if self.interval is None else with_interval(base, self.interval, self.last_full)
 
     def as_dict(self) -> dict:
         spacing = self.spacing
@@ -91,7 +77,6 @@ class CalibrationResult:
             "interval": self.interval,
             "last_full": self.last_full,
             "reduce": self.reduce,
-            "guard": self.guard,
             "computed": self.computed,
             "worst": round(self.worst, 5),
             "runs": self.runs,
@@ -116,7 +101,6 @@ class CalibrationResult:
             interval=None if interval is None else int(interval),
             last_full=int(data.get("last_full", 0)),
             reduce=bool(data.get("reduce", True)),
-            guard=float(data.get("guard", 1.0)),
         )
 
     def words(self) -> str:
@@ -127,8 +111,7 @@ class CalibrationResult:
                 f"{'' if self.reduce else ', without ToDo or ToMe'}"
             )
         last = f" and the last {self.last_full}" if self.last_full else ""
-        guard = f", its guards x{self.guard:g}" if self.guard != 1.0 else ""
-        plan = "" if self.interval is None else f" (the family's plan at one step in {self.interval}{last}{guard})"
+        plan = "" if self.interval is None else f" (the family's plan at one step in {self.interval}{last})"
         without = "" if self.reduce else ", without ToDo or ToMe"
         return (
             f"{self.computed} of {self.steps} steps computed{plan}{without}, worst sample {self.worst:.4f} (target "
@@ -169,7 +152,6 @@ class Calibration:
         self.reduces = reduces
         self.reducing = False  # what the next ``sample`` runs: ToDo or ToMe at its computed steps or not
         self.noise_levels, self.full_below = None, 0.0  # where a DiT's planned steps lie (``for_dit``)
-        self.dit_base: DitSchedule | None = None  # a DiT's family plan (``for_dit``)
         self.started_from: CalibrationResult | None = None
         self.reference: torch.Tensor | None = None
         self.kept: torch.Tensor | None = None  # the kept candidate's latent (the reference where none is kept)
@@ -183,7 +165,6 @@ class Calibration:
         tried = dit_candidates(base, steps, noise_levels, full_below)
         calibration = cls(None, steps, tried=tried, own=planned(base, steps, noise_levels, full_below), **options)
         calibration.noise_levels, calibration.full_below = noise_levels, full_below
-        calibration.dit_base = base
         return calibration
 
     def start_from(self, other: CalibrationResult | None) -> None:
@@ -242,15 +223,6 @@ class Calibration:
             # From another step count's plan: its neighbour next, so a plan that transfers costs two runs.
             neighbour = len(tried) == 1 and self.started_from is not None
             probe = (high if kept else low) if neighbour else (low + high) // 2
-        looser = self._looser(kept)
-        # A guard only adds to its planned count: a looser one is run only where it may compute fewer.
-        if looser is not None and runs < self.max_runs and looser.count < kept[1]:
-            computed, worst, latent = self._try(sample, looser, reduce, counted)
-            runs += 1
-            tried.append((computed, worst))
-            if worst >= self.asked and computed < kept[1]:
-                kept = (looser, computed, worst)
-                self.kept, self.kept_schedule = latent, looser.schedule
         candidate, computed, worst = kept or (None, self.steps, 1.0)
         kept_as = None if candidate is None else candidate.kept
         return CalibrationResult(
@@ -266,14 +238,7 @@ class Calibration:
             interval=kept_as[0] if self.dit and kept_as else None,
             last_full=kept_as[1] if self.dit and kept_as else 0,
             reduce=not self.reduces or (reduce and kept is not None),  # no plan: every step unreduced
-            guard=kept_as[2] if self.dit and kept_as else 1.0,
         )
-
-    def _looser(self, kept) -> Candidate | None:
-        """A DiT's kept plan with its guards looser (None: no plan kept, or no guard to loosen)."""
-        if kept is None or self.dit_base is None or not guarded(self.dit_base):
-            return None
-        return with_guard(self.dit_base, kept[0], GUARD_LOOSER, self.steps, self.noise_levels, self.full_below)
 
     def _try(self, sample, candidate: Candidate, reduce: bool, counted) -> tuple[int, float, torch.Tensor]:
         """(computed steps, worst sample's score, latent) of one run of ``candidate``, reducing tokens or not."""

@@ -593,8 +593,7 @@ def infotext(result, calibrating: bool = False, reduction: str | None = None) ->
     computed = "every step" if not result.kept else f"{result.computed} of {result.steps} steps"
     if result.kept and result.interval is not None:
         last = f", the last {result.last_full} in full" if result.last_full else ""
-        guard = f", guards x{result.guard:g}" if result.guard != 1.0 else ""
-        computed += f" (one in {result.interval}{last}{guard})"
+        computed += f" (one in {result.interval}{last})"
     without = reduction is not None and not result.reduce
     if without:
         computed += f", without {reduction}"
