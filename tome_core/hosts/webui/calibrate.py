@@ -36,7 +36,7 @@ from ...reuse import decide, kept_plan
 from ...version import __version__
 from . import layer_reuse as webui_layer_reuse
 
-ENV = FILE_ENV
+ENV = FILE_ENV  # a calibrations file of the user's choosing, as in diffusers
 DEFAULT_FILE = Path(__file__).resolve().parents[3] / "calibrations" / "calibrations.json"  # next to scripts/
 KEY_CALIBRATED = "ToMe calibrated"  # the infotext's kept computed steps (not a control's value)
 REPORTS = "reports"  # beside the kept file: each calibration's picture, ``<key>.png`` and ``latest.png``
